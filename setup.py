@@ -1,0 +1,18 @@
+"""Packaging for tfreduce; nothing is written or downloaded at install time."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tfreduce",
+    version="0.1.0",
+    description="Device-placed gradient all-reduce subgraphs (flat, hierarchical, "
+                "NCCL, collective) and a replicated trainer for TensorFlow",
+    packages=find_packages(include=["tfreduce", "tfreduce.*"]),
+    python_requires=">=3.9",
+    install_requires=["tensorflow>=2.16", "numpy"],
+    extras_require={
+        "test": ["pytest", "tensorpack", "scikit-learn", "mlxtend", "matplotlib", "tqdm"],
+        "tensorpack": ["tensorpack"],
+        "examples": ["scikit-learn", "mlxtend", "matplotlib", "tqdm"],
+    },
+)

@@ -1,0 +1,133 @@
+"""Test set-up: 8 logical CPU devices stand in for 8 GPUs.
+
+The logical devices must be configured before TensorFlow initialises its
+runtime, so this happens once, when pytest imports this file.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+NUM_CPUS = 8
+
+_cpus = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(
+    _cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_CPUS)
+
+CPU_DEVICES = [f"/device:CPU:{k}" for k in range(NUM_CPUS)]
+GPU_DEVICES = [f"/device:GPU:{k}" for k in range(NUM_CPUS)]
+
+
+def v1_session_config():
+    """A tf.compat.v1 ConfigProto with the same 8 CPU devices."""
+    return tf.compat.v1.ConfigProto(device_count={"CPU": NUM_CPUS})
+
+
+def place(arrays, devices):
+    """K x N numpy arrays -> K x N constants, row k created on devices[k]."""
+    out = []
+    for row, d in zip(arrays, devices):
+        with tf.device(d):
+            out.append([None if a is None else tf.constant(a) for a in row])
+    return out
+
+
+def run_in_function(build, arrays, devices):
+    """Builds ``build(grads)`` inside a tf.function on K x N inputs and runs it.
+
+    Returns (values, devices): K x N numpy results and the K x N devices of
+    the ops that produced them inside the function graph.
+    """
+    @tf.function(autograph=False)
+    def step(*flat):
+        it = iter(flat)
+        grads = [[None if a is None else next(it) for a in row] for row in arrays]
+        grads = [[None if g is None else _on(g, devices[k]) for g in row]
+                 for k, row in enumerate(grads)]
+        out = build(grads)
+        return out
+
+    flat = [tf.constant(a) for row in arrays for a in row if a is not None]
+    concrete = step.get_concrete_function(*flat)
+    graph_devices = _output_devices(concrete.graph, concrete.structured_outputs)
+    values = step(*flat)
+    return _numpy(values), graph_devices
+
+
+def run_in_session(build, arrays, devices):
+    """Builds ``build(grads)`` in a tf.compat.v1.Graph and runs it in a Session."""
+    graph = tf.Graph()
+    with graph.as_default():
+        grads = place(arrays, devices)
+        out = build(grads)
+        graph_devices = [[_producer(t) for t in row] for row in out]
+        with tf.compat.v1.Session(graph=graph, config=v1_session_config()) as sess:
+            values = sess.run(_fetchable(out))
+    return _numpy(values), graph_devices
+
+
+class SlicesValue:
+    """The numpy value of a tf.IndexedSlices, from either runner."""
+
+    def __init__(self, values, indices, dense_shape):
+        self.values, self.indices, self.dense_shape = values, indices, dense_shape
+
+    def dense(self):
+        out = np.zeros(self.dense_shape, self.values.dtype)
+        np.add.at(out, self.indices, self.values)
+        return out
+
+
+def _on(t, device):
+    with tf.device(device):
+        return tf.identity(t)
+
+
+def _producer(t):
+    if t is None:
+        return None
+    if isinstance(t, tf.IndexedSlices):
+        t = t.values
+    return t.op.device
+
+
+def _output_devices(graph, outputs):
+    # tf.function adds an Identity without a device after each output; the
+    # op the reduction placed is its input.
+    def dev(t):
+        if t is None:
+            return None
+        if isinstance(t, tf.IndexedSlices):
+            t = t.values
+        op = t.op
+        while op.type == "Identity" and not op.device and op.inputs:
+            op = op.inputs[0].op
+        return op.device
+    return [[dev(t) for t in row] for row in outputs]
+
+
+def _fetchable(out):
+    return [[t for t in row] for row in out]
+
+
+def _numpy(values):
+    def conv(v):
+        if v is None:
+            return None
+        if isinstance(v, tf.IndexedSlices):
+            return SlicesValue(v.values.numpy(), v.indices.numpy(),
+                               None if v.dense_shape is None else v.dense_shape.numpy())
+        if hasattr(v, "indices"):  # a Session's IndexedSlicesValue
+            return SlicesValue(v.values, v.indices, v.dense_shape)
+        return v.numpy() if hasattr(v, "numpy") else np.asarray(v)
+    return [[conv(v) for v in row] for row in values]
+
+
+@pytest.fixture(params=["function", "session"])
+def runner(request):
+    """Runs a reduction in a tf.function (TF2) or a tf.compat.v1 Session."""
+    return run_in_function if request.param == "function" else run_in_session

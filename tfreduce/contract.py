@@ -1,0 +1,342 @@
+"""The K x N contract: validation, device normalisation, (grad, var) lists.
+
+Every public reduction in tfreduce takes ``all_grads``, a list of K lists of N
+gradients (``all_grads[k][n]`` is the gradient of variable n on tower k), and
+returns the same K x N structure with ``out[k][n]`` placed on ``devices[k]``.
+This module checks that input once, before any op is built, so that a mistake
+is reported with the tower, the variable and the values involved instead of
+surfacing later as a shape error deep inside a graph.
+"""
+
+import tensorflow as tf
+
+__all__ = [
+    "Gradients",
+    "normalize_device",
+    "normalize_devices",
+    "validate_grads",
+    "validate_groups",
+    "split_grad_list",
+    "merge_grad_list",
+    "is_gpu",
+]
+
+
+def normalize_device(device, where="device"):
+    """Returns the canonical form of one device string.
+
+    ``"/gpu:1"``, ``"GPU:1"`` and ``"/device:GPU:1"`` all become
+    ``"/device:GPU:1"``, so that duplicates and placements compare equal.
+
+    Args:
+      device: str, a TensorFlow device string naming one device.
+      where: str, how to name this device in an error message.
+
+    Returns:
+      str, ``tf.DeviceSpec.from_string(device).to_string()``.
+
+    Raises:
+      TypeError: if ``device`` is not a string.
+      ValueError: if it cannot be parsed, or does not name one device (no
+        device type or index, or a wildcard index).
+    """
+    if isinstance(device, tf.DeviceSpec):
+        device = device.to_string()
+    if not isinstance(device, str):
+        raise TypeError(
+            f"{where} must be a device string such as '/gpu:0', "
+            f"got {type(device).__name__} {device!r}")
+    try:
+        spec = tf.DeviceSpec.from_string(device)
+    except ValueError as e:
+        raise ValueError(
+            f"{where} {device!r} is not a valid device string "
+            f"(expected e.g. '/gpu:0' or '/device:CPU:1'): {e}") from None
+    if spec.device_type is None or spec.device_index is None:
+        raise ValueError(
+            f"{where} {device!r} does not name one device: give a type and an "
+            f"index, e.g. '/gpu:0'")
+    return spec.to_string()
+
+
+def normalize_devices(devices, num_towers=None):
+    """Normalises a list of K distinct device strings.
+
+    Args:
+      devices: sequence of K device strings.
+      num_towers: int or None; if given, the K that ``devices`` must have.
+
+    Returns:
+      list[str] of K canonical device strings.
+
+    Raises:
+      TypeError: if ``devices`` is not a list or tuple of strings.
+      ValueError: if it is empty, its length differs from ``num_towers``, a
+        string is malformed, or two entries name the same device.
+    """
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, (list, tuple)):
+        raise TypeError(
+            f"devices must be a list of device strings, one per tower, "
+            f"got {type(devices).__name__} {devices!r}")
+    if not devices:
+        raise ValueError("devices is empty: give one device per tower")
+    if num_towers is not None and len(devices) != num_towers:
+        raise ValueError(
+            f"all_grads has {num_towers} towers but {len(devices)} devices were "
+            f"given ({list(devices)!r}): give exactly one device per tower")
+    out = [normalize_device(d, where=f"devices[{k}]") for k, d in enumerate(devices)]
+    seen = {}
+    for k, d in enumerate(out):
+        if d in seen:
+            raise ValueError(
+                f"devices[{seen[d]}] ({devices[seen[d]]!r}) and devices[{k}] "
+                f"({devices[k]!r}) are the same device {d!r}: each tower needs "
+                f"its own device")
+        seen[d] = k
+    return out
+
+
+def is_gpu(device):
+    """True if the canonical device string names a GPU."""
+    return (tf.DeviceSpec.from_string(device).device_type or "").upper() == "GPU"
+
+
+def validate_groups(groups, num_devices):
+    """Checks that ``groups`` partitions ``range(num_devices)``.
+
+    Args:
+      groups: list of lists of int device indices, e.g.
+        ``[[0, 1, 2, 3], [4, 5, 6, 7]]`` for K=8.
+      num_devices: int K.
+
+    Returns:
+      list[list[int]], a copy of ``groups``.
+
+    Raises:
+      TypeError: if groups is not a list of lists of ints.
+      ValueError: if a group is empty, an index is out of range, or an index
+        is missing or appears twice.
+    """
+    if not isinstance(groups, (list, tuple)) or not groups:
+        raise TypeError(
+            f"groups must be a non-empty list of lists of device indices, "
+            f"e.g. [[0, 1], [2, 3]], got {groups!r}")
+    owner = {}
+    out = []
+    for g, group in enumerate(groups):
+        if not isinstance(group, (list, tuple)):
+            raise TypeError(
+                f"groups[{g}] must be a list of device indices, got {group!r}")
+        if not group:
+            raise ValueError(f"groups[{g}] is empty: every group needs a device")
+        for i in group:
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise TypeError(
+                    f"groups[{g}] holds {i!r}; device indices must be ints")
+            if not 0 <= i < num_devices:
+                raise ValueError(
+                    f"groups[{g}] holds device index {i}, outside 0..{num_devices - 1} "
+                    f"for {num_devices} devices")
+            if i in owner:
+                raise ValueError(
+                    f"device index {i} is in groups[{owner[i]}] and groups[{g}]: "
+                    f"every index must be in exactly one group")
+            owner[i] = g
+        out.append(list(group))
+    missing = sorted(set(range(num_devices)) - set(owner))
+    if missing:
+        raise ValueError(
+            f"groups {groups!r} leave device indices {missing} out: every index "
+            f"0..{num_devices - 1} must be in exactly one group")
+    return out
+
+
+class Gradients:
+    """A validated K x N gradient list and its devices.
+
+    Attributes:
+      grads: list[list], K x N; dense gradients are ``tf.Tensor``,
+        ``tf.IndexedSlices`` stay as they are, None stays None.
+      devices: list[str], K canonical device strings.
+      num_towers: int K.
+      num_vars: int N.
+      reduced: list[int], the indices n whose gradient is not None (on every
+        tower); the others are None on every tower.
+    """
+
+    def __init__(self, grads, devices):
+        self.grads = grads
+        self.devices = devices
+        self.num_towers = len(grads)
+        self.num_vars = len(grads[0])
+        self.reduced = [n for n in range(self.num_vars) if grads[0][n] is not None]
+
+    def column(self, n):
+        """The K gradients of variable n, tower order."""
+        return [self.grads[k][n] for k in range(self.num_towers)]
+
+    def empty_output(self):
+        """A K x N list of None to fill in."""
+        return [[None] * self.num_vars for _ in range(self.num_towers)]
+
+
+def _as_gradient(g, k, n):
+    if g is None or isinstance(g, (tf.Tensor, tf.IndexedSlices)):
+        return g
+    if isinstance(g, tf.Variable):
+        return tf.convert_to_tensor(g)
+    raise TypeError(
+        f"tower {k}, variable {n}: a gradient must be a tf.Tensor, "
+        f"tf.IndexedSlices or None, got {type(g).__name__}")
+
+
+def _values(g):
+    return g.values if isinstance(g, tf.IndexedSlices) else g
+
+
+def _device_of(tower, k):
+    for g in tower:
+        if g is not None:
+            d = _values(g).device
+            if d:
+                return d
+    raise ValueError(
+        f"devices=None, but the gradients of tower {k} carry no device: build "
+        f"them under tf.device(...) or pass devices=[...]")
+
+
+def validate_grads(all_grads, devices=None):
+    """Checks a K x N gradient list and resolves its devices.
+
+    Args:
+      all_grads: list of K lists of N gradients (``tf.Tensor``,
+        ``tf.IndexedSlices`` or None); ``all_grads[k][n]`` is the gradient of
+        variable n on tower k. Tuples are accepted.
+      devices: list of K device strings, or None to take tower k's device from
+        the first of its gradients that has one.
+
+    Returns:
+      Gradients, with canonical devices.
+
+    Raises:
+      TypeError: if all_grads is not a list of lists, or holds something that
+        is not a gradient.
+      ValueError: empty input; towers with different N; a variable whose
+        shapes or dtypes differ across towers; a variable that is None on some
+        towers only; bad or duplicate devices; devices=None and a tower whose
+        gradients carry no device.
+    """
+    if not isinstance(all_grads, (list, tuple)):
+        raise TypeError(
+            f"all_grads must be a list of K lists of N gradients, got "
+            f"{type(all_grads).__name__}")
+    if not all_grads:
+        raise ValueError("all_grads is empty: it needs one list of gradients per tower")
+    for k, tower in enumerate(all_grads):
+        if not isinstance(tower, (list, tuple)):
+            raise TypeError(
+                f"all_grads[{k}] (tower {k}) must be a list of N gradients, got "
+                f"{type(tower).__name__}; for (grad, var) pairs use split_grad_list")
+    num_vars = len(all_grads[0])
+    if num_vars == 0:
+        raise ValueError("tower 0 has no gradients: there is nothing to all-reduce")
+    for k, tower in enumerate(all_grads):
+        if len(tower) != num_vars:
+            raise ValueError(
+                f"tower {k} has {len(tower)} gradients, tower 0 has {num_vars}: "
+                f"every tower must list the gradients of the same N variables")
+    grads = [[_as_gradient(g, k, n) for n, g in enumerate(tower)]
+             for k, tower in enumerate(all_grads)]
+    for n in range(num_vars):
+        _check_variable(grads, n)
+    if devices is None:
+        devices = [_device_of(tower, k) for k, tower in enumerate(grads)]
+    devices = normalize_devices(devices, num_towers=len(grads))
+    return Gradients(grads, devices)
+
+
+def _check_variable(grads, n):
+    column = [tower[n] for tower in grads]
+    missing = [k for k, g in enumerate(column) if g is None]
+    if missing and len(missing) != len(column):
+        present = [k for k, g in enumerate(column) if g is not None]
+        raise ValueError(
+            f"variable {n}: the gradient is None on towers {missing} but not on "
+            f"towers {present}; a variable must have a gradient on every tower "
+            f"or on none")
+    if missing:
+        return
+    ref = _values(column[0])
+    for k, g in enumerate(column[1:], start=1):
+        v = _values(g)
+        if v.dtype != ref.dtype:
+            raise ValueError(
+                f"variable {n}: tower {k} has dtype {v.dtype.name}, tower 0 has "
+                f"{ref.dtype.name}")
+        if isinstance(g, tf.IndexedSlices) != isinstance(column[0], tf.IndexedSlices):
+            # Mixed dense / sparse is reduced densely; compare dense shapes.
+            continue
+        if isinstance(g, tf.IndexedSlices):
+            # Row counts differ between towers; only the row shape must agree.
+            a, b = v.shape[1:], ref.shape[1:]
+        else:
+            a, b = v.shape, ref.shape
+        if not a.is_compatible_with(b):
+            raise ValueError(
+                f"variable {n}: tower {k} has shape {v.shape}, tower 0 has "
+                f"{ref.shape}")
+
+
+def split_grad_list(grad_list):
+    """Splits K x N (grad, var) pairs into K x N grads and K x N vars.
+
+    This is the layout of ``optimizer.compute_gradients`` per tower, as
+    tensorpack's ``split_grad_list`` takes it.
+
+    Args:
+      grad_list: list of K lists of N ``(gradient, variable)`` pairs.
+
+    Returns:
+      (all_grads, all_vars): two lists of K lists of N.
+
+    Raises:
+      TypeError: if an entry is not a pair.
+    """
+    all_grads, all_vars = [], []
+    for k, tower in enumerate(grad_list):
+        grads, variables = [], []
+        for n, pair in enumerate(tower):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise TypeError(
+                    f"tower {k}, entry {n}: expected a (gradient, variable) pair, "
+                    f"got {type(pair).__name__}")
+            grads.append(pair[0])
+            variables.append(pair[1])
+        all_grads.append(grads)
+        all_vars.append(variables)
+    return all_grads, all_vars
+
+
+def merge_grad_list(all_grads, all_vars):
+    """Zips K x N grads and K x N vars back into K x N (grad, var) pairs.
+
+    Args:
+      all_grads: list of K lists of N gradients.
+      all_vars: list of K lists of N variables.
+
+    Returns:
+      list of K lists of N ``(gradient, variable)`` tuples.
+
+    Raises:
+      ValueError: if the two lists do not have the same K and N.
+    """
+    if len(all_grads) != len(all_vars):
+        raise ValueError(
+            f"all_grads has {len(all_grads)} towers, all_vars has {len(all_vars)}")
+    out = []
+    for k, (grads, variables) in enumerate(zip(all_grads, all_vars)):
+        if len(grads) != len(variables):
+            raise ValueError(
+                f"tower {k} has {len(grads)} gradients and {len(variables)} variables")
+        out.append(list(zip(grads, variables)))
+    return out

@@ -1,0 +1,135 @@
+"""Hierarchical (group) all-reduce for any K and any partition into groups.
+
+The DGX-1 scheme of tf_cnn_benchmarks and tensorpack
+(``allreduce_grads_hierarchical``; TF's HierarchicalCopyAllReduce): the eight
+GPUs form two groups of four joined by fast links inside a group and fewer
+links between groups. Each gradient is summed inside each group on a group
+root, the group roots combine their sums, and the total goes back through the
+roots to every device. Only one copy of each gradient crosses between groups
+per direction.
+
+tensorpack's version asserts ``num_gpu == 8`` and scales by 1/K on every
+device. This one takes any K >= 1 and any partition ``groups`` (uneven too),
+pairs the roots by position inside their groups (for K=8 with the default
+groups: devices i and i+4, as on the DGX-1), spreads the roots by bytes, and
+divides by K once, on the device that forms the total.
+"""
+
+from tfreduce.contract import validate_groups
+from tfreduce.driver import run_allreduce
+from tfreduce.primitives import RootBalancer, broadcast, finish_sum, nbytes, reduce_to, sum_order
+
+import tensorflow as tf
+
+__all__ = ["allreduce_grads_hierarchical", "default_groups"]
+
+
+def default_groups(num_devices):
+    """The default partition: two halves, the first one larger for odd K.
+
+    ``default_groups(8) == [[0, 1, 2, 3], [4, 5, 6, 7]]`` (the DGX-1 layout),
+    ``default_groups(3) == [[0, 1], [2]]``, ``default_groups(1) == [[0]]``.
+
+    Args:
+      num_devices: int K >= 1.
+
+    Returns:
+      list[list[int]].
+    """
+    if num_devices < 2:
+        return [list(range(num_devices))]
+    half = (num_devices + 1) // 2
+    return [list(range(half)), list(range(half, num_devices))]
+
+
+def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=None,
+                                 pack_bytes=None, sparse_as_dense=False):
+    """All-reduces K x N gradients inside groups, then across the group roots.
+
+    Same name and first arguments as tensorpack's
+    ``tensorpack.graph_builder.utils.allreduce_grads_hierarchical``, so it is a
+    drop-in replacement, and it gives the same values for K=8.
+
+    For each gradient (after packing):
+
+    1. pick a position p in the groups (least-loaded by bytes); the root of
+       group g is ``groups[g][p % len(groups[g])]``, so roots pair up by
+       position (devices i and i+4 for the default K=8 groups);
+    2. ``group{g}_sum``: the group's gradients summed on its root;
+    3. ``total``: the group sums combined on one of the roots (the least
+       loaded), divided by K there if ``average``;
+    4. ``group{g}_total``: the total copied to every other root;
+    5. ``dev{k}_out``: each root copies the total to the devices of its group.
+
+    K x N contract, K=2, N=2, sum::
+
+        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
+         [C, D]]            [A+C, B+D]]    # on devices[1]
+
+    Args:
+      all_grads: list of K lists of N gradients (``tf.Tensor``,
+        ``tf.IndexedSlices`` or None); ``all_grads[k][n]`` from tower k.
+      devices: list of K device strings, or None to use each tower's tensor
+        device.
+      average: bool; divide by K once per gradient, where the total is formed.
+      groups: list of lists of device indices that covers 0..K-1 exactly once,
+        e.g. ``[[0, 1, 2, 3], [4, 5, 6, 7]]``; default ``default_groups(K)``.
+      pack_bytes: int bytes or None; see packing.PackPlan.
+      sparse_as_dense: bool; reduce ``tf.IndexedSlices`` as dense tensors
+        instead of gathering their rows on one device.
+
+    Returns:
+      list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``
+      with the shape and dtype of ``all_grads[k][n]``; None stays None.
+      float16/bfloat16 are summed in float32 (group sums cross between groups
+      in float32) and rounded once.
+
+    Raises:
+      TypeError, ValueError: bad gradients or devices (see
+        ``contract.validate_grads``), or groups that do not partition 0..K-1.
+    """
+    def check(devs):
+        nonlocal groups
+        groups = validate_groups(
+            default_groups(len(devs)) if groups is None else groups, len(devs))
+
+    return run_allreduce(
+        all_grads, devices, average,
+        lambda columns, devs: _hierarchical_columns(columns, devs, average, groups),
+        scope="allreduce_hierarchical", pack_bytes=pack_bytes,
+        sparse_as_dense=sparse_as_dense, check_devices=check)
+
+
+def _hierarchical_columns(columns, devices, average, groups):
+    num_towers = len(devices)
+    positions = max(len(g) for g in groups)
+    balancer = RootBalancer(num_towers)
+    sizes = [nbytes(c[0]) for c in columns]
+    out = [None] * len(columns)
+    for m in sum_order(sizes):
+        column, size = columns[m], sizes[m]
+        # Position p minimising the summed load of the roots it selects.
+        p = min(range(positions),
+                key=lambda q: sum(balancer.load[g[q % len(g)]] for g in groups))
+        roots = [g[p % len(g)] for g in groups]
+        for r in roots:
+            balancer.load[r] += size
+        combiner = balancer.pick(roots, size)
+        group_sums = [
+            reduce_to([column[i] for i in g], devices[r], name=f"entry{m}_group{gi}_sum")
+            for gi, (g, r) in enumerate(zip(groups, roots))]
+        total = reduce_to(group_sums, devices[combiner], name=f"entry{m}_sum")
+        total = finish_sum(total, column[0].dtype, num_towers, average,
+                           devices[combiner], name=f"entry{m}_total")
+        result = [None] * num_towers
+        for gi, (g, r) in enumerate(zip(groups, roots)):
+            if r == combiner:
+                root_total = total
+            else:
+                with tf.device(devices[r]):
+                    root_total = tf.identity(total, name=f"entry{m}_group{gi}_total")
+            for k, t in zip(g, broadcast(root_total, [devices[i] for i in g],
+                                         name_fmt=f"entry{m}_dev{{}}_out", indices=g)):
+                result[k] = t
+        out[m] = result
+    return out

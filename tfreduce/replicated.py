@@ -1,0 +1,158 @@
+"""Flat all-reduce and the sync of replicated variables.
+
+Flat all-reduce: for each gradient, sum the K tower copies on one root device
+(``add_n``) and copy the sum back to every device (``identity``). It is the
+``reduce_to_one_device`` + broadcast scheme of tf_cnn_benchmarks'
+"replicated" variable mode and of tf.distribute's ReductionToOneDevice, with
+the roots spread over the devices by bytes. On one host with shared memory
+(logical CPU devices) it moves the fewest bytes of any scheme: each root
+reads K copies and writes one.
+
+Replicated variables: every tower holds its own copy of each variable;
+``broadcast_variables`` copies tower 0's values to the others (at start, after
+a restore, or periodically) and ``max_replica_difference`` measures how far
+the copies have drifted apart.
+"""
+
+import tensorflow as tf
+
+from tfreduce.contract import normalize_devices
+from tfreduce.driver import run_allreduce
+from tfreduce.primitives import RootBalancer, broadcast, finish_sum, nbytes, reduce_to, sum_order
+
+__all__ = ["allreduce_grads_flat", "broadcast_variables", "max_replica_difference"]
+
+
+def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=None,
+                         sparse_as_dense=False):
+    """All-reduces K x N gradients by reducing each to one root and broadcasting.
+
+    For each gradient n (after packing), a root device r is chosen — the
+    least-loaded by bytes so far, largest gradients first — the K copies are
+    summed on r with ``add_n`` (divided by K there once if ``average``), and
+    the result is copied to each device with ``identity``.
+
+    K x N contract, K=2, N=2, sum::
+
+        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
+         [C, D]]            [A+C, B+D]]    # on devices[1]
+
+    Args:
+      all_grads: list of K lists of N gradients; ``all_grads[k][n]`` is a
+        ``tf.Tensor`` (any float or int dtype, any shape), a
+        ``tf.IndexedSlices`` or None, computed on tower k.
+      devices: list of K device strings, or None to use each tower's tensor
+        device.
+      average: bool; True divides the sum by K, once per gradient, on its root.
+      pack_bytes: int bytes or None; pack dense gradients of one dtype into
+        buffers of about this size before reducing (see packing.PackPlan).
+      sparse_as_dense: bool; reduce ``tf.IndexedSlices`` as dense tensors
+        instead of gathering their rows.
+
+    Returns:
+      list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``,
+      has the shape and dtype of ``all_grads[k][n]`` (IndexedSlices stay
+      IndexedSlices), and is None where every tower's gradient is None.
+      float16/bfloat16 are summed in float32 and rounded once.
+
+    Raises:
+      TypeError, ValueError: bad input, see ``contract.validate_grads``.
+    """
+    return run_allreduce(
+        all_grads, devices, average,
+        lambda columns, devs: _flat_columns(columns, devs, average),
+        scope="allreduce_flat", pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense)
+
+
+def _flat_columns(columns, devices, average):
+    num_towers = len(devices)
+    balancer = RootBalancer(num_towers)
+    sizes = [nbytes(c[0]) for c in columns]
+    out = [None] * len(columns)
+    for m in sum_order(sizes):
+        column = columns[m]
+        root = balancer.pick(range(num_towers), sizes[m])
+        total = reduce_to(column, devices[root], name=f"entry{m}_sum")
+        total = finish_sum(total, column[0].dtype, num_towers, average, devices[root],
+                           name=f"entry{m}_total")
+        out[m] = broadcast(total, devices, name_fmt=f"entry{m}_dev{{}}_out")
+    return out
+
+
+def _check_vars(all_vars):
+    if not isinstance(all_vars, (list, tuple)) or not all_vars:
+        raise ValueError("all_vars must be a non-empty list of K lists of variables")
+    num_vars = len(all_vars[0])
+    for k, tower in enumerate(all_vars):
+        if len(tower) != num_vars:
+            raise ValueError(
+                f"tower {k} has {len(tower)} variables, tower 0 has {num_vars}")
+        for n, v in enumerate(tower):
+            ref = all_vars[0][n]
+            if v.dtype != ref.dtype or not v.shape.is_compatible_with(ref.shape):
+                raise ValueError(
+                    f"variable {n} ({ref.name}): tower {k} has {v.dtype.name}{v.shape}, "
+                    f"tower 0 has {ref.dtype.name}{ref.shape}")
+
+
+def broadcast_variables(all_vars, root=0):
+    """Copies the root tower's variable values to every other tower.
+
+    Each assignment is placed on the device of the variable it writes, so the
+    copy is one root -> tower transfer per variable.
+
+    Args:
+      all_vars: list of K lists of N ``tf.Variable``; ``all_vars[k][n]`` is
+        tower k's copy of variable n (same shapes and dtypes on every tower).
+      root: int, the tower whose values are copied.
+
+    Returns:
+      list of the K-1 times N assign ops in graph mode; in eager mode the
+      assignments are done and the list holds their results.
+
+    Raises:
+      ValueError: if towers hold different numbers, shapes or dtypes of
+        variables, or root is not a tower index.
+    """
+    _check_vars(all_vars)
+    if not 0 <= root < len(all_vars):
+        raise ValueError(f"root tower {root} is outside 0..{len(all_vars) - 1}")
+    ops = []
+    with tf.name_scope("broadcast_variables"):
+        for k, tower in enumerate(all_vars):
+            if k == root:
+                continue
+            for v, src in zip(tower, all_vars[root]):
+                with tf.device(v.device):
+                    ops.append(v.assign(src.read_value(), read_value=False))
+    return ops
+
+
+def max_replica_difference(all_vars):
+    """The largest absolute difference between any tower's copy and tower 0's.
+
+    Args:
+      all_vars: list of K lists of N ``tf.Variable`` (see broadcast_variables).
+
+    Returns:
+      scalar tf.float64 tensor; 0.0 when every replica equals tower 0 (and
+      for K=1).
+
+    Raises:
+      ValueError: as broadcast_variables.
+    """
+    _check_vars(all_vars)
+    diffs = [tf.constant(0.0, tf.float64)]
+    for k, tower in enumerate(all_vars[1:], start=1):
+        with tf.device(_device_of(tower)):
+            for v, ref in zip(tower, all_vars[0]):
+                if v.dtype.is_floating or v.dtype.is_integer:
+                    d = tf.abs(tf.cast(v, tf.float64) - tf.cast(ref, tf.float64))
+                    diffs.append(tf.reduce_max(d) if v.shape.num_elements() != 0
+                                 else tf.constant(0.0, tf.float64))
+    return tf.reduce_max(tf.stack(diffs))
+
+
+def _device_of(tower):
+    devices = [v.device for v in tower if v.device]
+    return normalize_devices(devices[:1])[0] if devices else None
