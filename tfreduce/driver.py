@@ -71,7 +71,7 @@ def _reduce_entries(packed, devices, average, reduce_dense):
     num_entries = len(packed[0])
     out = [[None] * num_entries for _ in range(num_towers)]
     sparse = [m for m in range(num_entries) if isinstance(packed[0][m], tf.IndexedSlices)]
-    dense = [m for m in range(num_entries) if m not in set(sparse)]
+    dense = sorted(set(range(num_entries)) - set(sparse))
     if dense:
         columns = [[packed[k][m] for k in range(num_towers)] for m in dense]
         results = reduce_dense(columns, devices)

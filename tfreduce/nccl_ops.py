@@ -139,8 +139,9 @@ def allreduce_grads_collective(all_grads, devices=None, average=False, communica
     here), in a ``tf.function`` or in a ``tf.compat.v1`` graph.
 
     The K ops of a reduction wait for each other, so the whole group must run
-    together: fetch or depend on all K outputs of a call, never some of them,
-    or the step hangs until ``timeout``. On each device the reductions are
+    together. A ``tf.function`` runs every collective it holds; in a
+    ``tf.compat.v1.Session``, fetch or depend on all K outputs of a call,
+    never some of them, or the step waits until ``timeout`` and fails. On each device the reductions are
     chained with control dependencies in one fixed order (and, in a
     ``tf.function``, through one ordering token per device), so all devices
     launch them in the same order and hundreds of them cannot deadlock on a

@@ -16,7 +16,6 @@ the copies have drifted apart.
 
 import tensorflow as tf
 
-from tfreduce.contract import normalize_devices
 from tfreduce.driver import run_allreduce
 from tfreduce.primitives import RootBalancer, broadcast, finish_sum, nbytes, reduce_to, sum_order
 
@@ -91,8 +90,8 @@ def _check_vars(all_vars):
             ref = all_vars[0][n]
             if v.dtype != ref.dtype or not v.shape.is_compatible_with(ref.shape):
                 raise ValueError(
-                    f"variable {n} ({ref.name}): tower {k} has {v.dtype.name}{v.shape}, "
-                    f"tower 0 has {ref.dtype.name}{ref.shape}")
+                    f"variable {n} ({ref.name}): tower {k} has {v.dtype.name} {v.shape}, "
+                    f"tower 0 has {ref.dtype.name} {ref.shape}")
 
 
 def broadcast_variables(all_vars, root=0):
@@ -144,7 +143,8 @@ def max_replica_difference(all_vars):
     _check_vars(all_vars)
     diffs = [tf.constant(0.0, tf.float64)]
     for k, tower in enumerate(all_vars[1:], start=1):
-        with tf.device(_device_of(tower)):
+        # Compare on tower k's device: only tower 0's copy crosses over.
+        with tf.device(tower[0].device if tower else None):
             for v, ref in zip(tower, all_vars[0]):
                 if v.dtype.is_floating or v.dtype.is_integer:
                     d = tf.abs(tf.cast(v, tf.float64) - tf.cast(ref, tf.float64))
@@ -152,7 +152,3 @@ def max_replica_difference(all_vars):
                                  else tf.constant(0.0, tf.float64))
     return tf.reduce_max(tf.stack(diffs))
 
-
-def _device_of(tower):
-    devices = [v.device for v in tower if v.device]
-    return normalize_devices(devices[:1])[0] if devices else None
