@@ -166,7 +166,7 @@ def test_nccl_on_cpu_devices_fails_at_build_time(graph):
     with pytest.raises(ValueError, match=re.escape(
             "NCCL runs only on GPUs, but devices ['/device:CPU:0', '/device:CPU:1'] "
             "are not GPUs")):
-        tfreduce.allreduce_grads_nccl(grads, CPU_DEVICES[:2])
+        tfreduce.allreduce_grads_nccl(grads, devices=CPU_DEVICES[:2])
     assert not [op for op in graph.get_operations() if op.type == "NcclAllReduce"]
 
 

@@ -22,7 +22,7 @@ def test_nccl_exact_values_on_gpus(average):
         for k, d in enumerate(devices):
             with tf.device(d):
                 grads.append([tf.constant(a) for a in arrays[k]])
-        return tfreduce.allreduce_grads_nccl(grads, devices, average=average)
+        return tfreduce.allreduce_grads_nccl(grads, average=average, devices=devices)
 
     scale = 1.0 / len(devices) if average else 1.0
     for row in step():

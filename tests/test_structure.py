@@ -37,7 +37,7 @@ def ops_named(graph, suffix):
 def test_output_k_is_placed_on_device_k(name, num_towers):
     graph, grads, devices = build_graph(num_towers, [(3,), (4, 5), ()])
     with graph.as_default():
-        out = BUILDERS[name](grads, devices)
+        out = BUILDERS[name](grads, devices=devices)
     assert isinstance(out, list) and all(isinstance(row, list) for row in out)
     assert len(out) == num_towers and all(len(row) == 3 for row in out)
     for k, row in enumerate(out):
@@ -141,7 +141,7 @@ def test_default_groups():
 def test_nccl_builds_one_allreduce_per_device_and_variable():
     graph, grads, devices = build_graph(4, [(3,), (5,)])
     with graph.as_default():
-        tfreduce.allreduce_grads_nccl(grads, devices)
+        tfreduce.allreduce_grads_nccl(grads, devices=devices)
     nccl = [op for op in graph.get_operations() if op.type == "NcclAllReduce"]
     assert len(nccl) == 8
     assert sorted(op.device for op in nccl) == sorted(GPU_DEVICES[:4] * 2)

@@ -35,7 +35,7 @@ def _require_gpus(devices):
             f"algorithm='collective', 'flat' or 'hierarchical' there")
 
 
-def allreduce_grads_nccl(all_grads, devices=None, average=False, pack_bytes=None,
+def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=None,
                          sparse_as_dense=False):
     """All-reduces K x N gradients with NCCL ``all_sum`` (GPUs only).
 
@@ -48,12 +48,15 @@ def allreduce_grads_nccl(all_grads, devices=None, average=False, pack_bytes=None
         [[A, B],      ->   [[A+C, B+D],    # on devices[0]
          [C, D]]            [A+C, B+D]]    # on devices[1]
 
+    The argument order follows tensorpack's ``allreduce_grads(all_grads,
+    average)``, so positional calls written for it keep working.
+
     Args:
       all_grads: list of K lists of N gradients on K GPUs.
-      devices: list of K GPU device strings, or None for the tensors' devices.
       average: bool. NCCL sums in the gradients' dtype, so with average=True
         each tower first multiplies its gradient by 1/K (Horovod's prescale):
         float16 sums cannot overflow where their mean does not.
+      devices: list of K GPU device strings, or None for the tensors' devices.
       pack_bytes: int bytes or None; see packing.PackPlan.
       sparse_as_dense: bool; reduce IndexedSlices densely with NCCL.
 
