@@ -149,3 +149,16 @@ def test_flat_eager_outputs_live_on_their_devices():
         assert row[1].device.endswith(devices[k])
         np.testing.assert_array_equal(row[0].numpy(), [6.0, 4.0])
         assert row[1].numpy() == 18.0
+
+
+def test_hundreds_of_collectives_do_not_deadlock(runner):
+    # 150 separate reductions on 4 devices sharing 2 cores: the per-device
+    # chain keeps every device launching them in the same order.
+    devices = CPU_DEVICES[:4]
+    grads = [[np.full((3,), k + n / 4.0, np.float32) for n in range(150)] for k in range(4)]
+
+    def build(g):
+        return tfreduce.allreduce_grads_collective(g, devices, timeout=120)
+
+    values, placed = runner(build, grads, devices)
+    check(values, placed, grads, False, devices)
