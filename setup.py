@@ -9,7 +9,8 @@ setup(
                 "NCCL, collective) and a replicated trainer for TensorFlow",
     packages=find_packages(include=["tfreduce", "tfreduce.*"]),
     python_requires=">=3.9",
-    install_requires=["tensorflow>=2.16", "numpy"],
+    # tf.summary needs tensorboard, which TF no longer installs itself.
+    install_requires=["tensorflow>=2.16", "numpy", "tensorboard"],
     extras_require={
         "test": ["pytest", "tensorpack", "scikit-learn", "mlxtend", "matplotlib", "tqdm"],
         "tensorpack": ["tensorpack"],

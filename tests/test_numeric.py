@@ -8,7 +8,7 @@ import tensorflow as tf
 import tfreduce
 from conftest import CPU_DEVICES
 
-ALGORITHMS = ["flat", "hierarchical", "collective"]
+ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]
 DTYPES = {
     "float16": np.float16,
     "float32": np.float32,

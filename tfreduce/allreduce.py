@@ -4,12 +4,14 @@ from tfreduce.contract import is_gpu, validate_grads
 from tfreduce.hierarchical import allreduce_grads_hierarchical
 from tfreduce.nccl_ops import allreduce_grads_collective, allreduce_grads_nccl
 from tfreduce.replicated import allreduce_grads_flat
+from tfreduce.ring import allreduce_grads_ring
 
 __all__ = ["ALGORITHMS", "allreduce_grads", "choose_algorithm"]
 
 _BUILDERS = {
     "flat": allreduce_grads_flat,
     "hierarchical": allreduce_grads_hierarchical,
+    "ring": allreduce_grads_ring,
     "nccl": allreduce_grads_nccl,
     "collective": allreduce_grads_collective,
 }
@@ -20,6 +22,7 @@ ALGORITHMS = ("auto",) + tuple(_BUILDERS)
 _OPTIONS = {
     "flat": {"pack_bytes", "sparse_as_dense"},
     "hierarchical": {"pack_bytes", "sparse_as_dense", "groups"},
+    "ring": {"pack_bytes", "sparse_as_dense"},
     "nccl": {"pack_bytes", "sparse_as_dense"},
     "collective": {"pack_bytes", "sparse_as_dense", "communication", "keys", "timeout"},
 }

@@ -9,6 +9,8 @@ an op on device B that reads a tensor produced on device A is one A -> B copy.
   to the gradient's dtype, done once where the sum is formed.
 - ``broadcast``: one ``identity`` per target device.
 - ``gather_slices``: the all-reduce of ``tf.IndexedSlices`` by concatenation.
+- ``chunk_sizes``, ``ring_reduce_scatter``, ``ring_all_gather``: the two
+  halves of a ring all-reduce, one chunk step per op, each on its device.
 - ``RootBalancer``: picks root devices so that bytes are spread evenly.
 
 Half precision: ``float16`` and ``bfloat16`` gradients are cast to float32 on
@@ -31,6 +33,9 @@ __all__ = [
     "broadcast_slices",
     "RootBalancer",
     "sum_order",
+    "chunk_sizes",
+    "ring_reduce_scatter",
+    "ring_all_gather",
 ]
 
 _HALF = (tf.float16, tf.bfloat16)
@@ -223,3 +228,104 @@ class RootBalancer:
         best = min(candidates, key=lambda i: self.load[i])
         self.load[best] += size
         return best
+
+
+def chunk_sizes(num_elements, num_chunks):
+    """Splits ``num_elements`` into ``num_chunks`` nearly equal chunk sizes.
+
+    The first ``num_elements % num_chunks`` chunks hold one element more, so
+    sizes differ by at most one; with fewer elements than chunks the last
+    chunks are empty. ``chunk_sizes(10, 4) == [3, 3, 2, 2]``,
+    ``chunk_sizes(2, 4) == [1, 1, 0, 0]``.
+
+    Args:
+      num_elements: int >= 0.
+      num_chunks: int >= 1.
+
+    Returns:
+      list of ``num_chunks`` ints summing to ``num_elements``.
+    """
+    base, extra = divmod(num_elements, num_chunks)
+    return [base + (1 if c < extra else 0) for c in range(num_chunks)]
+
+
+def _accumulate(tensor):
+    acc = accumulation_dtype(tensor.dtype)
+    return tf.cast(tensor, acc) if acc != tensor.dtype else tensor
+
+
+def ring_reduce_scatter(pieces, devices, name):
+    """Ring reduce-scatter: the sum of piece c is formed on ``devices[c]``.
+
+    Piece c is summed along the ring ``c+1 -> c+2 -> ... -> c`` (indices mod
+    K): device c+1 sends its piece to c+2, which adds its own and sends the
+    partial sum on, until device c adds the last piece. Every step is one
+    ``add`` on the device that performs it, so each device sends K-1 pieces
+    and receives K-1 (Patarasuk & Yuan, "Bandwidth optimal all-reduce
+    algorithms for clusters of workstations", JPDC 2009).
+
+    Half precision: the first hop carries device c+1's piece in its own
+    dtype; from the first add on, partial sums are float32
+    (``accumulation_dtype``), so a float16 sum cannot overflow or round on
+    the way, at the price of twice the bytes on the later hops.
+
+    Args:
+      pieces: list of K lists of K; ``pieces[k][c]`` is device k's piece c,
+        a ``tf.Tensor`` on ``devices[k]``; pieces of one index c have one
+        shape and dtype across devices. ``pieces[k][c]`` is None on every
+        device for a piece that is empty (it is skipped).
+      devices: list of K device strings.
+      name: str, prefix of the op names (``{name}_chunk{c}_dev{k}_sum``).
+
+    Returns:
+      list of K; element c is the sum of piece c over all devices, on
+      ``devices[c]``, in the accumulation dtype; None for skipped pieces.
+    """
+    num_devices = len(devices)
+    totals = [None] * num_devices
+    for c in range(num_devices):
+        if pieces[0][c] is None:
+            continue
+        first = (c + 1) % num_devices
+        partial = pieces[first][c]
+        for hop in range(2, num_devices + 1):
+            k = (c + hop) % num_devices
+            with tf.device(devices[k]):
+                partial = tf.math.add(_accumulate(partial), _accumulate(pieces[k][c]),
+                                      name=f"{name}_chunk{c}_dev{k}_sum")
+        if num_devices == 1:
+            with tf.device(devices[c]):
+                partial = _accumulate(partial)
+        totals[c] = partial
+    return totals
+
+
+def ring_all_gather(totals, devices, name):
+    """Ring all-gather: every device receives every other device's chunk.
+
+    Chunk c travels ``c -> c+1 -> ... -> c-1`` (indices mod K), one
+    ``identity`` per hop on the receiving device, so each device sends K-1
+    chunks and receives K-1, each over the link to its ring neighbour.
+
+    Args:
+      totals: list of K; ``totals[c]`` is a ``tf.Tensor`` on ``devices[c]``,
+        or None for an empty chunk (skipped).
+      devices: list of K device strings.
+      name: str, prefix of the op names (``{name}_chunk{c}_dev{k}_copy``).
+
+    Returns:
+      list of K lists of K; element [k][c] is chunk c on ``devices[k]``
+      (``totals[c]`` itself for k == c); None where ``totals[c]`` is None.
+    """
+    num_devices = len(devices)
+    out = [[None] * num_devices for _ in range(num_devices)]
+    for c, chunk in enumerate(totals):
+        if chunk is None:
+            continue
+        out[c][c] = chunk
+        for hop in range(1, num_devices):
+            k = (c + hop) % num_devices
+            with tf.device(devices[k]):
+                chunk = tf.identity(chunk, name=f"{name}_chunk{c}_dev{k}_copy")
+            out[k][c] = chunk
+    return out

@@ -1,0 +1,121 @@
+"""tfreduce-bench smoke tests: tiny sizes, K=2, few steps; no timed assertions."""
+
+import json
+
+import pytest
+
+from tfreduce import bench
+
+
+def run(tmp_path, *argv):
+    path = tmp_path / "out.json"
+    assert bench.main([*argv, "--json", str(path), "--quiet"]) == 0
+    return json.loads(path.read_text())
+
+
+def test_allreduce_mode_reports_every_contender_correct(tmp_path, capsys):
+    png = tmp_path / "bars.png"
+    result = run(tmp_path, "--model", "synthetic", "--num-tensors", "6", "--total-bytes",
+                 "6KB", "--devices", "2", "--steps", "2", "--warmup", "1",
+                 "--pack-bytes", "2KiB", "--png", str(png))
+    assert png.stat().st_size > 0
+    cfg = result["config"]
+    assert cfg["num_tensors"] == 6 and cfg["bytes_per_tower"] == 6000
+    assert cfg["devices"] == ["/device:CPU:0", "/device:CPU:1"]
+    rows = {r["name"]: r for r in result["results"]}
+    families = {"flat", "hierarchical", "ring", "collective"}
+    want = ({"floor", "inputs", "tf-hierarchical-copy", "tf-reduction-to-one-device"}
+            | families | {f"{f}+pack2KiB" for f in families})
+    assert set(rows) == want
+    # tensorpack asserts K == 8: skipped here, with the reason.
+    assert "K == 8" in result["skipped"]["tensorpack"]
+    for name, r in rows.items():
+        assert r["median_ms"] > 0 and r["q1_ms"] <= r["median_ms"] <= r["q3_ms"], name
+        if name in ("floor", "inputs"):
+            continue
+        # The check run compared every output of every device with NumPy.
+        assert r["correct"] is True and r["max_abs_error"] == 0, name
+        assert r["num_ops"] > 0 and r["build_s"] > 0, name
+        assert r["x_floor"] == pytest.approx(r["median_ms"] / result["floor"]["median_ms"])
+        if r.get("family") in ("flat", "hierarchical", "ring"):
+            # Nothing was pruned: every op the contender built ran.
+            assert r["ops_not_run"] == 0, name
+            assert r["cross_device_bytes"] > 0, name
+    assert rows["ring"]["longest_hop_chain"] == 2
+    assert rows["flat"]["max_sent_bytes"] == 6000  # 2(K-1)/K * S for K=2
+    assert set(result["ratios"]["flat"]) == set(rows) - {"floor", "inputs"}
+    assert result["ratios"]["ring"]["ring"] == 1.0
+    out = capsys.readouterr().out
+    assert "x floor" in out and "tf-reduction-to-one-device" in out
+
+
+def test_allreduce_mode_sum_half_precision_selected_contenders(tmp_path):
+    result = run(tmp_path, "--model", "synthetic", "--num-tensors", "3", "--total-bytes",
+                 "600", "--devices", "3", "--steps", "1", "--warmup", "0", "--dtype",
+                 "float16", "--reduce", "sum", "--packing", "on",
+                 "--contenders", "ring,tf-hierarchical-copy")
+    names = [r["name"] for r in result["results"]]
+    assert names[:2] == ["floor", "inputs"] and names[2].startswith("ring+pack")
+    assert all(r["correct"] for r in result["results"][2:])
+    # tf.distribute's hierarchical copy drops a device for odd K.
+    assert "odd K = 3" in result["skipped"]["tf-hierarchical-copy"]
+
+
+def test_scaling_mode(tmp_path, capsys):
+    result = run(tmp_path, "--mode", "scaling", "--grid-devices", "2,3", "--grid-tensors",
+                 "4,8", "--algorithms", "flat,ring+pack", "--steps", "2")
+    rows = result["results"]
+    assert [(r["algorithm"], r["devices"], r["tensors"]) for r in rows] == [
+        (a, k, n) for a in ("flat", "ring+pack") for k in (2, 3) for n in (4, 8)]
+    for r in rows:
+        assert r["num_ops"] > 0 and r["step_ms"] > 0
+        cells = r["devices"] * r["tensors"]
+        assert r["step_us_per_cell"] == pytest.approx(1e3 * r["step_ms"] / cells)
+    assert "step us/KN" in capsys.readouterr().out
+
+
+def test_train_mode(tmp_path):
+    result = run(tmp_path, "--mode", "train", "--grid-devices", "2", "--steps", "2",
+                 "--rounds", "1", "--warmup", "1", "--batch-size", "8", "--image-size", "8")
+    (row,) = result["results"]
+    assert row["devices"] == 2
+    assert row["trainer_images_per_s"] > 0 and row["fit_images_per_s"] > 0
+    # One round: the paired ratio is the ratio of the two rates.
+    assert row["trainer_over_fit"] == pytest.approx(
+        row["trainer_images_per_s"] / row["fit_images_per_s"])
+
+
+def test_model_shapes_without_downloading():
+    shapes = bench.gradient_shapes("resnet50")
+    assert len(shapes) == 214
+    assert sum(int(__import__("numpy").prod(s)) for s in shapes) == 25_583_592
+    shrunk = bench.gradient_shapes("ResNet50", total_bytes=10**6)
+    assert len(shrunk) == 214 and all(len(s) == 1 and s[0] >= 1 for s in shrunk)
+    assert abs(sum(s[0] for s in shrunk) * 4 - 10**6) < 214 * 4
+    assert bench.gradient_shapes("synthetic", num_tensors=4, total_bytes=64) == [(4,)] * 4
+
+
+@pytest.mark.parametrize("text, want", [("65536", 65536), ("64KiB", 65536), ("1MB", 10**6),
+                                        ("4mib", 4 * 2**20), ("0", 0), ("1.5KiB", 1536)])
+def test_parse_bytes(text, want):
+    assert bench.parse_bytes(text) == want
+
+
+def test_format_bytes():
+    assert [bench.format_bytes(n) for n in (4 * 2**20, 65536, 10**6, 1536, 12)] == [
+        "4MiB", "64KiB", "1MB", "1.5KiB", "12B"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--contenders", "flat,nope"], "--contenders: unknown ['nope']"),
+    (["--pack-bytes", "4XB"], "'4XB' is not a byte count"),
+    (["--algorithms", "flat+zip"], "--algorithms: unknown ['flat+zip']"),
+    (["--devices", "0"], "must be >= 1, got 0"),
+    (["--device-type", "gpu", "--devices", "99"], "--device-type gpu: this machine has"),
+    (["--model", "NoSuchNet"], "unknown Keras application 'NoSuchNet'"),
+])
+def test_bad_arguments_exit_with_a_usage_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,166 @@
+"""The image-classification example's command line, on tiny runs."""
+
+import importlib.util
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from sklearn.datasets import load_digits
+
+import tfreduce
+from conftest import NUM_CPUS
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "image_classification.py")
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("image_classification", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_digits_run_then_resume(example, tmp_path, capsys):
+    logdir = str(tmp_path / "run")
+    common = [
+        "--devices",
+        "2",
+        "--limit",
+        "320",
+        "--batch-size",
+        "32",
+        "--logdir",
+        logdir,
+        "--quiet",
+    ]
+    assert example.main(common + ["--epochs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "digits: 320 train / 360 test images, 10 classes, input (8, 8, 1)" in out
+    auto = tfreduce.choose_algorithm(["/device:CPU:0", "/device:CPU:1"])
+    assert (
+        f"2 devices ['/device:CPU:0', '/device:CPU:1'], all-reduce auto -> {auto}, global batch 32"
+        in out
+    )
+    accuracy = float(re.search(r"test accuracy: ([0-9.]+)", out).group(1))
+    # One epoch of ten steps is far from done, but well above chance (0.1).
+    assert 0.3 < accuracy <= 1.0
+    assert re.search(r"training images/s: \d+ \(mean over 1 epoch\)", out)
+    assert tf.train.latest_checkpoint(os.path.join(logdir, "checkpoints")).endswith("ckpt-1")
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(logdir))
+    with open(os.path.join(logdir, "curves.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+    assert example.main(common + ["--epochs", "2", "--resume", "--algorithm", "hierarchical"]) == 0
+    out = capsys.readouterr().out
+    assert "at step 10" in out
+    with open(os.path.join(logdir, "history.json")) as f:
+        history = json.load(f)
+    assert [h["epoch"] for h in history] == [1, 2]
+    assert history[1]["val_accuracy"] > 0.3
+
+
+def test_mnist_subset_tiny_run(example, tmp_path, capsys):
+    argv = [
+        "--dataset",
+        "mnist",
+        "--devices",
+        "4",
+        "--limit",
+        "64",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "32",
+        "--algorithm",
+        "collective",
+        "--logdir",
+        str(tmp_path),
+        "--quiet",
+    ]
+    assert example.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "mnist: 64 train / 1000 test images, 10 classes, input (28, 28, 1)" in out
+    assert 0.0 <= float(re.search(r"test accuracy: ([0-9.]+)", out).group(1)) <= 1.0
+
+
+def write_image_folder(root, per_class=6):
+    """Digits 0-2 from scikit-learn as 8x8 PNGs, one sub-folder per class."""
+    digits = load_digits()
+    for label in range(3):
+        os.makedirs(os.path.join(root, f"class{label}"))
+        images = digits.images[digits.target == label][:per_class]
+        for i, image in enumerate(images):
+            pixels = tf.constant((image * 255 / 16).astype(np.uint8)[..., None])
+            tf.io.write_file(
+                os.path.join(root, f"class{label}", f"{i}.png"), tf.io.encode_png(pixels)
+            )
+
+
+def test_image_folder_dataset(example, tmp_path, capsys):
+    folder = str(tmp_path / "images")
+    write_image_folder(folder)
+    argv = [
+        "--dataset",
+        folder,
+        "--image-size",
+        "8",
+        "--devices",
+        "2",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "4",
+        "--logdir",
+        str(tmp_path / "run"),
+        "--quiet",
+    ]
+    assert example.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "images from a folder, 3 classes, input (8, 8, 3)" in out
+    assert 0.0 <= float(re.search(r"test accuracy: ([0-9.]+)", out).group(1)) <= 1.0
+
+
+def test_missing_dataset_folder(example, tmp_path, capsys):
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=r"--dataset '.*nowhere': no such folder"):
+        example.check_image_folder(missing)
+    with pytest.raises(SystemExit) as exit_info:
+        example.main(["--dataset", missing, "--logdir", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    assert "no such folder (nor 'digits' or 'mnist')" in capsys.readouterr().err
+
+
+def test_dataset_folder_without_images(example, tmp_path, capsys):
+    os.makedirs(tmp_path / "images" / "cats")
+    (tmp_path / "images" / "cats" / "notes.txt").write_text("not an image")
+    with pytest.raises(SystemExit):
+        example.main(["--dataset", str(tmp_path / "images"), "--logdir", str(tmp_path / "run")])
+    assert re.search(
+        r"no images found; expected one sub-folder per class .* \(found sub-folders: \['cats'\]\)",
+        capsys.readouterr().err,
+    )
+
+
+def test_more_devices_than_exist(example, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        example.main(["--devices", str(NUM_CPUS + 1), "--logdir", str(tmp_path)])
+    assert (
+        f"--devices {NUM_CPUS + 1}: only {NUM_CPUS} logical CPU devices exist"
+        in capsys.readouterr().err
+    )
+
+
+def test_bad_arguments(example, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        example.main(["--algorithm", "butterfly", "--logdir", str(tmp_path)])
+    assert "argument --algorithm: invalid choice: 'butterfly'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        example.main(["--devices", "4", "--batch-size", "2", "--logdir", str(tmp_path)])
+    assert "--batch-size 2 is smaller than --devices 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        example.main(["--resume", "--logdir", str(tmp_path / "empty")])
+    assert "--resume: no checkpoint in" in capsys.readouterr().err

@@ -1,0 +1,186 @@
+"""The local launcher: TF_CONFIG per worker, prefixed output, failures, clean-up.
+
+The workers here are short plain-Python commands (no TensorFlow), so these
+tests take seconds; test_multiworker.py runs TensorFlow workers through the
+launcher. The launcher runs as ``python tfreduce/launch.py``, which imports
+only the standard library; ``python -m tfreduce.launch`` is the same code
+after the package import. Every worker writes its pid to a directory, and
+the ``pids`` fixture checks afterwards that none is left running (and kills
+any that is, so a failing test leaves nothing behind).
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tfreduce import launch
+
+LAUNCH = [sys.executable, str(Path(launch.__file__))]
+
+PRELUDE = textwrap.dedent("""\
+    import json, os, subprocess, sys, time
+    pid_dir = sys.argv[1]
+    open(os.path.join(pid_dir, str(os.getpid())), "w").close()
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    """)
+
+
+def alive(pid):
+    """True if the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def pids(tmp_path):
+    directory = tmp_path / "pids"
+    directory.mkdir()
+    yield directory
+    left = [int(p.name) for p in directory.iterdir() if alive(int(p.name))]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"worker processes left running: {left}"
+
+
+def recorded(directory):
+    return sorted(int(p.name) for p in directory.iterdir())
+
+
+def run(pids, body, *options, timeout=60):
+    """Runs the launcher on a worker script; returns (code, stdout, stderr, seconds)."""
+    script = PRELUDE + textwrap.dedent(body)
+    start = time.monotonic()
+    result = subprocess.run(
+        LAUNCH + list(options) + ["--", sys.executable, "-c", script, str(pids)],
+        capture_output=True, text=True, timeout=timeout)
+    return result.returncode, result.stdout, result.stderr, time.monotonic() - start
+
+
+def test_each_worker_gets_its_tf_config_and_a_prefix(pids):
+    code, out, err, _ = run(pids, """\
+        print(os.environ["TF_CONFIG"])
+        sys.stderr.write(f"warning from {index}\\nno newline at the end")
+        """, "--workers", "3")
+    assert code == 0, err
+    configs = {}
+    for line in out.splitlines():
+        match = re.fullmatch(r"\[worker (\d)\] (.*)", line)
+        assert match, line
+        configs[int(match.group(1))] = json.loads(match.group(2))
+    assert sorted(configs) == [0, 1, 2]
+    workers = configs[0]["cluster"]["worker"]
+    assert len(set(workers)) == 3 and all(re.fullmatch(r"127\.0\.0\.1:\d+", a) for a in workers)
+    for i, c in configs.items():
+        assert c == {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
+    for i in range(3):
+        assert f"[worker {i}] warning from {i}\n" in err
+        assert f"[worker {i}] no newline at the end\n" in err
+    assert "[launch] all workers finished" in err
+    assert len(recorded(pids)) == 3
+
+
+def test_a_failed_worker_stops_the_others(pids):
+    code, _, err, seconds = run(pids, """\
+        if index == 1:
+            sys.exit(3)
+        time.sleep(60)
+        """, "--workers", "3", "--grace", "0.5")
+    assert code == 3
+    assert re.search(r"\[launch\] worker 1 exited with code 3 after [\d.]+s; the others "
+                     r"get 0\.5s to finish", err), err
+    assert "[launch] stopping workers 0, 2" in err
+    assert seconds < 30
+    assert len(recorded(pids)) == 3
+
+
+def test_survivors_get_the_grace_period_to_report(pids):
+    code, out, err, _ = run(pids, """\
+        if index == 1:
+            sys.exit(1)
+        time.sleep(1.0)
+        print("lost worker 1", flush=True)
+        sys.exit(2)
+        """, "--workers", "2", "--grace", "20")
+    assert code == 1  # the first failure's code
+    assert "[worker 0] lost worker 1" in out
+    assert "stopping" not in err
+
+
+def test_a_killed_worker_and_its_children_are_reported_and_cleaned_up(pids):
+    code, _, err, seconds = run(pids, """\
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        open(os.path.join(pid_dir, str(child.pid)), "w").close()
+        time.sleep(0.5)
+        if index == 1:
+            os.kill(os.getpid(), 9)
+        time.sleep(60)
+        """, "--workers", "2", "--grace", "0")
+    assert code == 128 + signal.SIGKILL
+    assert "[launch] worker 1 was killed by SIGKILL" in err
+    assert seconds < 30
+    assert len(recorded(pids)) == 4  # two workers, two grandchildren: all gone
+
+
+def test_timeout_stops_every_worker(pids):
+    code, _, err, seconds = run(pids, "time.sleep(60)\n", "--workers", "2", "--timeout", "2")
+    assert code == 124
+    assert "[launch] --timeout 2s reached: stopping every worker" in err
+    assert seconds < 20
+
+
+def test_ctrl_c_stops_every_worker(pids):
+    script = PRELUDE + "time.sleep(60)\n"
+    proc = subprocess.Popen(LAUNCH + ["--workers", "2", "--", sys.executable, "-c", script,
+                                      str(pids)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while len(recorded(pids)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "[launch] SIGINT: stopping every worker" in err
+
+
+def test_unknown_command(pids):
+    result = subprocess.run(LAUNCH + ["--workers", "2", "--", "no-such-command-tfreduce"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 127
+    assert "[launch] cannot start 'no-such-command-tfreduce'" in result.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--workers", "2"], "give the command to run after '--'"),
+    (["--workers", "2", "python", "x.py"], "unrecognized arguments: python x.py"),
+    (["--workers", "0", "--", "true"], "--workers must be >= 1, got 0"),
+    (["--workers", "2", "--grace", "-1", "--", "true"], "--grace must be >= 0 seconds"),
+    (["--workers", "2", "--timeout", "0", "--", "true"], "--timeout must be > 0 seconds"),
+    (["--", "true"], "the following arguments are required: --workers"),
+])
+def test_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        launch.main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_free_ports_and_tf_config():
+    ports = launch.free_ports(4)
+    assert len(set(ports)) == 4 and all(0 < p < 65536 for p in ports)
+    assert json.loads(launch.tf_config(["h:1", "h:2"], 1)) == {
+        "cluster": {"worker": ["h:1", "h:2"]}, "task": {"type": "worker", "index": 1}}

@@ -1,0 +1,378 @@
+"""Multi-worker all-reduce: structure, errors, and 2 real workers on 127.0.0.1.
+
+Structure and error tests build graphs for worker 1 of a two-worker cluster
+without starting anything. The multi-process tests run two workers with two
+logical CPU devices each through ``python -m tfreduce.launch``, on loopback
+with free ports, each run bounded by the launcher's --timeout and a harder
+limit here (which stops the launcher, and so its workers, if it is reached):
+
+- reductions in a tf.function and in a tf.compat.v1 Session equal NumPy's
+  over all 4 towers, on every device of both workers; the broadcast from
+  rank 0 reaches every tower;
+- 5 training steps on 2 workers x 2 devices give the weights of 1 process
+  with 4 devices on the same global batch;
+- a worker killed mid-run: the survivor names it and exits on its own, the
+  launcher exits non-zero, no process is left; restarting both with
+  ``--resume`` continues from rank 0's last checkpoint to the same weights
+  as the uninterrupted run.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfreduce
+from tfreduce.cluster import Cluster
+from tfreduce.multiworker import (DEFAULT_PACK_BYTES, allreduce_grads_multiworker,
+                                  broadcast_variables_multiworker)
+
+from conftest import CPU_DEVICES
+
+WORKERS = Path(__file__).parent / "workers"
+sys.path.insert(0, str(WORKERS))
+import reduce_worker  # noqa: E402
+import train_worker  # noqa: E402
+
+SPEC = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
+GPUS = [f"/gpu:{k}" for k in range(4)]
+
+
+def full(device, task=1):
+    return f"/job:worker/replica:0/task:{task}" + tf.DeviceSpec.from_string(device).replace(
+        job=None, replica=None, task=None).to_string()
+
+
+@pytest.fixture
+def graph():
+    g = tf.Graph()
+    with g.as_default():
+        yield g
+
+
+def grads_on(devices, shapes, dtype=tf.float32):
+    out = []
+    for k, d in enumerate(devices):
+        with tf.device(d):
+            out.append([None if s is None else tf.fill(s, tf.constant(k + 1, dtype))
+                        for s in shapes])
+    return out
+
+
+def cross_ops(graph):
+    return [op for op in graph.get_operations() if op.type == "CollectiveReduceV2"
+            and op.name.endswith("_cross_worker")]
+
+
+def const(tensor):
+    return int(tf.get_static_value(tensor))
+
+
+# ------------------------------------------------------------------ structure
+
+def test_structure_roots_keys_and_placement(graph):
+    cluster = Cluster(SPEC, "worker", 1, timeout=42)
+    first_key = Cluster(SPEC, "worker", 1).keys.instance_key()
+    # 4000, 40, 48 and 28 bytes: roots by bytes, largest first.
+    grads = grads_on(GPUS, [(1000,), (10,), None, (3, 4), (7,)])
+    out = allreduce_grads_multiworker(grads, GPUS, average=True, cluster=cluster,
+                                      local_algorithm="flat", pack_bytes=None)
+    ops = sorted(cross_ops(graph), key=lambda op: const(op.inputs[3]))
+    assert [op.name for op in ops] == [f"allreduce_multiworker/entry{m}_cross_worker"
+                                       for m in (0, 2, 1, 3)]
+    assert [op.device for op in ops] == [full(d) for d in GPUS]
+    assert [const(op.inputs[3]) for op in ops] == list(range(first_key, first_key + 4))
+    for r, op in enumerate(ops):
+        assert const(op.inputs[1]) == 2  # one member per worker
+        assert const(op.inputs[2]) == cluster.group_key([f"/device:GPU:{r}"])
+        assert op.get_attr("timeout_seconds") == 42.0
+        assert op.get_attr("merge_op") == b"Add"
+    assert out[0][2] is None and out[3][2] is None
+    for k, row in enumerate(out):
+        for n, t in enumerate(row):
+            if t is not None:
+                assert t.op.device == full(GPUS[k]), (k, n)
+                assert t.shape == grads[k][n].shape
+    # Local stage: one add_n per entry on its flat root, before the cross hop.
+    local = [op for op in graph.get_operations() if op.type == "AddN"]
+    assert len(local) == 4
+    assert all(op.name.startswith("allreduce_multiworker/allreduce_flat/") for op in local)
+
+
+def test_structure_half_types_cross_in_float32_and_scale_by_all_towers(graph):
+    cluster = Cluster(SPEC, "worker", 0)
+    grads = grads_on(GPUS[:2], [(8,), (2, 2)], tf.float16)
+    out = allreduce_grads_multiworker(grads, GPUS[:2], average=True, cluster=cluster,
+                                      local_algorithm="hierarchical")
+    [op] = cross_ops(graph)  # both gradients packed into one buffer
+    assert op.inputs[0].dtype == tf.float32
+    [scale] = [op for op in graph.get_operations() if "scale_1_over_k" in op.name]
+    assert tf.get_static_value(scale.inputs[1]) == np.float32(1 / 4)  # 2 workers x 2
+    assert [t.dtype for t in out[1]] == [tf.float16, tf.float16]
+    casts = [op.name for op in graph.get_operations() if op.name.endswith("_to_float32")]
+    assert len(casts) == 2  # one per tower, before the local sum
+    assert DEFAULT_PACK_BYTES == 4 * 1024 * 1024
+
+
+def test_local_collective_keeps_every_local_op_needed(graph):
+    # Only one device's local sum feeds the cross hop; the other devices'
+    # collective ops must still be reached, or a v1 Session hangs.
+    cluster = Cluster(SPEC, "worker", 0)
+    grads = grads_on(GPUS[:2], [(3,)])
+    allreduce_grads_multiworker(grads, GPUS[:2], cluster=cluster,
+                                local_algorithm="collective")
+    [op] = cross_ops(graph)
+    local = [o for o in graph.get_operations() if o.type == "CollectiveReduceV2"
+             and o not in (op,)]
+    assert len(local) == 2
+    reached = {t.op for t in op.inputs} | set(op.control_inputs)
+    frontier = list(reached)
+    while frontier:
+        current = frontier.pop()
+        for nxt in [t.op for t in current.inputs] + list(current.control_inputs):
+            if nxt not in reached:
+                reached.add(nxt)
+                frontier.append(nxt)
+    assert all(o in reached for o in local)
+
+
+def test_structure_broadcast(graph):
+    for rank, kind in ((0, "CollectiveBcastSendV2"), (1, "CollectiveBcastRecvV2")):
+        cluster = Cluster(SPEC, "worker", rank)
+        all_vars = []
+        for d in GPUS[:2]:
+            with tf.device(d):
+                all_vars.append([tf.Variable(tf.zeros([2, 3])), tf.Variable(0, dtype=tf.int64),
+                                 tf.Variable(tf.ones([4]))])
+        ops = broadcast_variables_multiworker(all_vars, cluster)
+        collectives = [op for op in ops if op.type == kind]
+        assert [op.device for op in collectives] == [full(GPUS[0], rank)] * 2  # per dtype
+        assigns = [op for op in ops if op.type == "AssignVariableOp"]
+        assert len(assigns) == (3 if rank == 0 else 6)
+        assert all(op.device == full(GPUS[int(op.name.split("/dev")[1][0])], rank)
+                   for op in assigns)
+
+
+@pytest.mark.parametrize("local,scope", [("auto", "allreduce_nccl"),  # all GPUs
+                                         ("ring", "allreduce_ring")])
+def test_dispatcher_builds_the_local_stage(graph, local, scope):
+    cluster = Cluster(SPEC, "worker", 0)
+    grads = grads_on(GPUS[:2], [(3,)])
+    allreduce_grads_multiworker(grads, GPUS[:2], cluster=cluster, local_algorithm=local)
+    assert any(f"allreduce_multiworker/{scope}/" in op.name for op in graph.get_operations())
+
+
+# ------------------------------------------------------------------ errors
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    ({"cluster": None}, TypeError,
+     "cluster must be a tfreduce.Cluster (e.g. Cluster.from_tf_config(), then "
+     "cluster.start()), got NoneType None"),
+    ({"local_algorithm": "butterfly"}, ValueError,
+     f"local_algorithm must be one of {tfreduce.ALGORITHMS}, got 'butterfly'"),
+    ({"local_options": {"pack_bytes": 10}}, ValueError,
+     "local_options ['pack_bytes'] are set by allreduce_grads_multiworker itself"),
+    ({"local_options": {"groups": [[0]]}}, ValueError,
+     "groups [[0]] leave device indices [1] out"),
+    ({"communication": "carrier pigeon"}, ValueError,
+     "communication must be one of ('auto', 'ring', 'nccl'), got 'carrier pigeon'"),
+    ({"timeout": 0}, ValueError,
+     "timeout must be a number of seconds > 0 or None (the cluster's 300s), got 0"),
+    ({"keys": 5}, TypeError, "keys must be a tfreduce.CollectiveKeys or None"),
+    ({"devices": ["/gpu:0", "/job:worker/task:0/device:GPU:1"]}, ValueError,
+     "devices[1] '/job:worker/task:0/device:GPU:1' is not a device of this process, which "
+     "is /job:worker/replica:0/task:1"),
+    ({"devices": ["/gpu:0"]}, ValueError, "all_grads has 2 towers but 1 devices were given"),
+])
+def test_errors(graph, kwargs, error, message):
+    options = {"devices": GPUS[:2], "cluster": Cluster(SPEC, "worker", 1),
+               "local_algorithm": "hierarchical"}
+    options.update(kwargs)
+    grads = grads_on(GPUS[:2], [(3,)])
+    with pytest.raises(error, match=re.escape(message)):
+        allreduce_grads_multiworker(grads, **options)
+    assert not cross_ops(graph)
+
+
+def test_gradient_errors_name_the_tower(graph):
+    grads = grads_on(GPUS[:2], [(3,)])
+    grads[1].append(grads[1][0])
+    with pytest.raises(ValueError, match=re.escape(
+            "tower 1 has 2 gradients, tower 0 has 1")):
+        allreduce_grads_multiworker(grads, GPUS[:2], cluster=Cluster(SPEC, "worker", 0))
+
+
+def test_broadcast_errors(graph):
+    cluster = Cluster(SPEC, "worker", 0)
+    with tf.device("/gpu:0"):
+        a = tf.Variable(tf.zeros([2]))
+    with tf.device("/gpu:1"):
+        b = tf.Variable(tf.zeros([3]))
+    with pytest.raises(ValueError, match=re.escape(
+            "variable 0 (Variable:0): tower 1 has float32 (3,), tower 0 has float32 (2,)")):
+        broadcast_variables_multiworker([[a], [b]], cluster)
+    with pytest.raises(TypeError, match="tower 0, variable 0: expected a tf.Variable, got"):
+        broadcast_variables_multiworker([[tf.zeros([2])]], cluster)
+    with pytest.raises(TypeError, match="all_vars must be a non-empty list of K lists"):
+        broadcast_variables_multiworker([], cluster)
+    with pytest.raises(TypeError, match="cluster must be a tfreduce.Cluster"):
+        broadcast_variables_multiworker([[a]], "cluster")
+
+
+# ------------------------------------------------------------------ two workers
+
+LAUNCH_TIMEOUT = 150  # the launcher's own limit; the hard limit below is larger
+
+
+def launch_workers(script, *args, pid_dir=None, workers=2):
+    """Runs ``python script args`` on 2 workers under the launcher.
+
+    Returns (exit code, stdout, stderr, seconds). If the launcher itself
+    overruns, it is stopped with SIGTERM (it then stops its workers) and
+    SIGKILL, and the test fails.
+    """
+    command = [sys.executable, "-m", "tfreduce.launch", "--workers", str(workers),
+               "--timeout", str(LAUNCH_TIMEOUT), "--",
+               sys.executable, str(WORKERS / script)] + [str(a) for a in args]
+    start = time.monotonic()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).parent.parent)
+    try:
+        out, err = proc.communicate(timeout=LAUNCH_TIMEOUT + 30)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=20)
+        finally:
+            proc.kill()
+        pytest.fail(f"the launcher did not finish in {LAUNCH_TIMEOUT + 30}s: {command}")
+    return proc.returncode, out, err, time.monotonic() - start
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def expected(case, inputs, n):
+    """NumPy's sum (or mean) over the 4 towers of both workers, in float64."""
+    dtype, _, average, _ = reduce_worker.CASES[case]
+    total = 0
+    for a in inputs:
+        if isinstance(a, tuple):
+            dense = np.zeros((5, 3), np.float64)
+            np.add.at(dense, a[1], a[0])
+            a = dense
+        total = total + np.asarray(a, np.float64)
+    return (total / 4 if average else total).astype(dtype)
+
+
+@pytest.mark.parametrize("mode", ["function", "session"])
+def test_two_workers_reduce_like_numpy(tmp_path, mode):
+    code, out, err, _ = launch_workers(
+        "reduce_worker.py", "--mode", mode, "--devices", 2, "--timeout", 60,
+        "--out", tmp_path / "rank{}.npz")
+    assert code == 0, err[-3000:]
+    results = [np.load(tmp_path / f"rank{r}.npz") for r in range(2)]
+    assert [int(r["rank"]) for r in results] == [0, 1]
+    checked = 0
+    for case, (dtype, shapes, _, _) in reduce_worker.CASES.items():
+        for n, shape in enumerate(shapes):
+            inputs = [reduce_worker.tower_inputs(case, r, k) for r in range(2) for k in range(2)]
+            for r, res in enumerate(results):
+                devices = json.loads(str(res[f"{case}/devices"]))
+                for k in range(2):
+                    key = f"{case}/out/{k}/{n}"
+                    if shape is None:
+                        assert key not in res.files
+                        assert devices[k][n] is None
+                        continue
+                    want = expected(case, [row[n] for row in inputs], n)
+                    got = res[key]
+                    assert got.dtype == want.dtype, (case, n)
+                    np.testing.assert_array_equal(got, want, err_msg=f"{case} rank {r} tower {k}")
+                    assert devices[k][n] == f"/job:worker/replica:0/task:{r}/device:CPU:{k}"
+                    checked += 1
+    assert checked == 4 * 12
+    for r, res in enumerate(results):  # rank 0 tower 0 made 1.0 and 1
+        for k in range(2):
+            np.testing.assert_array_equal(res[f"broadcast/{k}/0"], np.ones((2, 3), np.float32))
+            assert res[f"broadcast/{k}/1"] == 1
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    code, _, err, _ = launch_workers("train_worker.py", "--steps", 5, "--out", out)
+    assert code == 0, err[-3000:]
+    return [np.load(out / f"rank{r}.npz") for r in range(2)]
+
+
+def test_training_matches_one_process_with_four_devices(trained):
+    # One process, 4 towers, the same global batch of 10 (shards 3, 3, 2, 2)
+    # and the same pairing of towers as 2 workers x 2 devices.
+    want = train_worker.reference(CPU_DEVICES[:4], 5, groups=[[0, 1], [2, 3]])
+    start = [train_worker.initial_weights(seed) for seed in (0, 1)]
+    for r, got in enumerate(trained):
+        for k in range(2):
+            for n in range(4):
+                w = got[f"{k}/{n}"]
+                # Same weights up to float32 rounding of the sum order.
+                np.testing.assert_allclose(w, want[n], rtol=1e-6, atol=1e-7,
+                                           err_msg=f"rank {r} tower {k} variable {n}")
+                np.testing.assert_array_equal(w, trained[0][f"0/{n}"])  # replicas agree
+    # Training moved the weights, from rank 0's initial values, not rank 1's.
+    assert all(np.abs(want[n] - start[0][n]).max() > 0.05 for n in range(4))
+    assert np.abs(want[0] - start[1][0]).max() > 0.5
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    pids = tmp_path_factory.mktemp("pids")
+    result = launch_workers(
+        "train_worker.py", "--steps", 40, "--die-at", 3, "--die-rank", 1,
+        "--step-seconds", 0.3, "--ckpt", ckpt, "--timeout", 30, "--pid-dir", pids)
+    left = [int(p.name) for p in pids.iterdir() if alive(int(p.name))]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return result, ckpt, len(list(pids.iterdir())), left
+
+
+def test_killed_worker_fails_the_run_fast_and_cleanly(killed):
+    (code, out, err, seconds), _, started, left = killed
+    assert started == 2 and left == [], f"processes left running: {left}"
+    assert code == 128 + signal.SIGKILL, err[-3000:]
+    assert "[worker 1] rank 1: killing myself at step 3" in out
+    assert re.search(r"\[launch\] worker 1 was killed by SIGKILL", err)
+    # The survivor names the lost worker and exits by itself, well before
+    # its 30 s collective timeout and the launcher's grace period.
+    assert re.search(r"\[worker 0\] tfreduce\.cluster\.WorkerLostError: worker 0 "
+                     r"\(127\.0\.0\.1:\d+\): lost worker 1 \(127\.0\.0\.1:\d+\): it does not "
+                     r"answer", err), err[-3000:]
+    assert "stopping worker" not in err
+    assert seconds < 60
+
+
+def test_resume_continues_from_the_last_checkpoint(killed, trained, tmp_path):
+    _, ckpt, _, _ = killed
+    code, out, err, _ = launch_workers("train_worker.py", "--steps", 5, "--ckpt", ckpt,
+                                       "--resume", "--out", tmp_path)
+    assert code == 0, err[-3000:]
+    assert re.search(r"\[worker 0\] rank 0: restored .*ckpt-3 at step 3", out), out
+    assert "[worker 1] rank 1: step 4 done" in out and "step 1 done" not in out
+    for r in range(2):
+        got = np.load(tmp_path / f"rank{r}.npz")
+        for key in got.files:
+            np.testing.assert_array_equal(got[key], trained[r][key], err_msg=key)

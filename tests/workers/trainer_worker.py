@@ -1,0 +1,135 @@
+"""ReplicatedTrainer on one worker of a cluster, or on one process for reference.
+
+Under TF_CONFIG (tests/test_multiworker.py starts it through the launcher),
+each worker builds a ``ReplicatedTrainer`` (cluster="auto") on K logical CPU
+devices and fits one epoch of 53 examples in global batches of 10 (shards 3,
+3, 2, 2 over 2 x 2 towers; the last batch of 3 is smaller than the 4 towers
+and skipped: 5 steps). Every rank starts from other random weights, so only
+the broadcast from rank 0 makes them agree. Then it evaluates and predicts
+on all the data and writes ``rank<r>.npz``. ``fit_reference`` runs the same
+fit in one process with 4 towers, what the cluster must reproduce.
+
+``--logdir DIR`` gives rank r the directory DIR/rank<r> for summaries and
+checkpoints (only rank 0 may write there); ``--resume`` restores rank 0's
+latest checkpoint before fitting up to ``--epochs``.
+"""
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+FEATURES, HIDDEN, CLASSES = 8, 16, 3
+EXAMPLES, GLOBAL_BATCH = 53, 10
+
+
+def data():
+    """x [53, 8] float32 and y [53] int32 class labels."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(EXAMPLES, FEATURES)).astype(np.float32)
+    return x, (x[:, 0] + x[:, 1] > 0).astype(np.int32) + (x[:, 2] > 1).astype(np.int32)
+
+
+def make_model(seed):
+    """A dense classifier with BatchNormalization, weights drawn from `seed`."""
+    return keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(
+                HIDDEN,
+                activation="relu",
+                kernel_initializer=keras.initializers.GlorotUniform(seed=seed),
+                bias_initializer=keras.initializers.RandomNormal(seed=seed + 1),
+            ),
+            keras.layers.BatchNormalization(momentum=0.5),
+            keras.layers.Dense(
+                CLASSES, kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 2)
+            ),
+        ]
+    )
+
+
+def make_trainer(devices, seed, cluster, **options):
+    from tfreduce import ReplicatedTrainer
+
+    return ReplicatedTrainer(
+        lambda: make_model(seed),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        devices=devices,
+        cluster=cluster,
+        **options,
+    )
+
+
+def run(trainer, epochs, logdir):
+    """Fits, evaluates and predicts; returns a dict of results."""
+    x, y = data()
+    history = trainer.fit(
+        x,
+        y,
+        epochs=epochs,
+        batch_size=GLOBAL_BATCH,
+        seed=3,
+        logdir=logdir,
+        checkpoint_dir=None if logdir is None else os.path.join(logdir, "ckpt"),
+        verbose=0,
+    )
+    results = trainer.evaluate(x, y, batch_size=16)
+    out = {
+        "step": trainer.step,
+        "loss": np.array(history["loss"]),
+        "accuracy": np.array(history["accuracy"]),
+        "eval_loss": results["loss"],
+        "eval_accuracy": results["accuracy"],
+        "predict": trainer.predict(x, batch_size=16),
+    }
+    for k, model in enumerate(trainer.models):
+        for n, v in enumerate(model.variables):
+            out[f"{k}/{n}"] = v.numpy()
+    return out
+
+
+def fit_reference(devices, epochs=1):
+    """One process with len(devices) towers, hierarchical over pairs."""
+    trainer = make_trainer(
+        devices, 0, None, algorithm="hierarchical", groups=[[0, 1], [2, 3]]
+    )
+    return run(trainer, epochs, None)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--logdir", default=None)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--out", required=True, help="directory for rank<r>.npz")
+    args = parser.parse_args(argv)
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * args.devices
+    )
+    from tfreduce.cluster import Cluster
+
+    rank = Cluster.from_tf_config().rank
+    devices = [f"/cpu:{k}" for k in range(args.devices)]
+    # Every rank starts from other weights: only the broadcast makes them agree.
+    trainer = make_trainer(devices, rank, "auto", algorithm="flat")
+    assert trainer.cluster.rank == rank and trainer.is_chief == (rank == 0)
+    logdir = None if args.logdir is None else os.path.join(args.logdir, f"rank{rank}")
+    if args.resume:
+        restored = trainer.restore(os.path.join(logdir, "ckpt"))
+        print(f"rank {rank}: restored {restored} at step {trainer.step}", flush=True)
+    out = run(trainer, args.epochs, logdir)
+    np.savez(os.path.join(args.out, f"rank{rank}.npz"), **out)
+    print(f"rank {rank}: finished at step {trainer.step}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,694 @@
+"""The cluster of a multi-worker run: TF_CONFIG, the worker's server, failures.
+
+A multi-worker run is W processes ("workers"), usually one per machine, each
+with its own K devices. They find each other through the standard
+``TF_CONFIG`` environment variable, the one MultiWorkerMirroredStrategy
+reads::
+
+    TF_CONFIG='{"cluster": {"worker": ["host0:2222", "host1:2222"]},
+                "task": {"type": "worker", "index": 1}}'
+
+``Cluster`` parses and checks it without side effects, so a mistake (no task,
+an index out of range, a malformed address) is reported before anything
+listens. ``start()`` then starts this worker's TensorFlow gRPC server inside
+the TF2 eager context and configures TF's collective runtime, with task 0 as
+the group leader that matches up the members of every collective group;
+``start_server()`` does the same for a ``tf.compat.v1.Session``. From then on
+this worker's devices are named ``/job:worker/replica:0/task:<i>/device:...``
+and the cross-worker collectives of ``tfreduce.multiworker`` run over that
+server. ``detect_lost_workers()`` turns the error of a collective whose peer
+has died into a ``WorkerLostError`` that names the lost workers.
+
+Security: TensorFlow's gRPC server has no authentication and no encryption,
+and it listens on every network interface of the machine (``0.0.0.0``),
+whatever host TF_CONFIG names. Anyone who can reach its port can run any
+operation in the worker. Run a cluster only on a trusted, firewalled network.
+"""
+
+import contextlib
+import json
+import os
+import re
+import socket
+import time
+
+import tensorflow as tf
+# Private but long-standing TF API, the one MultiWorkerMirroredStrategy uses:
+# there is no public way to give the eager context a server.
+from tensorflow.python.eager import context
+
+from tfreduce.contract import normalize_device
+from tfreduce.nccl_ops import CollectiveKeys
+
+__all__ = ["Cluster", "WorkerLostError", "parse_tf_config", "DEFAULT_TIMEOUT"]
+
+#: Seconds a collective waits for its peers before it fails (Cluster default).
+#: It bounds how long survivors wait for a worker that hangs or vanishes
+#: without closing its connections; a worker whose process dies is usually
+#: detected within a second, because its peers' connections are refused.
+DEFAULT_TIMEOUT = 300.0
+
+# TF_CONFIG jobs that take part in the all-reduce, in rank order: a chief,
+# when there is one, is rank 0, as in MultiWorkerMirroredStrategy.
+_JOBS = ("chief", "worker")
+
+# Cross-worker instance keys start above the range that
+# CollectiveKeys.for_call draws per-call keys from (1 .. 2**30), so that a
+# local collective reduction and the cross-worker one never share a key.
+_FIRST_CROSS_WORKER_KEY = 2 ** 30 + 1
+
+_HOSTNAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
+
+# Errors a collective reports when a peer is gone, hangs or restarted.
+_COLLECTIVE_FAILURES = (
+    tf.errors.UnavailableError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.AbortedError,
+    tf.errors.CancelledError,
+    tf.errors.FailedPreconditionError,
+)
+
+
+def _tf_reason(error):
+    """The line of a TF error message that says what happened to the collective."""
+    lines = [line.strip() for line in str(error.message or "").splitlines()]
+    lines = [line for line in lines if line and not line.startswith(("[[", "Detected at"))
+             and line != "Graph execution error:"]
+    for line in lines:
+        if "Collective" in line or "collective" in line:
+            return line
+    return lines[0] if lines else ""
+
+
+class WorkerLostError(RuntimeError):
+    """A cross-worker collective failed because a worker is lost or stuck.
+
+    Attributes:
+      lost: list of str, the workers that did not answer a probe after the
+        failure, e.g. ``["worker 1 (10.0.0.2:2222)"]``; empty when every
+        worker answered (the collective then timed out on a worker that is
+        alive but stuck or far slower than the others).
+      error: the ``tf.errors.OpError`` the collective raised.
+    """
+
+    def __init__(self, message, lost, error):
+        super().__init__(message)
+        self.lost = lost
+        self.error = error
+
+
+def _parse_address(address, where):
+    """Checks one ``host:port`` (or ``[v6]:port``) address; returns (host, port)."""
+    if not isinstance(address, str):
+        raise TypeError(
+            f"{where} must be a 'host:port' string, got {type(address).__name__} "
+            f"{address!r}")
+    hint = "give 'host:port', e.g. '10.0.0.1:2222' or 'localhost:2222'"
+    if "://" in address:
+        raise ValueError(f"{where} {address!r} has a scheme: {hint} (no 'grpc://')")
+    if address.startswith("["):
+        host, sep, port = address[1:].partition("]:")
+        valid_host = bool(host) and ":" in host and all(
+            c in "0123456789abcdefABCDEF:." for c in host)
+    else:
+        host, sep, port = address.rpartition(":")
+        valid_host = bool(_HOSTNAME.match(host))
+    if not sep:
+        raise ValueError(f"{where} {address!r} has no port: {hint}")
+    if not valid_host:
+        raise ValueError(f"{where} {address!r} has no valid host name or IP before "
+                         f"the port: {hint}")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{where} {address!r}: port {port!r} is not a number in "
+                         f"1..65535: {hint}")
+    return host, int(port)
+
+
+def _check_cluster_spec(spec):
+    """Validates the ``cluster`` part of TF_CONFIG; returns a clean copy."""
+    if not isinstance(spec, dict):
+        raise TypeError(
+            f"TF_CONFIG 'cluster' must map job names to lists of 'host:port' "
+            f"addresses, e.g. {{\"worker\": [\"host0:2222\", \"host1:2222\"]}}, got "
+            f"{type(spec).__name__} {spec!r}")
+    others = sorted(set(spec) - set(_JOBS))
+    if others:
+        raise ValueError(
+            f"TF_CONFIG cluster has jobs {others}; tfreduce's synchronous "
+            f"all-reduce runs among 'worker' tasks (and at most one 'chief'), "
+            f"so remove them (parameter servers and evaluators take no part)")
+    clean = {}
+    seen = {}
+    for job in _JOBS:
+        if job not in spec:
+            continue
+        addresses = spec[job]
+        if isinstance(addresses, str) or not isinstance(addresses, (list, tuple)):
+            raise TypeError(
+                f"TF_CONFIG cluster[{job!r}] must be a list of 'host:port' "
+                f"addresses, got {type(addresses).__name__} {addresses!r}")
+        if not addresses:
+            raise ValueError(f"TF_CONFIG cluster[{job!r}] is empty: list one "
+                             f"address per {job} task or leave the job out")
+        if job == "chief" and len(addresses) != 1:
+            raise ValueError(
+                f"TF_CONFIG cluster['chief'] lists {len(addresses)} addresses "
+                f"{list(addresses)!r}; a cluster has at most one chief")
+        for i, address in enumerate(addresses):
+            where = f"TF_CONFIG cluster[{job!r}][{i}]"
+            host, port = _parse_address(address, where)
+            key = (host.lower(), port)
+            if key in seen:
+                raise ValueError(
+                    f"{where} {address!r} is the address of {seen[key]} too: "
+                    f"every task needs its own host:port")
+            seen[key] = f"{job} {i}"
+        clean[job] = list(addresses)
+    if not clean:
+        raise ValueError(
+            "TF_CONFIG cluster lists no 'worker' (or 'chief') tasks: give e.g. "
+            "{\"worker\": [\"host0:2222\", \"host1:2222\"]}")
+    return clean
+
+
+def parse_tf_config(tf_config=None):
+    """Parses and checks a TF_CONFIG, before anything is started.
+
+    Args:
+      tf_config: the TF_CONFIG as a JSON string or a dict; None reads the
+        ``TF_CONFIG`` environment variable.
+
+    Returns:
+      (cluster_spec, task_type, task_index): a dict mapping "worker" (and
+      "chief", if present) to lists of "host:port" strings, the str job of
+      this task and its int index in that job.
+
+    Raises:
+      ValueError: TF_CONFIG unset or not JSON; no "cluster" or "task"; a job
+        other than "worker" and "chief"; more than one chief; an empty job; a
+        malformed or repeated address; a task type not in the cluster or an
+        index out of range; an "rpc_layer" other than "grpc".
+      TypeError: a part of TF_CONFIG has the wrong JSON type (the task index
+        must be an int, the addresses strings).
+    """
+    if tf_config is None:
+        tf_config = os.environ.get("TF_CONFIG", "")
+        if not tf_config.strip():
+            raise ValueError(
+                "TF_CONFIG is not set: on each host set it to the cluster and this "
+                "host's task, e.g. TF_CONFIG='{\"cluster\": {\"worker\": "
+                "[\"host0:2222\", \"host1:2222\"]}, \"task\": {\"type\": \"worker\", "
+                "\"index\": 0}}', or try it on one machine with "
+                "'python -m tfreduce.launch --workers 2 -- python your_script.py'")
+    if isinstance(tf_config, str):
+        try:
+            tf_config = json.loads(tf_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"TF_CONFIG is not valid JSON ({e.msg} at line {e.lineno} column "
+                f"{e.colno}): {tf_config[:200]!r}") from None
+    if not isinstance(tf_config, dict):
+        raise TypeError(f"TF_CONFIG must be a JSON object with 'cluster' and 'task', "
+                        f"got {type(tf_config).__name__} {tf_config!r}")
+    if "cluster" not in tf_config:
+        raise ValueError(f"TF_CONFIG has no 'cluster' (keys: {sorted(tf_config)}): "
+                         f"give the addresses of all workers")
+    spec = _check_cluster_spec(tf_config["cluster"])
+    rpc_layer = tf_config.get("rpc_layer", "grpc") or "grpc"
+    if rpc_layer != "grpc":
+        raise ValueError(f"TF_CONFIG rpc_layer {rpc_layer!r} is not supported; "
+                         f"TF's collectives run over 'grpc'")
+    task = tf_config.get("task")
+    if task is None:
+        raise ValueError(
+            f"TF_CONFIG has no 'task': say which of the cluster's tasks this process "
+            f"is, e.g. \"task\": {{\"type\": \"worker\", \"index\": 0}} (the cluster "
+            f"is {spec})")
+    if not isinstance(task, dict):
+        raise TypeError(f"TF_CONFIG 'task' must be an object like {{\"type\": "
+                        f"\"worker\", \"index\": 0}}, got {task!r}")
+    for field in ("type", "index"):
+        if field not in task:
+            raise ValueError(f"TF_CONFIG task {task!r} has no {field!r}: give e.g. "
+                             f"{{\"type\": \"worker\", \"index\": 0}}")
+    task_type, index = task["type"], task["index"]
+    if task_type not in spec:
+        raise ValueError(f"TF_CONFIG task type {task_type!r} is not a job of the "
+                         f"cluster, which has {sorted(spec)}")
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TypeError(f"TF_CONFIG task index must be an int, got "
+                        f"{type(index).__name__} {index!r}")
+    count = len(spec[task_type])
+    if not 0 <= index < count:
+        raise ValueError(
+            f"TF_CONFIG task index {index} is out of range: the cluster has {count} "
+            f"{task_type} task{'s' if count != 1 else ''} (indices 0..{count - 1})")
+    return spec, task_type, index
+
+
+class Cluster:
+    """This worker's view of a multi-worker cluster, and its TF server.
+
+    Constructing a Cluster only checks its arguments; nothing listens until
+    ``start()`` (TF2) or ``start_server()`` (``tf.compat.v1``). Every worker
+    builds its Cluster from the same cluster spec, so the cross-worker
+    collective keys it hands out (``keys``) agree across workers as long as
+    every worker builds the same reductions in the same order, which is the
+    case when they all run the same program.
+
+    Ranks: the chief (if the spec has one) is rank 0, then the workers in
+    index order. Rank 0 leads TF's collective group resolution and, by
+    tfreduce's convention, is the only one that writes checkpoints and logs.
+
+    Args:
+      cluster_spec: dict mapping "worker" (and optionally "chief") to lists
+        of "host:port" addresses, TF_CONFIG's "cluster".
+      task_type: str, "worker" or "chief", this process's job.
+      task_index: int, this process's index in its job.
+      timeout: float seconds > 0; how long a cross-worker collective waits
+        for its peers before failing with DeadlineExceededError.
+
+    Attributes:
+      cluster_spec: dict, a copy of the validated spec.
+      task_type: str.
+      task_index: int.
+      timeout: float seconds.
+      keys: CollectiveKeys, the instance keys of cross-worker collectives.
+
+    Raises:
+      ValueError, TypeError: as ``parse_tf_config``, or a bad timeout.
+    """
+
+    def __init__(self, cluster_spec, task_type, task_index, timeout=DEFAULT_TIMEOUT):
+        spec, task_type, task_index = parse_tf_config(
+            {"cluster": cluster_spec, "task": {"type": task_type, "index": task_index}})
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not timeout > 0):
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        self.cluster_spec = spec
+        self.task_type = task_type
+        self.task_index = task_index
+        self.timeout = float(timeout)
+        self.keys = CollectiveKeys(first_instance_key=_FIRST_CROSS_WORKER_KEY)
+        self._tasks = [(job, i) for job in _JOBS for i in range(len(spec.get(job, [])))]
+        self._mode = None
+
+    @classmethod
+    def from_tf_config(cls, tf_config=None, timeout=DEFAULT_TIMEOUT):
+        """Builds the Cluster described by TF_CONFIG.
+
+        Args:
+          tf_config: JSON string or dict; None reads the environment variable.
+          timeout: float seconds, see the class.
+
+        Returns:
+          Cluster.
+
+        Raises:
+          ValueError, TypeError: see ``parse_tf_config``.
+        """
+        spec, task_type, task_index = parse_tf_config(tf_config)
+        return cls(spec, task_type, task_index, timeout=timeout)
+
+    def __repr__(self):
+        return (f"Cluster({self.describe(self.rank)} of {self.num_workers}, "
+                f"timeout={self.timeout:g}s)")
+
+    # ------------------------------------------------------------------ topology
+
+    @property
+    def num_workers(self):
+        """int W, the number of tasks taking part (chief and workers)."""
+        return len(self._tasks)
+
+    @property
+    def rank(self):
+        """int in 0..W-1, this task's place in the rank order."""
+        return self._tasks.index((self.task_type, self.task_index))
+
+    @property
+    def is_chief(self):
+        """True for rank 0, the task that writes checkpoints and logs."""
+        return self.rank == 0
+
+    def task_name(self, rank=None):
+        """The TF device prefix of a task, e.g. "/job:worker/replica:0/task:1".
+
+        Args:
+          rank: int rank, or None for this task.
+        """
+        job, index = self._tasks[self.rank if rank is None else rank]
+        return f"/job:{job}/replica:0/task:{index}"
+
+    def address(self, rank=None):
+        """The "host:port" of a task (None: this task)."""
+        job, index = self._tasks[self.rank if rank is None else rank]
+        return self.cluster_spec[job][index]
+
+    def describe(self, rank):
+        """A task as messages name it, e.g. "worker 1 (10.0.0.2:2222)"."""
+        job, index = self._tasks[rank]
+        return f"{job} {index} ({self.cluster_spec[job][index]})"
+
+    def device(self, device, where="device"):
+        """Names one of this worker's devices in full.
+
+        ``"/gpu:1"`` on worker 2 becomes ``"/job:worker/replica:0/task:2/
+        device:GPU:1"``. Full names keep each worker's ops on its own devices
+        and give equal local device lists on different workers different
+        collective group keys.
+
+        Args:
+          device: str, a device of this worker, with or without its job and
+            task ("/job:localhost" is taken as this worker).
+          where: str, how to name the device in an error message.
+
+        Returns:
+          str, the canonical full device name.
+
+        Raises:
+          ValueError: if the string is malformed or names another task.
+          TypeError: if it is not a string.
+        """
+        spec = tf.DeviceSpec.from_string(normalize_device(device, where))
+        job, index = self._tasks[self.rank]
+        if spec.job in (None, "localhost"):
+            if spec.task not in (None, 0) or spec.replica not in (None, 0):
+                raise ValueError(
+                    f"{where} {device!r} names replica {spec.replica} task "
+                    f"{spec.task} of no job; this process is {self.task_name()}")
+        elif (spec.job, spec.task if spec.task is not None else index) != (job, index) or (
+                spec.replica not in (None, 0)):
+            raise ValueError(
+                f"{where} {device!r} is not a device of this process, which is "
+                f"{self.task_name()} ({self.describe(self.rank)}): a worker "
+                f"reduces its own devices; the other workers pass theirs")
+        return spec.replace(job=job, replica=0, task=index).to_string()
+
+    def devices(self, devices):
+        """``device`` applied to a list; returns the list of full names."""
+        return [self.device(d, where=f"devices[{k}]") for k, d in enumerate(devices)]
+
+    def batch_slice(self, batch_size, towers_per_worker):
+        """This worker's part of a global batch: (start, stop) indices.
+
+        The global batch of B examples is cut into T = W * K tower shards of
+        sizes differing by at most one, the first B % T shards one example
+        larger (the split of ``ReplicatedTrainer`` applied to all T towers);
+        worker of rank r takes the K consecutive shards r*K .. r*K+K-1. Its
+        part, split again over its K towers the same way, gives every tower
+        its shard of the global split. Example: B=10, W=2, K=2 gives shards
+        3, 3, 2, 2: rank 0 takes (0, 6), rank 1 (6, 10).
+
+        Args:
+          batch_size: int B >= W * K, the global batch size.
+          towers_per_worker: int K >= 1, the towers of each worker.
+
+        Returns:
+          (int, int), start and stop of this worker's examples.
+
+        Raises:
+          ValueError: if B < W * K (some tower would get no example) or K < 1.
+        """
+        if isinstance(towers_per_worker, bool) or not isinstance(towers_per_worker, int) or (
+                towers_per_worker < 1):
+            raise ValueError(f"towers_per_worker must be an int >= 1, got "
+                             f"{towers_per_worker!r}")
+        towers = self.num_workers * towers_per_worker
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or (
+                batch_size < towers):
+            raise ValueError(
+                f"global batch size {batch_size!r} is smaller than the {towers} "
+                f"towers ({self.num_workers} workers x {towers_per_worker}): every "
+                f"tower needs at least one example")
+        base, extra = divmod(batch_size, towers)
+
+        def start_of(tower):
+            return tower * base + min(tower, extra)
+
+        first = self.rank * towers_per_worker
+        return start_of(first), start_of(first + towers_per_worker)
+
+    def group_key(self, local_devices):
+        """The collective group key of one device per worker.
+
+        Args:
+          local_devices: list of str, a device on every worker named without
+            its job and task (the same name on each), e.g. ["/device:CPU:0"];
+            the group holds that device of every task, in rank order.
+
+        Returns:
+          int, the same on every worker.
+        """
+        members = []
+        for rank in range(self.num_workers):
+            for d in local_devices:
+                spec = tf.DeviceSpec.from_string(d)
+                members.append(self.task_name(rank) + "/device:"
+                               f"{spec.device_type}:{spec.device_index}")
+        return CollectiveKeys.group_key(members)
+
+    # ------------------------------------------------------------------ servers
+
+    def _session_settings(self, config):
+        """Collective settings every server of this cluster needs, into config."""
+        config.experimental.collective_group_leader = self.task_name(0)
+        # A worker sees only its own devices: it then needs no other worker
+        # to be up to start, and never places an op on another worker.
+        del config.device_filters[:]
+        config.device_filters.append(self.task_name())
+        return config
+
+    def session_config(self, config=None):
+        """A ``tf.compat.v1.ConfigProto`` for this worker's sessions.
+
+        Args:
+          config: ConfigProto to start from (copied, not changed), e.g. one
+            with ``device_count={"CPU": K}``; None for an empty one.
+
+        Returns:
+          ConfigProto with the collective group leader (rank 0) and a device
+          filter that keeps the session on this worker's devices.
+        """
+        out = tf.compat.v1.ConfigProto()
+        if config is not None:
+            out.CopyFrom(config)
+        return self._session_settings(out)
+
+    def _server_def(self, config):
+        return tf.train.ServerDef(
+            cluster=tf.train.ClusterSpec(self.cluster_spec).as_cluster_def(),
+            job_name=self.task_type, task_index=self.task_index, protocol="grpc",
+            default_session_config=config)
+
+    def _check_port(self):
+        # TF's gRPC server listens on 0.0.0.0:port whatever the host, and
+        # reports a taken port only as "Could not start gRPC server".
+        port = _parse_address(self.address(), "address")[1]
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # As gRPC does: a port whose last connections linger in TIME_WAIT is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError as e:
+            raise ValueError(
+                f"{self.describe(self.rank)}: port {port} cannot be opened on this "
+                f"host ({e.strerror}): another process holds it; free it or give "
+                f"this task another port in TF_CONFIG") from None
+        finally:
+            probe.close()
+
+    def start(self):
+        """Starts this worker's server in the TF2 eager context.
+
+        Call it early, after configuring logical devices
+        (``tf.config.set_logical_device_configuration``) and before creating
+        tensors or models: from then on the local devices are named
+        ``/job:<job>/replica:0/task:<i>/device:...``. It also works once
+        TensorFlow has initialised (TF then warns that tensors created before
+        may fail), keeping the logical devices configured. The server lives
+        until the process exits (TF servers cannot be stopped).
+
+        Returns:
+          self.
+
+        Raises:
+          RuntimeError: if ``start_server()`` was called in this process.
+          ValueError: if this task's port cannot be opened.
+        """
+        if self._mode == "eager":
+            return self
+        if self._mode is not None:
+            raise RuntimeError("start(): this Cluster already started a "
+                               "tf.compat.v1 server with start_server()")
+        self._check_port()
+        ctx = context.context()
+        # The context's config carries the logical device configuration.
+        server_def = self._server_def(self._session_settings(ctx.config))
+        ctx.enable_collective_ops(server_def)
+        ctx.ensure_initialized()
+        self._mode = "eager"
+        return self
+
+    def start_server(self, config=None):
+        """Starts this worker's server for ``tf.compat.v1`` sessions.
+
+        Open sessions on it with
+        ``tf.compat.v1.Session(server.target, config=cluster.session_config(config))``
+        and build graphs whose ops run on this worker's devices
+        (``cluster.devices([...])``).
+
+        Args:
+          config: ConfigProto for the server's devices (e.g.
+            ``device_count={"CPU": K}``); see ``session_config``.
+
+        Returns:
+          tf.distribute.Server, started.
+
+        Raises:
+          RuntimeError: if ``start()`` or ``start_server()`` already ran.
+          ValueError: if this task's port cannot be opened.
+        """
+        if self._mode is not None:
+            raise RuntimeError(f"start_server(): this Cluster already started a "
+                               f"server ({self._mode})")
+        self._check_port()
+        server = tf.distribute.Server(
+            tf.train.ClusterSpec(self.cluster_spec), job_name=self.task_type,
+            task_index=self.task_index, protocol="grpc",
+            config=self.session_config(config), start=True)
+        self._mode = "session"
+        return server
+
+    # ------------------------------------------------------------------ the end
+
+    def finish(self, session=None, linger=0.5):
+        """Waits until every worker gets here; call it on each before exiting.
+
+        A worker that exits as soon as its own last collective is done can
+        break a peer that is still finishing that collective (it still needs
+        an answer from the exited worker's server: seen here as "Socket
+        closed" on the peer). ``finish`` runs one all-reduce of a scalar over
+        every worker: once it completes on a worker, every worker has
+        entered it, so every earlier collective is done everywhere. It then
+        waits ``linger`` seconds, for the answers of this last all-reduce
+        still on their way to the peers. ``ReplicatedTrainer.fit`` in a
+        cluster should end with it.
+
+        Args:
+          session: the ``tf.compat.v1.Session`` on this worker's server
+            after ``start_server()``; None after ``start()``.
+          linger: float seconds to wait after the barrier.
+
+        Raises:
+          WorkerLostError: a worker is lost or does not arrive in time.
+          RuntimeError: no server started, or a session is missing/extra.
+        """
+        if self._mode is None:
+            raise RuntimeError("finish(): start the cluster first (start() or "
+                               "start_server())")
+        if (session is None) != (self._mode == "eager"):
+            raise RuntimeError(
+                "finish(): pass the tf.compat.v1 Session after start_server(), and "
+                "no session after start()")
+        device = self.task_name() + "/device:CPU:0"
+        group_key = self.group_key(["/device:CPU:0"])
+
+        def build():
+            with tf.name_scope("cluster_finish"), tf.device(device):
+                return tf.raw_ops.CollectiveReduceV2(
+                    input=tf.constant(1, tf.int32), group_size=self.num_workers,
+                    group_key=group_key, instance_key=self.keys.instance_key(),
+                    ordering_token=[], merge_op="Add", final_op="Id",
+                    timeout_seconds=self.timeout, name="barrier")
+
+        with self.detect_lost_workers():
+            if session is None:
+                arrived = tf.function(build, autograph=False)()
+            else:
+                with session.graph.as_default():
+                    arrived = session.run(build())
+        assert int(arrived) == self.num_workers, arrived
+        time.sleep(linger)
+
+    # ------------------------------------------------------------------ failures
+
+    def unreachable_workers(self, probe_timeout=5.0):
+        """The other tasks that do not answer now.
+
+        After ``start()`` each peer is asked through TF's collective health
+        check, which also notices a peer that restarted; otherwise a TCP
+        connection to its port is attempted.
+
+        Args:
+          probe_timeout: float seconds to wait for each peer.
+
+        Returns:
+          list of int ranks.
+        """
+        lost = []
+        for rank in range(self.num_workers):
+            if rank != self.rank and not self._answers(rank, probe_timeout):
+                lost.append(rank)
+        return lost
+
+    def _answers(self, rank, probe_timeout):
+        if self._mode == "eager":
+            try:
+                context.context().check_collective_ops_peer_health(
+                    self.task_name(rank), timeout_in_ms=int(probe_timeout * 1000))
+                return True
+            except tf.errors.OpError:
+                return False
+        host, port = _parse_address(self.address(rank), "address")
+        try:
+            socket.create_connection((host, port), timeout=probe_timeout).close()
+            return True
+        except OSError:
+            return False
+
+    @contextlib.contextmanager
+    def detect_lost_workers(self, probe_timeout=5.0):
+        """Turns the failure of a cross-worker collective into a WorkerLostError.
+
+        Wrap each call that runs collectives (a training step, a broadcast)::
+
+            with cluster.detect_lost_workers():      # tfreduce:
+                loss = train_step(x, y)
+
+        When a peer dies, TF fails the collective with UnavailableError
+        (within about a second: its connections are refused) or, for a peer
+        that hangs or whose host vanished, DeadlineExceededError after the
+        cluster's timeout. The peers are then probed and the error names the
+        ones that do not answer. Other errors pass through unchanged.
+
+        Args:
+          probe_timeout: float seconds to wait for each peer's answer.
+
+        Raises:
+          WorkerLostError: from the collective's ``tf.errors.OpError``.
+        """
+        try:
+            yield
+        except _COLLECTIVE_FAILURES as e:
+            lost = self.unreachable_workers(probe_timeout)
+            if not lost and not isinstance(e, tf.errors.DeadlineExceededError):
+                raise
+            names = [self.describe(r) for r in lost]
+            first_line = _tf_reason(e)
+            if names:
+                message = (
+                    f"{self.describe(self.rank)}: lost {', '.join(names)}: "
+                    f"{'it does' if len(names) == 1 else 'they do'} not answer, and "
+                    f"the all-reduce cannot go on without "
+                    f"{'it' if len(names) == 1 else 'them'}. Stop every worker, "
+                    f"restart them all and resume from the last checkpoint. "
+                    f"(TF: {type(e).__name__}: {first_line})")
+            else:
+                message = (
+                    f"{self.describe(self.rank)}: a collective waited {self.timeout:g}s "
+                    f"for its peers and every worker still answers: one of them is "
+                    f"stuck, much slower, or running a different program (other "
+                    f"models, shapes or number of steps). "
+                    f"(TF: {type(e).__name__}: {first_line})")
+            raise WorkerLostError(message, names, e) from e

@@ -1,0 +1,276 @@
+"""Traffic analysis: which bytes a built reduction moves between devices.
+
+A TensorFlow graph moves data between devices wherever an op placed on
+device B reads a tensor produced on device A: the runtime inserts one
+Send/Recv pair per (tensor, receiving device), shared by every op on B that
+reads it. ``analyze_traffic`` counts exactly those transfers in a built
+graph, without running it, so the cost model of an algorithm (bytes per link,
+length of the critical path) can be read off and tested:
+
+- flat, K devices, gradients in K equal buffers of S/K bytes: each ordered
+  pair of devices carries 2/K * S, each device sends 2(K-1)/K * S;
+- hierarchical, K=8, two groups of four, 8 equal buffers: each device sends
+  and receives 1.75 * S, S/2 to each device of its group and S/4 to its
+  partner in the other group, nothing to the other three;
+- ring: 2(K-1)/K * S from each device to its successor and nothing else.
+
+Engines that move data inside one op (``NcclAllReduce``,
+``CollectiveReduceV2``) have no cross-device edges in the graph: their
+traffic is invisible here and reported as zero bytes.
+"""
+
+import collections
+
+import tensorflow as tf
+
+__all__ = ["Traffic", "analyze_traffic"]
+
+
+class Traffic:
+    """Cross-device transfers of a built reduction (see ``analyze_traffic``).
+
+    Attributes:
+      pair_bytes: dict ``(src, dst) -> int``, bytes sent from device src to
+        device dst (canonical device strings), counting transfers of static
+        size only.
+      pair_transfers: dict ``(src, dst) -> int``, number of tensors sent.
+      unsized_transfers: int, transfers whose size is not known statically
+        (counted in ``pair_transfers``, not in ``pair_bytes``).
+      num_ops: int, ops in the reduction.
+      ops_per_device: dict ``device -> int``; unplaced ops under ``""``.
+      op_types: dict ``op type -> int``.
+      longest_hop_chain: int, the largest number of cross-device transfers
+        on any path through the graph (2 for flat, 4 for hierarchical,
+        2(K-1) for ring).
+    """
+
+    def __init__(self, pair_bytes, pair_transfers, unsized_transfers, num_ops,
+                 ops_per_device, op_types, longest_hop_chain):
+        self.pair_bytes = pair_bytes
+        self.pair_transfers = pair_transfers
+        self.unsized_transfers = unsized_transfers
+        self.num_ops = num_ops
+        self.ops_per_device = ops_per_device
+        self.op_types = op_types
+        self.longest_hop_chain = longest_hop_chain
+
+    @property
+    def devices(self):
+        """Sorted list of the placed devices that hold ops or move bytes."""
+        names = {d for d in self.ops_per_device if d}
+        for src, dst in self.pair_transfers:
+            names.update((src, dst))
+        return sorted(names)
+
+    @property
+    def total_bytes(self):
+        """int, bytes over all device pairs."""
+        return sum(self.pair_bytes.values())
+
+    def sent(self, device):
+        """Bytes sent by ``device`` (canonical string) to all others."""
+        return sum(b for (src, _), b in self.pair_bytes.items() if src == device)
+
+    def received(self, device):
+        """Bytes received by ``device`` (canonical string) from all others."""
+        return sum(b for (_, dst), b in self.pair_bytes.items() if dst == device)
+
+    def as_dict(self):
+        """A JSON-serialisable summary (pairs as ``"src -> dst"`` keys)."""
+        return {
+            "num_ops": self.num_ops,
+            "total_bytes": self.total_bytes,
+            "longest_hop_chain": self.longest_hop_chain,
+            "unsized_transfers": self.unsized_transfers,
+            "sent": {d: self.sent(d) for d in self.devices},
+            "received": {d: self.received(d) for d in self.devices},
+            "pair_bytes": {f"{s} -> {d}": b for (s, d), b in sorted(self.pair_bytes.items())},
+            "ops_per_device": dict(sorted(self.ops_per_device.items())),
+        }
+
+    def __repr__(self):
+        return (f"Traffic(num_ops={self.num_ops}, total_bytes={self.total_bytes}, "
+                f"pairs={len(self.pair_bytes)}, longest_hop_chain={self.longest_hop_chain})")
+
+
+def analyze_traffic(target, inputs=None):
+    """Counts the bytes a built reduction sends between each pair of devices.
+
+    Works on the graph alone (nothing runs). An edge from an op on device A
+    to an op on device B is a transfer A -> B of the tensor's static size;
+    a tensor read by several ops on B is sent to B once, as TF's graph
+    partitioner does. Control edges carry no data and are not counted.
+
+    Example, flat sum of K=2 towers and one float32 gradient of 4 elements
+    (root device 0)::
+
+        out = tfreduce.allreduce_grads_flat(grads, ["/gpu:0", "/gpu:1"])
+        t = analyze_traffic(out, inputs=grads)
+        t.pair_bytes  # {("/device:GPU:1", "/device:GPU:0"): 16,
+                      #  ("/device:GPU:0", "/device:GPU:1"): 16}
+        t.longest_hop_chain  # 2: in to the root, out to device 1
+
+    Args:
+      target: what to analyse; either the outputs of a reduction (a tensor,
+        ``tf.IndexedSlices`` or nested lists/tuples of them, such as the K x N
+        result; None entries are ignored), whose ops are found by walking back
+        from them, or a whole graph (``tf.Graph``, a ``tf.function``'s
+        concrete function or its ``.graph``), all of whose ops count.
+      inputs: for outputs only; tensors (nested lists allowed, e.g. the K x N
+        input gradients) at which the backward walk stops. Their producing
+        ops are not counted as ops of the reduction, but transfers out of
+        them are. None walks back to the graph's sources.
+
+    Returns:
+      Traffic.
+
+    Raises:
+      TypeError: if ``target`` or ``inputs`` holds something that is not a
+        tensor, IndexedSlices or None.
+      ValueError: if ``target`` holds no tensor.
+    """
+    graph = _as_graph(target)
+    if graph is not None:
+        if inputs is not None:
+            raise ValueError("inputs= applies to outputs; a whole graph is analysed as is")
+        ops = list(graph.get_operations())
+        stop = set()
+    else:
+        outputs = _tensors(target, "target")
+        if not outputs:
+            raise ValueError("target holds no tensor: pass the outputs of a reduction "
+                             "or a graph")
+        stop = {t.op for t in _tensors(inputs, "inputs")} if inputs is not None else set()
+        ops = _walk_back([t.op for t in outputs], stop)
+
+    devices = {}
+
+    def device_of(op):
+        if op not in devices:
+            devices[op] = _canonical(op.device)
+        return devices[op]
+
+    pair_bytes = collections.Counter()
+    pair_transfers = collections.Counter()
+    unsized = 0
+    seen = set()
+    for op in ops:
+        dst = device_of(op)
+        for t in op.inputs:
+            src = device_of(t.op)
+            if not src or not dst or src == dst or (t.name, dst) in seen:
+                continue
+            seen.add((t.name, dst))
+            pair_transfers[(src, dst)] += 1
+            size = _static_bytes(t)
+            if size is None:
+                unsized += 1
+            else:
+                pair_bytes[(src, dst)] += size
+
+    return Traffic(
+        pair_bytes=dict(pair_bytes),
+        pair_transfers=dict(pair_transfers),
+        unsized_transfers=unsized,
+        num_ops=len(ops),
+        ops_per_device=dict(collections.Counter(device_of(op) for op in ops)),
+        op_types=dict(collections.Counter(op.type for op in ops)),
+        longest_hop_chain=_longest_chain(ops, device_of))
+
+
+def _as_graph(target):
+    if isinstance(target, tf.Graph):
+        return target
+    if isinstance(target, (list, tuple, tf.Tensor, tf.IndexedSlices, tf.Operation)):
+        return None
+    graph = getattr(target, "graph", None)  # a ConcreteFunction
+    return graph if isinstance(graph, tf.Graph) else None
+
+
+def _tensors(nested, what):
+    out = []
+    stack = [nested]
+    while stack:
+        item = stack.pop()
+        if item is None:
+            continue
+        if isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+        elif isinstance(item, tf.IndexedSlices):
+            out.extend(t for t in (item.values, item.indices, item.dense_shape)
+                       if t is not None)
+        elif isinstance(item, tf.Tensor) and hasattr(item, "op"):
+            out.append(item)
+        else:
+            raise TypeError(
+                f"{what} must hold graph tensors, tf.IndexedSlices or None (nested in "
+                f"lists), got {type(item).__name__}; build the reduction in a "
+                f"tf.function or a tf.Graph")
+    return out
+
+
+def _walk_back(start, stop):
+    found = []
+    seen = set()
+    stack = [op for op in start if op not in stop]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        found.append(op)
+        for t in op.inputs:
+            if t.op not in stop and t.op not in seen:
+                stack.append(t.op)
+        for dep in op.control_inputs:
+            if dep not in stop and dep not in seen:
+                stack.append(dep)
+    return found
+
+
+def _canonical(device):
+    if not device:
+        return ""
+    return tf.DeviceSpec.from_string(device).to_string()
+
+
+def _static_bytes(tensor):
+    shape = tensor.shape
+    if not shape.is_fully_defined():
+        return None
+    return shape.num_elements() * tensor.dtype.size
+
+
+def _longest_chain(ops, device_of):
+    # hops[op] = most cross-device transfers on a path ending at op; inputs
+    # from outside the analysed ops start at 0. Iterative post-order DFS,
+    # since reductions can be thousands of ops deep (ring, large K).
+    members = set(ops)
+    hops = {}
+    visiting = set()
+    for root in ops:
+        if root in hops:
+            continue
+        stack = [(root, False)]
+        while stack:
+            op, expanded = stack.pop()
+            if op in hops:
+                continue
+            if not expanded:
+                visiting.add(op)
+                stack.append((op, True))
+                # A loop's back edge (NextIteration) points at an op still
+                # being visited; skipping it keeps the walk acyclic.
+                stack.extend((t.op, False) for t in op.inputs
+                             if t.op in members and t.op not in hops
+                             and t.op not in visiting)
+                continue
+            best = 0
+            for t in op.inputs:
+                src = t.op
+                crossing = bool(device_of(src) and device_of(op)
+                                and device_of(src) != device_of(op))
+                best = max(best, hops.get(src, 0) + crossing)
+            hops[op] = best
+            visiting.discard(op)
+    return max(hops.values(), default=0)
