@@ -16,6 +16,14 @@ Data, all local (nothing is downloaded):
 prints the test accuracy and training images/s, and writes TensorBoard logs,
 checkpoints (continue a run with --resume) and a PNG of the training curves
 under --logdir.
+
+Several workers (processes, usually one per machine) train together when
+TF_CONFIG describes their cluster; on one machine the launcher sets it up:
+
+    python -m tfreduce.launch --workers 2 -- python examples/image_classification.py
+
+Each worker then runs K towers, --batch-size is the global batch split over
+all workers' towers, and only worker 0 writes logs, checkpoints and curves.
 """
 
 import argparse
@@ -283,8 +291,16 @@ def main(argv=None):
     parser, args = parse_args(argv)
     try:
         devices = configure_devices(args.devices)
-    except ValueError as error:
+        # tfreduce: one worker of a multi-worker run when TF_CONFIG is set.
+        cluster = tfreduce.Cluster.from_tf_config() if os.environ.get("TF_CONFIG") else None
+    except (TypeError, ValueError) as error:
         parser.error(str(error))
+    if cluster is not None:
+        # Started before any tensor exists (datasets included): from here on
+        # this worker's devices carry its job and task in their names.
+        cluster.start()  # tfreduce:
+    workers = cluster.num_workers if cluster is not None else 1
+    towers = workers * len(devices)
     try:
         if args.dataset == "digits":
             train, test, num_classes = load_digits(args.seed)
@@ -292,7 +308,7 @@ def main(argv=None):
             train, test, num_classes = load_mnist(args.seed)
         else:
             train, test, num_classes = load_folder(
-                args.dataset, args.image_size, args.batch_size, len(devices), args.seed, args.limit
+                args.dataset, args.image_size, args.batch_size, towers, args.seed, args.limit
             )
     except (FileNotFoundError, ValueError) as error:
         parser.error(str(error))
@@ -304,8 +320,9 @@ def main(argv=None):
     else:
         input_shape = tuple(train.element_spec[0].shape[1:])
         num_train, num_test = None, None
-    if args.batch_size < len(devices):
-        parser.error(f"--batch-size {args.batch_size} is smaller than --devices {len(devices)}")
+    if args.batch_size < towers:
+        what = f"--devices {len(devices)}" + (f" x {workers} workers" if cluster else "")
+        parser.error(f"--batch-size {args.batch_size} is smaller than {what}")
 
     trainer = ReplicatedTrainer(  # tfreduce:
         model_fn=lambda: make_model(input_shape, num_classes, args.seed),
@@ -313,6 +330,7 @@ def main(argv=None):
         optimizer_fn=lambda: keras.optimizers.Adam(args.lr),
         devices=devices,
         algorithm=args.algorithm,
+        cluster=cluster,  # tfreduce: None trains in this process only
     )
     algorithm = args.algorithm
     if algorithm == "auto":
@@ -323,6 +341,11 @@ def main(argv=None):
         else "images from a folder"
     )
     print(f"{args.dataset}: {size}, {num_classes} classes, input {tuple(input_shape)}")
+    if cluster is not None:
+        print(
+            f"worker {cluster.rank} of {workers} ({towers} towers in all); "
+            + ("it writes logs and checkpoints" if trainer.is_chief else "worker 0 writes logs")
+        )
     print(
         f"{len(devices)} devices {trainer.devices}, all-reduce {algorithm}, "
         f"global batch {args.batch_size}"
@@ -332,22 +355,25 @@ def main(argv=None):
     history_path = os.path.join(args.logdir, "history.json")
     history = []
     if args.resume:
-        if tf.train.latest_checkpoint(checkpoint_dir) is None:
+        # Only worker 0 reads the checkpoint; the others receive its values.
+        if trainer.is_chief and tf.train.latest_checkpoint(checkpoint_dir) is None:
             parser.error(
                 f"--resume: no checkpoint in {checkpoint_dir!r}; run once without --resume first"
             )
         restored = trainer.restore(checkpoint_dir)
-        print(f"resumed from {restored} at step {trainer.step}")
-        if os.path.exists(history_path):
+        print(f"resumed from {restored or 'worker 0'} at step {trainer.step}")
+        if trainer.is_chief and os.path.exists(history_path):
             with open(history_path) as f:
                 history = json.load(f)
-    os.makedirs(args.logdir, exist_ok=True)
+    if trainer.is_chief:
+        os.makedirs(args.logdir, exist_ok=True)
 
     def record(epoch, logs):
         # The history file lets the curves of a resumed run cover every epoch.
         history[:] = [h for h in history if h["epoch"] < epoch] + [logs]
-        with open(history_path, "w") as f:
-            json.dump(history, f, indent=1)
+        if trainer.is_chief:
+            with open(history_path, "w") as f:
+                json.dump(history, f, indent=1)
 
     fit_args = dict(
         epochs=args.epochs,
@@ -376,6 +402,8 @@ def main(argv=None):
     if steady:
         epochs = f"{len(steady)} epoch" + ("s" if len(steady) > 1 else "")
         print(f"training images/s: {np.mean(steady):.0f} (mean over {epochs})")
+    if not trainer.is_chief:
+        return 0
     print(f"TensorBoard logs in {args.logdir}, checkpoints in {checkpoint_dir}")
     if history:
         curves = os.path.join(args.logdir, "curves.png")

@@ -4,6 +4,8 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -164,3 +166,31 @@ def test_bad_arguments(example, tmp_path, capsys):
     with pytest.raises(SystemExit):
         example.main(["--resume", "--logdir", str(tmp_path / "empty")])
     assert "--resume: no checkpoint in" in capsys.readouterr().err
+
+
+def test_two_workers_under_the_launcher(tmp_path):
+    """Two worker processes on 127.0.0.1: the same results, one writer."""
+    logdir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "tfreduce.launch", "--workers", "2", "--timeout", "150", "--",
+        sys.executable, EXAMPLE, "--devices", "2", "--epochs", "1", "--limit", "200",
+        "--logdir", str(logdir), "--quiet",
+    ]
+    # The launcher stops its workers at --timeout; this bounds the launcher.
+    run = subprocess.run(command, capture_output=True, text=True, timeout=200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    accuracy = [
+        re.search(rf"\[worker {r}\] test accuracy: ([0-9.]+)", run.stdout).group(1)
+        for r in range(2)
+    ]
+    assert accuracy[0] == accuracy[1], run.stdout
+    assert "[worker 1] worker 1 of 2 (4 towers in all); worker 0 writes logs" in run.stdout
+    assert "[worker 1] TensorBoard logs" not in run.stdout
+    # One writer: one event file and checkpoint 1 only (two would make ckpt-2).
+    names = sorted(os.listdir(logdir))
+    assert sum(n.startswith("events.out") for n in names) == 1, names
+    assert sorted(os.listdir(logdir / "checkpoints")) == [
+        "checkpoint", "ckpt-1.data-00000-of-00001", "ckpt-1.index",
+    ]
+    with open(logdir / "history.json") as f:
+        assert [h["epoch"] for h in json.load(f)] == [1]

@@ -14,7 +14,11 @@ limit here (which stops the launcher, and so its workers, if it is reached):
 - a worker killed mid-run: the survivor names it and exits on its own, the
   launcher exits non-zero, no process is left; restarting both with
   ``--resume`` continues from rank 0's last checkpoint to the same weights
-  as the uninterrupted run.
+  as the uninterrupted run;
+- ``ReplicatedTrainer`` on 2 workers x 2 devices (BatchNorm, SGD with
+  momentum, uneven shards, a skipped small last batch) gives the weights,
+  losses, evaluation and predictions of 1 process with 4 devices, resumes
+  from rank 0's checkpoint, and only rank 0 writes.
 """
 
 import json
@@ -41,6 +45,7 @@ WORKERS = Path(__file__).parent / "workers"
 sys.path.insert(0, str(WORKERS))
 import reduce_worker  # noqa: E402
 import train_worker  # noqa: E402
+import trainer_worker  # noqa: E402
 
 SPEC = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
 GPUS = [f"/gpu:{k}" for k in range(4)]
@@ -376,3 +381,60 @@ def test_resume_continues_from_the_last_checkpoint(killed, trained, tmp_path):
         got = np.load(tmp_path / f"rank{r}.npz")
         for key in got.files:
             np.testing.assert_array_equal(got[key], trained[r][key], err_msg=key)
+
+
+# ------------------------------------------------------------------ ReplicatedTrainer
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    """One epoch on 2 workers x 2 devices, then a resumed second epoch."""
+    logdir = tmp_path_factory.mktemp("trainer_logs")
+    first, second = tmp_path_factory.mktemp("epoch1"), tmp_path_factory.mktemp("epoch2")
+    code, out, err, _ = launch_workers("trainer_worker.py", "--out", first, "--logdir", logdir)
+    assert code == 0, err[-3000:]
+    resumed = launch_workers("trainer_worker.py", "--out", second, "--logdir", logdir,
+                             "--epochs", 2, "--resume")
+    assert resumed[0] == 0, resumed[2][-3000:]
+    return ([np.load(first / f"rank{r}.npz") for r in range(2)],
+            [np.load(second / f"rank{r}.npz") for r in range(2)], resumed[1], logdir)
+
+
+def assert_matches(got, want, rank):
+    """A worker's results equal one process's with 4 towers, up to sum order."""
+    assert int(got["step"]) == int(want["step"])
+    for key in got.files:
+        if key == "step":
+            continue
+        expected = want[key]
+        if key in ("loss", "accuracy"):  # the history of the epochs this run trained
+            expected = expected[len(expected) - len(got[key]):]
+        np.testing.assert_allclose(got[key], expected, rtol=1e-5, atol=2e-5,
+                                   err_msg=f"rank {rank} {key}")
+
+
+def test_trainer_on_two_workers_matches_one_process_with_four_devices(trainer_runs):
+    first, _, _, _ = trainer_runs
+    # 53 examples in batches of 10 over 4 towers: 5 steps (shards 3, 3, 2, 2;
+    # rank 0 trains on 6 examples, rank 1 on 4), the last 3 skipped.
+    want = trainer_worker.fit_reference(CPU_DEVICES[:4])
+    assert want["step"] == 5
+    start = trainer_worker.make_model(1).variables
+    for r, got in enumerate(first):
+        assert_matches(got, want, r)
+        for key in got.files:  # every tower of both workers holds one replica
+            np.testing.assert_array_equal(got[key], first[0][key], err_msg=f"rank {r} {key}")
+    # Rank 1 started from other weights; the broadcast from rank 0 replaced them.
+    assert np.abs(first[1]["0/0"] - start[0].numpy()).max() > 0.1
+
+
+def test_trainer_resume_reads_rank_0_checkpoint_and_only_rank_0_writes(trainer_runs):
+    _, second, out, logdir = trainer_runs
+    assert re.search(r"\[worker 0\] rank 0: restored .*ckpt-1 at step 5", out), out
+    assert "[worker 1] rank 1: restored None at step 5" in out
+    want = trainer_worker.fit_reference(CPU_DEVICES[:4], epochs=2)
+    for r, got in enumerate(second):
+        assert_matches(got, want, r)
+    assert sorted(os.listdir(logdir)) == ["rank0"]
+    assert tf.train.latest_checkpoint(logdir / "rank0" / "ckpt").endswith("ckpt-2")
+    assert any(n.startswith("events.out.tfevents") for n in os.listdir(logdir / "rank0"))

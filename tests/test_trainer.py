@@ -426,3 +426,11 @@ def test_mismatched_inputs_and_missing_checkpoint(tmp_path):
 def test_negative_bcast_period():
     with pytest.raises(ValueError, match=r"bcast_period must be an int >= 0 .* got -1"):
         ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2], bcast_period=-1)
+
+
+def test_cluster_argument(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    trainer = ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2])  # cluster="auto"
+    assert trainer.cluster is None and trainer.is_chief
+    with pytest.raises(TypeError, match='cluster must be "auto", None or a tfreduce.Cluster'):
+        ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2], cluster="worker:0")

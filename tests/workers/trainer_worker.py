@@ -55,7 +55,7 @@ def make_model(seed):
 
 
 def make_trainer(devices, seed, cluster, **options):
-    from tfreduce import ReplicatedTrainer
+    from tfreduce.trainer import ReplicatedTrainer
 
     return ReplicatedTrainer(
         lambda: make_model(seed),
