@@ -11,6 +11,12 @@ setup(
     python_requires=">=3.9",
     # tf.summary needs tensorboard, which TF no longer installs itself.
     install_requires=["tensorflow>=2.16", "numpy", "tensorboard"],
+    entry_points={
+        "console_scripts": [
+            "tfreduce-bench = tfreduce.bench:main",
+            "tfreduce-launch = tfreduce.launch:main",
+        ],
+    },
     extras_require={
         "test": ["pytest", "tensorpack", "scikit-learn", "mlxtend", "matplotlib", "tqdm"],
         "tensorpack": ["tensorpack"],

@@ -236,3 +236,16 @@ def test_split_and_merge_grad_list_round_trip():
     assert grads == [[0.0] * 3, [1.0] * 3]
     assert variables == [["v0", "v1", "v2"]] * 2
     assert tfreduce.merge_grad_list(grads, variables) == pairs
+
+
+def test_import_is_lazy_and_exports_resolve():
+    # `python -m tfreduce.launch` must start workers without importing TF.
+    import subprocess
+    import sys
+    code = ("import sys, tfreduce; assert 'tensorflow' not in sys.modules; "
+            "import tfreduce.launch; assert 'tensorflow' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    for name in tfreduce.__all__:
+        assert getattr(tfreduce, name) is not None
+    with pytest.raises(AttributeError, match="module 'tfreduce' has no attribute 'nope'"):
+        tfreduce.nope

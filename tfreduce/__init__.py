@@ -5,40 +5,52 @@ Every reduction takes the per-tower gradients as a K x N list
 as a K x N list whose element [k][n] is placed on ``devices[k]``, built as an
 explicit, device-placed TensorFlow subgraph. Importing tfreduce changes
 nothing in TensorFlow.
+
+The public names are loaded on first use (PEP 562), so that
+``python -m tfreduce.launch``, which needs only the standard library, starts
+its workers without first importing TensorFlow and Keras.
 """
 
-from tfreduce.allreduce import ALGORITHMS, allreduce_grads, choose_algorithm
-from tfreduce.cluster import Cluster, WorkerLostError
-from tfreduce.contract import merge_grad_list, split_grad_list
-from tfreduce.hierarchical import allreduce_grads_hierarchical, default_groups
-from tfreduce.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
-from tfreduce.nccl_ops import CollectiveKeys, allreduce_grads_collective, allreduce_grads_nccl
-from tfreduce.replicated import (allreduce_grads_flat, broadcast_variables,
-                                 max_replica_difference)
-from tfreduce.ring import allreduce_grads_ring
-from tfreduce.traffic import Traffic, analyze_traffic
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ALGORITHMS",
-    "Cluster",
-    "CollectiveKeys",
-    "Traffic",
-    "WorkerLostError",
-    "allreduce_grads",
-    "allreduce_grads_collective",
-    "allreduce_grads_flat",
-    "allreduce_grads_hierarchical",
-    "allreduce_grads_multiworker",
-    "allreduce_grads_nccl",
-    "allreduce_grads_ring",
-    "analyze_traffic",
-    "broadcast_variables",
-    "broadcast_variables_multiworker",
-    "choose_algorithm",
-    "default_groups",
-    "max_replica_difference",
-    "merge_grad_list",
-    "split_grad_list",
-]
+# public name -> the module that owns it
+_EXPORTS = {
+    "ALGORITHMS": "tfreduce.allreduce",
+    "allreduce_grads": "tfreduce.allreduce",
+    "choose_algorithm": "tfreduce.allreduce",
+    "Cluster": "tfreduce.cluster",
+    "WorkerLostError": "tfreduce.cluster",
+    "merge_grad_list": "tfreduce.contract",
+    "split_grad_list": "tfreduce.contract",
+    "allreduce_grads_hierarchical": "tfreduce.hierarchical",
+    "default_groups": "tfreduce.hierarchical",
+    "allreduce_grads_multiworker": "tfreduce.multiworker",
+    "broadcast_variables_multiworker": "tfreduce.multiworker",
+    "CollectiveKeys": "tfreduce.nccl_ops",
+    "allreduce_grads_collective": "tfreduce.nccl_ops",
+    "allreduce_grads_nccl": "tfreduce.nccl_ops",
+    "allreduce_grads_flat": "tfreduce.replicated",
+    "broadcast_variables": "tfreduce.replicated",
+    "max_replica_difference": "tfreduce.replicated",
+    "allreduce_grads_ring": "tfreduce.ring",
+    "Traffic": "tfreduce.traffic",
+    "analyze_traffic": "tfreduce.traffic",
+    "ReplicatedTrainer": "tfreduce.trainer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tfreduce' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
