@@ -19,6 +19,7 @@ __all__ = [
     "split_grad_list",
     "merge_grad_list",
     "is_gpu",
+    "nbytes",
 ]
 
 
@@ -94,6 +95,22 @@ def normalize_devices(devices, num_towers=None):
                 f"its own device")
         seen[d] = k
     return out
+
+
+def nbytes(tensor):
+    """Static size of a tensor's (or IndexedSlices' values') data in bytes.
+
+    Unknown dimensions count as 1, so a tensor of unknown shape weighs at
+    least one element; this only steers load balancing.
+    """
+    if isinstance(tensor, tf.IndexedSlices):
+        tensor = tensor.values
+    shape = tensor.shape
+    count = 1
+    if shape.rank is not None:
+        for d in shape:
+            count *= d if d is not None else 1
+    return count * tensor.dtype.size
 
 
 def is_gpu(device):

@@ -17,7 +17,8 @@ divides by K once, on the device that forms the total.
 
 from tfreduce.contract import validate_groups
 from tfreduce.driver import run_allreduce
-from tfreduce.primitives import RootBalancer, broadcast, finish_sum, nbytes, reduce_to, sum_order
+from tfreduce.contract import nbytes
+from tfreduce.primitives import RootBalancer, broadcast, finish_sum, reduce_to, sum_order
 
 import tensorflow as tf
 

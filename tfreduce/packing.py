@@ -16,18 +16,20 @@ pass through unpacked.
 
 import tensorflow as tf
 
-from tfreduce.primitives import nbytes
+from tfreduce.contract import nbytes
 
 __all__ = ["DEFAULT_PACK_BYTES", "PackPlan"]
 
 #: The recommended ``pack_bytes``: gradients under 64 KiB are fused. Chosen
-#: with ``tfreduce-bench`` (K=8 logical CPU devices, ResNet50's 214 tensors,
-#: mean): at 102 MB per tower it was the fastest of 16 KiB..16 MiB for flat
-#: and hierarchical (packing copies every packed byte twice, concat and split,
-#: which pays only for small tensors whose per-op cost exceeds the copy; 4 MiB
-#: and more were slower than no packing); with the tensors shrunk to 1 MB it
-#: was as fast as any larger size (3x faster than unpacked). Links between
-#: GPUs may favour larger buffers: pass ``pack_bytes=`` to choose.
+#: with ``tfreduce-bench --pack-bytes 16KiB,64KiB,256KiB,1MiB,4MiB`` (K=8
+#: logical CPU devices, ResNet50's 214 tensors, mean). At 102 MB per tower it
+#: was the fastest size for flat (23% faster than unpacked) and as fast as
+#: 256 KiB-1 MiB for hierarchical; 4 MiB and more were no faster than no
+#: packing, since packing copies every packed byte twice (concat and split),
+#: which pays only for tensors small enough that per-op cost dominates. With
+#: the tensors shrunk to 1 MB, every size from 64 KiB up was 3x faster than
+#: unpacked. The ring, whose op count grows as K^2 per buffer, and links
+#: between GPUs favour larger buffers: pass ``pack_bytes=`` to choose.
 DEFAULT_PACK_BYTES = 64 * 2**10
 
 

@@ -21,9 +21,10 @@ their mean does not; accumulating in float32 avoids that and rounds only once.
 
 import tensorflow as tf
 
+from tfreduce.contract import nbytes
+
 __all__ = [
     "accumulation_dtype",
-    "nbytes",
     "reduce_to",
     "finish_sum",
     "broadcast",
@@ -44,22 +45,6 @@ _HALF = (tf.float16, tf.bfloat16)
 def accumulation_dtype(dtype):
     """The dtype sums are formed in: float32 for float16/bfloat16, else dtype."""
     return tf.float32 if dtype in _HALF else dtype
-
-
-def nbytes(tensor):
-    """Static size of a tensor's (or IndexedSlices' values') data in bytes.
-
-    Unknown dimensions count as 1, so a tensor of unknown shape weighs at
-    least one element; this only steers load balancing.
-    """
-    if isinstance(tensor, tf.IndexedSlices):
-        tensor = tensor.values
-    shape = tensor.shape
-    count = 1
-    if shape.rank is not None:
-        for d in shape:
-            count *= d if d is not None else 1
-    return count * tensor.dtype.size
 
 
 def reduce_to(tensors, device, name):

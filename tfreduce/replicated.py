@@ -17,7 +17,8 @@ the copies have drifted apart.
 import tensorflow as tf
 
 from tfreduce.driver import run_allreduce
-from tfreduce.primitives import RootBalancer, broadcast, finish_sum, nbytes, reduce_to, sum_order
+from tfreduce.contract import nbytes
+from tfreduce.primitives import RootBalancer, broadcast, finish_sum, reduce_to, sum_order
 
 __all__ = ["allreduce_grads_flat", "broadcast_variables", "max_replica_difference"]
 
