@@ -9,10 +9,10 @@ users see, is shared so that all algorithms behave the same.
 
 import tensorflow as tf
 
-from tfreduce.contract import validate_grads
+from tfreduce.contract import nbytes, validate_grads
 from tfreduce.packing import PackPlan
 from tfreduce.primitives import (RootBalancer, broadcast_slices, check_average_dtype,
-                                 gather_slices, nbytes, sum_order)
+                                 gather_slices, sum_order)
 
 __all__ = ["run_allreduce"]
 

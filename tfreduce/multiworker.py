@@ -24,11 +24,11 @@ import tensorflow as tf
 
 from tfreduce.allreduce import ALGORITHMS, allreduce_grads, choose_algorithm
 from tfreduce.cluster import Cluster
-from tfreduce.contract import normalize_devices, validate_grads
+from tfreduce.contract import nbytes, normalize_devices, validate_grads
 from tfreduce.driver import run_allreduce
 from tfreduce.nccl_ops import COMMUNICATIONS, CollectiveKeys
 from tfreduce.primitives import (RootBalancer, accumulation_dtype, broadcast, finish_sum,
-                                 nbytes, sum_order)
+                                 sum_order)
 
 __all__ = ["allreduce_grads_multiworker", "broadcast_variables_multiworker",
            "DEFAULT_PACK_BYTES"]
