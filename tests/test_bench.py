@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from tfreduce import bench
@@ -27,8 +28,8 @@ def test_allreduce_mode_reports_every_contender_correct(tmp_path, capsys):
     want = ({"floor", "inputs", "tf-hierarchical-copy", "tf-reduction-to-one-device"}
             | families | {f"{f}+pack2KiB" for f in families})
     assert set(rows) == want
-    # tensorpack asserts K == 8: skipped here, with the reason.
-    assert "K == 8" in result["skipped"]["tensorpack"]
+    # tensorpack asserts K == 8 (or is not installed): skipped, with the reason.
+    assert result["skipped"]["tensorpack"]
     for name, r in rows.items():
         assert r["median_ms"] > 0 and r["q1_ms"] <= r["median_ms"] <= r["q3_ms"], name
         if name in ("floor", "inputs"):
@@ -88,7 +89,7 @@ def test_train_mode(tmp_path):
 def test_model_shapes_without_downloading():
     shapes = bench.gradient_shapes("resnet50")
     assert len(shapes) == 214
-    assert sum(int(__import__("numpy").prod(s)) for s in shapes) == 25_583_592
+    assert sum(int(np.prod(s)) for s in shapes) == 25_583_592
     shrunk = bench.gradient_shapes("ResNet50", total_bytes=10**6)
     assert len(shrunk) == 214 and all(len(s) == 1 and s[0] >= 1 for s in shrunk)
     assert abs(sum(s[0] for s in shrunk) * 4 - 10**6) < 214 * 4

@@ -921,61 +921,69 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="tfreduce-bench",
         description="Time tfreduce's all-reduce algorithms against tensorpack, "
-                    "tf.distribute and the memory floor on K devices.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "tf.distribute and the memory floor on K devices.")
     parser.add_argument("--mode", choices=MODES, default="allreduce",
-                        help="allreduce: reductions of model gradients; train: "
+                        help="allreduce (default): reductions of model gradients; train: "
                              "ReplicatedTrainer vs MirroredStrategy model.fit; scaling: "
                              "cost over a grid of K and N")
     parser.add_argument("--devices", type=_positive_int, default=8, metavar="K",
-                        help="number of devices (towers)")
+                        help="number of devices (towers); default %(default)s")
     parser.add_argument("--device-type", choices=("cpu", "gpu"), default="cpu",
-                        help="cpu: K logical CPU devices; gpu: the first K GPUs")
+                        help="cpu (default): K logical CPU devices; gpu: the first K GPUs")
     parser.add_argument("--model", default="resnet50",
-                        help="a keras.applications model name (weights=None) or 'synthetic'")
+                        help="a keras.applications model name, built with weights=None, or "
+                             "'synthetic'; default %(default)s")
     parser.add_argument("--num-tensors", type=_positive_int, default=100, metavar="N",
-                        help="number of equal tensors for --model synthetic")
-    parser.add_argument("--total-bytes", type=parse_bytes, default=None,
+                        help="number of equal tensors for --model synthetic; default "
+                             "%(default)s")
+    parser.add_argument("--total-bytes", type=parse_bytes, default=None, metavar="BYTES",
                         help="bytes per tower: rescales the model's tensors to this total "
-                             "(e.g. 1MB), or sizes the synthetic tensors")
+                             "(e.g. 1MB), or sizes the synthetic tensors (default 4KiB each)")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "float64"),
-                        default="float32")
-    parser.add_argument("--reduce", choices=("mean", "sum"), default="mean")
+                        default="float32", help="gradient dtype; default %(default)s")
+    parser.add_argument("--reduce", choices=("mean", "sum"), default="mean",
+                        help="default %(default)s")
     parser.add_argument("--steps", type=_positive_int, default=20,
-                        help="timed rounds; each runs every contender once")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed runs per contender")
-    parser.add_argument("--pack-bytes", default=[DEFAULT_PACK_BYTES],
+                        help="timed rounds, each running every contender once (train mode: "
+                             "steps per round); default %(default)s")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed runs per contender; default %(default)s")
+    parser.add_argument("--pack-bytes", default=[DEFAULT_PACK_BYTES], metavar="BYTES[,BYTES]",
                         type=lambda s: _parse_list(s, parse_bytes, "--pack-bytes"),
-                        help="comma-separated pack sizes of the packed variants")
+                        help="pack sizes of the packed variants; default "
+                             f"{format_bytes(DEFAULT_PACK_BYTES)} (packing.DEFAULT_PACK_BYTES)")
     parser.add_argument("--packing", choices=("both", "on", "off"), default="both",
-                        help="run tfreduce algorithms unpacked, packed, or both")
-    parser.add_argument("--contenders", default=None,
+                        help="run tfreduce algorithms unpacked, packed, or both (default)")
+    parser.add_argument("--contenders", default=None, metavar="NAME[,NAME]",
                         type=lambda s: _parse_list(s, str, "--contenders"),
-                        help=f"comma-separated subset of {','.join(FAMILIES)}")
-    parser.add_argument("--grid-devices", default=None,
+                        help=f"run only these of {','.join(FAMILIES)}; default all")
+    parser.add_argument("--grid-devices", default=None, metavar="K[,K]",
                         type=lambda s: _parse_list(s, _positive_int, "--grid-devices"),
-                        help="train and scaling modes: the K values (default 2,4,8 for train, "
-                             "2,4,8,16,32 for scaling)")
-    parser.add_argument("--grid-tensors", default=None,
+                        help="train and scaling modes: the K values; default 2,4,8 (train), "
+                             "2,4,8,16,32 (scaling)")
+    parser.add_argument("--grid-tensors", default=None, metavar="N[,N]",
                         type=lambda s: _parse_list(s, _positive_int, "--grid-tensors"),
-                        help="scaling mode: the N values (default 10,100,1000)")
-    parser.add_argument("--tensor-bytes", type=parse_bytes, default=1024,
-                        help="scaling mode: bytes per tensor (rounded to 64)")
-    parser.add_argument("--algorithms", default=None,
+                        help="scaling mode: the N values; default 10,100,1000")
+    parser.add_argument("--tensor-bytes", type=parse_bytes, default=1024, metavar="BYTES",
+                        help="scaling mode: bytes per tensor, rounded down to a multiple of "
+                             "64; default 1KiB")
+    parser.add_argument("--algorithms", default=None, metavar="NAME[,NAME]",
                         type=lambda s: _parse_list(s, str, "--algorithms"),
-                        help="scaling mode: tfreduce algorithms, '+pack' for packed "
-                             "(default flat,hierarchical,flat+pack,hierarchical+pack,ring+pack); "
-                             "train mode: the trainer's algorithm (default auto)")
+                        help="scaling mode: tfreduce algorithms, NAME+pack for packed; "
+                             "default flat,hierarchical,flat+pack,hierarchical+pack,ring+pack. "
+                             "train mode: the trainer's algorithm; default auto")
     parser.add_argument("--batch-size", type=_positive_int, default=128,
-                        help="train mode: global batch size")
+                        help="train mode: global batch size; default %(default)s")
     parser.add_argument("--image-size", type=_positive_int, default=28,
-                        help="train mode: side of the square single-channel images")
+                        help="train mode: side of the square one-channel images; default "
+                             "%(default)s")
     parser.add_argument("--rounds", type=_positive_int, default=5,
-                        help="train mode: timed rounds of --steps steps per contender")
+                        help="train mode: timed rounds per contender; default %(default)s")
     parser.add_argument("--no-check", dest="check", action="store_false",
-                        help="skip the correctness and pruning check run")
+                        help="skip the run that checks values and pruning")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
-    parser.add_argument("--png", default=None, metavar="PATH", help="write a bar chart here")
+    parser.add_argument("--png", default=None, metavar="PATH",
+                        help="allreduce mode: write a bar chart here")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     if args.warmup < 0:

@@ -27,7 +27,7 @@ __all__ = ["DEFAULT_PACK_BYTES", "PackPlan"]
 #: 256 KiB-1 MiB for hierarchical; 4 MiB and more were no faster than no
 #: packing, since packing copies every packed byte twice (concat and split),
 #: which pays only for tensors small enough that per-op cost dominates. With
-#: the tensors shrunk to 1 MB, every size from 64 KiB up was 3x faster than
+#: the tensors shrunk to 1 MB, every size from 64 KiB up was about 3x faster than
 #: unpacked. The ring, whose op count grows as K^2 per buffer, and links
 #: between GPUs favour larger buffers: pass ``pack_bytes=`` to choose.
 DEFAULT_PACK_BYTES = 64 * 2**10
