@@ -23,7 +23,7 @@ def graph():
         yield g
 
 
-ALL = ["flat", "hierarchical", "collective", "nccl"]
+ALL = ["flat", "hierarchical", "ring", "collective", "nccl"]
 
 
 @pytest.mark.parametrize("algorithm", ALL)

@@ -36,7 +36,7 @@ import tensorflow as tf
 
 import tfreduce
 from tfreduce.cluster import Cluster
-from tfreduce.multiworker import (DEFAULT_PACK_BYTES, allreduce_grads_multiworker,
+from tfreduce.multiworker import (CROSS_WORKER_PACK_BYTES, allreduce_grads_multiworker,
                                   broadcast_variables_multiworker)
 
 from conftest import CPU_DEVICES
@@ -124,7 +124,7 @@ def test_structure_half_types_cross_in_float32_and_scale_by_all_towers(graph):
     assert [t.dtype for t in out[1]] == [tf.float16, tf.float16]
     casts = [op.name for op in graph.get_operations() if op.name.endswith("_to_float32")]
     assert len(casts) == 2  # one per tower, before the local sum
-    assert DEFAULT_PACK_BYTES == 4 * 1024 * 1024
+    assert CROSS_WORKER_PACK_BYTES == 4 * 1024 * 1024
 
 
 def test_local_collective_keeps_every_local_op_needed(graph):

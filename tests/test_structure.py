@@ -12,6 +12,7 @@ BUILDERS = {
     "hierarchical": tfreduce.allreduce_grads_hierarchical,
     "nccl": tfreduce.allreduce_grads_nccl,
     "collective": tfreduce.allreduce_grads_collective,
+    "ring": tfreduce.allreduce_grads_ring,
 }
 
 
@@ -52,7 +53,7 @@ def test_hierarchical_k8_group_sums_sit_on_paired_roots():
     # DGX-1 pairing), and the two group sums are formed there.
     graph, grads, devices = build_graph(8, [(16,)] * 8)
     with graph.as_default():
-        tfreduce.allreduce_grads_hierarchical(grads, devices)
+        tfreduce.allreduce_grads_hierarchical(grads, devices, pack_bytes=None)
     for n in range(8):
         g0 = graph.get_operation_by_name(f"allreduce_hierarchical/entry{n}_group0_sum")
         g1 = graph.get_operation_by_name(f"allreduce_hierarchical/entry{n}_group1_sum")
@@ -74,7 +75,7 @@ def test_hierarchical_k8_group_sums_sit_on_paired_roots():
 def test_hierarchical_combining_root_alternates_between_groups():
     graph, grads, devices = build_graph(8, [(16,)] * 8)
     with graph.as_default():
-        tfreduce.allreduce_grads_hierarchical(grads, devices)
+        tfreduce.allreduce_grads_hierarchical(grads, devices, pack_bytes=None)
     combiners = [graph.get_operation_by_name(f"allreduce_hierarchical/entry{n}_sum").device
                  for n in range(8)]
     assert combiners == GPU_DEVICES[:4] + GPU_DEVICES[4:]
@@ -83,7 +84,7 @@ def test_hierarchical_combining_root_alternates_between_groups():
 def test_hierarchical_average_divides_once_per_variable():
     graph, grads, devices = build_graph(8, [(16,)] * 5)
     with graph.as_default():
-        tfreduce.allreduce_grads_hierarchical(grads, devices, average=True)
+        tfreduce.allreduce_grads_hierarchical(grads, devices, average=True, pack_bytes=None)
     scales = [op for op in graph.get_operations() if op.type == "Mul"]
     assert len(scales) == 5
 
@@ -91,7 +92,7 @@ def test_hierarchical_average_divides_once_per_variable():
 def test_flat_average_divides_once_per_variable():
     graph, grads, devices = build_graph(4, [(16,)] * 6)
     with graph.as_default():
-        tfreduce.allreduce_grads_flat(grads, devices, average=True)
+        tfreduce.allreduce_grads_flat(grads, devices, average=True, pack_bytes=None)
     assert len([op for op in graph.get_operations() if op.type == "Mul"]) == 6
 
 
@@ -102,7 +103,7 @@ def test_flat_roots_balance_bytes_not_count():
     shapes = [(4,)] * 3 + [(1000,)] + [(4,)] * 3
     graph, grads, devices = build_graph(2, shapes)
     with graph.as_default():
-        tfreduce.allreduce_grads_flat(grads, devices)
+        tfreduce.allreduce_grads_flat(grads, devices, pack_bytes=None)
     roots = [graph.get_operation_by_name(f"allreduce_flat/entry{n}_sum").device
              for n in range(7)]
     assert roots[3] == GPU_DEVICES[0]
@@ -112,7 +113,7 @@ def test_flat_roots_balance_bytes_not_count():
 def test_flat_equal_sizes_rotate_roots_like_tensorpack():
     graph, grads, devices = build_graph(4, [(8,)] * 8)
     with graph.as_default():
-        tfreduce.allreduce_grads_flat(grads, devices)
+        tfreduce.allreduce_grads_flat(grads, devices, pack_bytes=None)
     roots = [graph.get_operation_by_name(f"allreduce_flat/entry{n}_sum").device
              for n in range(8)]
     assert roots == [GPU_DEVICES[n % 4] for n in range(8)]
@@ -122,7 +123,7 @@ def test_hierarchical_uneven_groups_roots_in_each_group():
     groups = [[0, 1, 2], [3, 4], [5]]
     graph, grads, devices = build_graph(6, [(8,)] * 3)
     with graph.as_default():
-        tfreduce.allreduce_grads_hierarchical(grads, devices, groups=groups)
+        tfreduce.allreduce_grads_hierarchical(grads, devices, groups=groups, pack_bytes=None)
     for n in range(3):
         for gi, group in enumerate(groups):
             op = graph.get_operation_by_name(f"allreduce_hierarchical/entry{n}_group{gi}_sum")
@@ -141,7 +142,7 @@ def test_default_groups():
 def test_nccl_builds_one_allreduce_per_device_and_variable():
     graph, grads, devices = build_graph(4, [(3,), (5,)])
     with graph.as_default():
-        tfreduce.allreduce_grads_nccl(grads, devices=devices)
+        tfreduce.allreduce_grads_nccl(grads, devices=devices, pack_bytes=None)
     nccl = [op for op in graph.get_operations() if op.type == "NcclAllReduce"]
     assert len(nccl) == 8
     assert sorted(op.device for op in nccl) == sorted(GPU_DEVICES[:4] * 2)
@@ -152,7 +153,8 @@ def test_collective_ops_share_keys_and_are_chained_per_device():
     graph, grads, devices = build_graph(3, [(3,), (5,), (7,)])
     keys = tfreduce.CollectiveKeys(first_instance_key=100)
     with graph.as_default():
-        tfreduce.allreduce_grads_collective(grads, devices, keys=keys, communication="ring")
+        tfreduce.allreduce_grads_collective(grads, devices, keys=keys, communication="ring",
+                                            pack_bytes=None)
     ops = [op for op in graph.get_operations() if op.type == "CollectiveReduceV2"]
     assert len(ops) == 9
     for n in range(3):

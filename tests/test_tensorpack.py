@@ -23,7 +23,9 @@ def test_hierarchical_equals_tensorpack_for_k8(average):
         for k, d in enumerate(CPU_DEVICES):
             with tf.device(d):
                 grads.append([tf.constant(a) for a in arrays[k]])
-        ours = tfreduce.allreduce_grads_hierarchical(grads, CPU_DEVICES, average=average)
+        # Unpacked, so that both build one reduction per variable.
+        ours = tfreduce.allreduce_grads_hierarchical(grads, CPU_DEVICES, average=average,
+                                                     pack_bytes=None)
         theirs = tensorpack_utils.allreduce_grads_hierarchical(grads, CPU_DEVICES,
                                                                average=average)
         with tf.compat.v1.Session(graph=graph, config=v1_session_config()) as sess:

@@ -17,6 +17,7 @@ divides by K once, on the device that forms the total.
 
 from tfreduce.contract import validate_groups
 from tfreduce.driver import run_allreduce
+from tfreduce.packing import DEFAULT_PACK_BYTES
 from tfreduce.contract import nbytes
 from tfreduce.primitives import RootBalancer, broadcast, finish_sum, reduce_to, sum_order
 
@@ -44,7 +45,7 @@ def default_groups(num_devices):
 
 
 def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=None,
-                                 pack_bytes=None, sparse_as_dense=False):
+                                 pack_bytes=DEFAULT_PACK_BYTES, sparse_as_dense=False):
     """All-reduces K x N gradients inside groups, then across the group roots.
 
     Same name and first arguments as tensorpack's
@@ -75,7 +76,9 @@ def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=
       average: bool; divide by K once per gradient, where the total is formed.
       groups: list of lists of device indices that covers 0..K-1 exactly once,
         e.g. ``[[0, 1, 2, 3], [4, 5, 6, 7]]``; default ``default_groups(K)``.
-      pack_bytes: int bytes or None; see packing.PackPlan.
+      pack_bytes: int bytes or None; gradients under this size are packed
+        into buffers of about this size (packing.PackPlan); default
+        ``packing.DEFAULT_PACK_BYTES`` (64 KiB); None or 0 packs nothing.
       sparse_as_dense: bool; reduce ``tf.IndexedSlices`` as dense tensors
         instead of gathering their rows on one device.
 

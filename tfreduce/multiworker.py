@@ -31,12 +31,12 @@ from tfreduce.primitives import (RootBalancer, accumulation_dtype, broadcast, fi
                                  sum_order)
 
 __all__ = ["allreduce_grads_multiworker", "broadcast_variables_multiworker",
-           "DEFAULT_PACK_BYTES"]
+           "CROSS_WORKER_PACK_BYTES"]
 
 #: Default buffer size for packing before the cross-worker all-reduce. Each
 #: collective between hosts pays a network round trip or more, so small
 #: gradients are fused into buffers of this size (see packing.PackPlan).
-DEFAULT_PACK_BYTES = 4 * 1024 * 1024
+CROSS_WORKER_PACK_BYTES = 4 * 1024 * 1024
 
 # Options of the local algorithm that this function decides itself.
 _OWN_OPTIONS = ("pack_bytes", "sparse_as_dense", "devices", "average")
@@ -85,7 +85,7 @@ def _ordering_token(device, group_key):
 
 def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=None,
                                 local_algorithm="auto", local_options=None,
-                                pack_bytes=DEFAULT_PACK_BYTES, communication="auto",
+                                pack_bytes=CROSS_WORKER_PACK_BYTES, communication="auto",
                                 keys=None, timeout=None):
     """All-reduces the gradients of every tower of every worker.
 

@@ -19,6 +19,7 @@ from tensorflow.python.ops import nccl_ops as _tf_nccl
 
 from tfreduce.contract import is_gpu
 from tfreduce.driver import run_allreduce
+from tfreduce.packing import DEFAULT_PACK_BYTES
 from tfreduce.primitives import accumulation_dtype, scale_by_reciprocal
 
 __all__ = ["allreduce_grads_nccl", "allreduce_grads_collective", "CollectiveKeys",
@@ -35,7 +36,7 @@ def _require_gpus(devices):
             f"algorithm='collective', 'flat' or 'hierarchical' there")
 
 
-def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=None,
+def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=DEFAULT_PACK_BYTES,
                          sparse_as_dense=False):
     """All-reduces K x N gradients with NCCL ``all_sum`` (GPUs only).
 
@@ -57,7 +58,9 @@ def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=None
         each tower first multiplies its gradient by 1/K (Horovod's prescale):
         float16 sums cannot overflow where their mean does not.
       devices: list of K GPU device strings, or None for the tensors' devices.
-      pack_bytes: int bytes or None; see packing.PackPlan.
+      pack_bytes: int bytes or None; gradients under this size are packed
+        into buffers of about this size (packing.PackPlan); default
+        ``packing.DEFAULT_PACK_BYTES`` (64 KiB); None or 0 packs nothing.
       sparse_as_dense: bool; reduce IndexedSlices densely with NCCL.
 
     Returns:
@@ -132,7 +135,7 @@ class CollectiveKeys:
 
 
 def allreduce_grads_collective(all_grads, devices=None, average=False, communication="auto",
-                               pack_bytes=None, sparse_as_dense=False, keys=None,
+                               pack_bytes=DEFAULT_PACK_BYTES, sparse_as_dense=False, keys=None,
                                timeout=None):
     """All-reduces K x N gradients with TF collective ops (``CollectiveReduceV2``).
 
@@ -161,7 +164,9 @@ def allreduce_grads_collective(all_grads, devices=None, average=False, communica
       average: bool; each device multiplies its sum by 1/K (every device
         forms the sum, so there is no single place to do it once).
       communication: "auto", "ring" or "nccl" (TF's communication hint).
-      pack_bytes: int bytes or None; see packing.PackPlan.
+      pack_bytes: int bytes or None; gradients under this size are packed
+        into buffers of about this size (packing.PackPlan); default
+        ``packing.DEFAULT_PACK_BYTES`` (64 KiB); None or 0 packs nothing.
       sparse_as_dense: bool; reduce IndexedSlices densely.
       keys: CollectiveKeys or None (``CollectiveKeys.for_call`` of this
         call's graph, scope, devices and shapes).
@@ -202,7 +207,7 @@ def _collective_columns(columns, devices, average, communication, keys, timeout)
     if keys is None:
         # tf.function graphs have names; a v1 Graph (one Session) has none.
         graph = getattr(tf.compat.v1.get_default_graph(), "name", "")
-        scope = tf.constant(0, name="scope").op.name
+        scope = tf.compat.v1.get_default_graph().get_name_scope()
         layout = [(c[0].dtype.name, str(c[0].shape)) for c in columns]
         keys = CollectiveKeys.for_call(f"{graph}|{scope}|{devices}|{layout}")
     group_key = keys.group_key(devices)

@@ -17,13 +17,14 @@ the copies have drifted apart.
 import tensorflow as tf
 
 from tfreduce.driver import run_allreduce
+from tfreduce.packing import DEFAULT_PACK_BYTES
 from tfreduce.contract import nbytes
 from tfreduce.primitives import RootBalancer, broadcast, finish_sum, reduce_to, sum_order
 
 __all__ = ["allreduce_grads_flat", "broadcast_variables", "max_replica_difference"]
 
 
-def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=None,
+def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=DEFAULT_PACK_BYTES,
                          sparse_as_dense=False):
     """All-reduces K x N gradients by reducing each to one root and broadcasting.
 
@@ -44,7 +45,8 @@ def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=None
       devices: list of K device strings, or None to use each tower's tensor
         device.
       average: bool; True divides the sum by K, once per gradient, on its root.
-      pack_bytes: int bytes or None; pack dense gradients of one dtype into
+      pack_bytes: int bytes or None (default ``packing.DEFAULT_PACK_BYTES``,
+        64 KiB; None or 0 packs nothing); pack dense gradients of one dtype into
         buffers of about this size before reducing (see packing.PackPlan).
       sparse_as_dense: bool; reduce ``tf.IndexedSlices`` as dense tensors
         instead of gathering their rows.

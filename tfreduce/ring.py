@@ -23,13 +23,14 @@ links between devices are the bottleneck.
 import tensorflow as tf
 
 from tfreduce.driver import run_allreduce
+from tfreduce.packing import DEFAULT_PACK_BYTES
 from tfreduce.primitives import (chunk_sizes, finish_sum, ring_all_gather,
                                  ring_reduce_scatter)
 
 __all__ = ["allreduce_grads_ring"]
 
 
-def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=None,
+def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=DEFAULT_PACK_BYTES,
                          sparse_as_dense=False):
     """All-reduces K x N gradients with a ring reduce-scatter and all-gather.
 
@@ -65,7 +66,8 @@ def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=None
       devices: list of K device strings, or None to use each tower's tensor
         device. Their order is the ring order.
       average: bool; True multiplies by 1/K once per chunk, on its owner.
-      pack_bytes: int bytes or None; pack dense gradients of one dtype into
+      pack_bytes: int bytes or None (default ``packing.DEFAULT_PACK_BYTES``,
+        64 KiB; None or 0 packs nothing); pack dense gradients of one dtype into
         buffers of about this size before reducing (see packing.PackPlan).
       sparse_as_dense: bool; reduce ``tf.IndexedSlices`` as dense tensors
         instead of gathering their rows on one device.

@@ -23,7 +23,7 @@ from tfreduce.allreduce import ALGORITHMS, allreduce_grads
 from tfreduce.cluster import Cluster
 from tfreduce.contract import normalize_devices
 from tfreduce.multiworker import (
-    DEFAULT_PACK_BYTES,
+    CROSS_WORKER_PACK_BYTES,
     allreduce_grads_multiworker,
     broadcast_variables_multiworker,
 )
@@ -393,7 +393,7 @@ class ReplicatedTrainer:
                 **self._allreduce_options,
             )
         local_options = dict(self._allreduce_options)
-        pack_bytes = local_options.pop("pack_bytes", DEFAULT_PACK_BYTES)
+        pack_bytes = local_options.pop("pack_bytes", CROSS_WORKER_PACK_BYTES)
         return allreduce_grads_multiworker(
             all_grads,
             self.devices,
