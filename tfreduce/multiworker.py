@@ -176,8 +176,9 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
         local_algorithm = choose_algorithm(devices)
 
     def local_reduce(grads, devs):
+        # The entries arrive packed by this call's own plan: no second packing.
         return allreduce_grads(grads, devs, average=False, algorithm=local_algorithm,
-                               **local_options)
+                               pack_bytes=None, **local_options)
 
     # Only one device's copy of each local sum is used. Outputs of the other
     # devices are pruned, which is right for reductions built from copies,
