@@ -22,6 +22,29 @@ CPU_DEVICES = [f"/device:CPU:{k}" for k in range(NUM_CPUS)]
 GPU_DEVICES = [f"/device:GPU:{k}" for k in range(NUM_CPUS)]
 
 
+def placeholders(devices, specs, dtype=tf.float32):
+    """K x N placeholders in the current graph, row k on devices[k].
+
+    specs: list of N shapes (all of ``dtype``) or of (shape, dtype) pairs.
+    """
+    specs = [s if len(s) == 2 and isinstance(s[1], tf.DType) else (s, dtype) for s in specs]
+    out = []
+    for k, d in enumerate(devices):
+        with tf.device(d):
+            out.append([tf.compat.v1.placeholder(t, shape, name=f"t{k}_g{n}")
+                        for n, (shape, t) in enumerate(specs)])
+    return out
+
+
+def build_graph(num_towers, shapes, devices=None, dtype=tf.float32):
+    """A v1 Graph with K x N placeholders on "/gpu:k": (graph, grads, devices)."""
+    devices = devices or GPU_DEVICES[:num_towers]
+    graph = tf.Graph()
+    with graph.as_default():
+        grads = placeholders(devices, shapes, dtype)
+    return graph, grads, devices
+
+
 def v1_session_config():
     """A tf.compat.v1 ConfigProto with the same 8 CPU devices."""
     return tf.compat.v1.ConfigProto(device_count={"CPU": NUM_CPUS})

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from conftest import GPU_DEVICES
+from conftest import GPU_DEVICES, placeholders
 from tfreduce.packing import DEFAULT_PACK_BYTES
 
 ALGORITHMS = ["flat", "hierarchical", "ring", "collective", "nccl"]
@@ -22,11 +22,7 @@ def build(num_towers, specs, algorithm="flat", **options):
     devices = GPU_DEVICES[:num_towers]
     graph = tf.Graph()
     with graph.as_default():
-        grads = []
-        for k, d in enumerate(devices):
-            with tf.device(d):
-                grads.append([tf.compat.v1.placeholder(dtype, shape, name=f"t{k}_g{n}")
-                              for n, (shape, dtype) in enumerate(specs)])
+        grads = placeholders(devices, specs)
         out = tfreduce.allreduce_grads(grads, devices, algorithm=algorithm, **options)
     return graph, out
 

@@ -8,23 +8,10 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from conftest import CPU_DEVICES, GPU_DEVICES, v1_session_config
+from conftest import CPU_DEVICES, GPU_DEVICES, build_graph, v1_session_config
 from tfreduce.primitives import chunk_sizes
 
 SCOPE = "allreduce_ring"
-
-
-def build_graph(num_towers, shapes, dtype=tf.float32):
-    """A v1 Graph with K x N placeholders on "/gpu:k"."""
-    devices = GPU_DEVICES[:num_towers]
-    graph = tf.Graph()
-    with graph.as_default():
-        grads = []
-        for k, d in enumerate(devices):
-            with tf.device(d):
-                grads.append([tf.compat.v1.placeholder(dtype, s, name=f"t{k}_g{n}")
-                              for n, s in enumerate(shapes)])
-    return graph, grads, devices
 
 
 def op(graph, name):

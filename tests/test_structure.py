@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from conftest import GPU_DEVICES
+from conftest import GPU_DEVICES, build_graph
 
 BUILDERS = {
     "flat": tfreduce.allreduce_grads_flat,
@@ -14,19 +14,6 @@ BUILDERS = {
     "collective": tfreduce.allreduce_grads_collective,
     "ring": tfreduce.allreduce_grads_ring,
 }
-
-
-def build_graph(num_towers, shapes, devices=None, dtype=tf.float32):
-    """A v1 Graph with K x N placeholders placed on the given devices."""
-    devices = devices or GPU_DEVICES[:num_towers]
-    graph = tf.Graph()
-    with graph.as_default():
-        grads = []
-        for k, d in enumerate(devices):
-            with tf.device(d):
-                grads.append([tf.compat.v1.placeholder(dtype, s, name=f"t{k}_g{n}")
-                              for n, s in enumerate(shapes)])
-    return graph, grads, devices
 
 
 def ops_named(graph, suffix):

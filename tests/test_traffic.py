@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from conftest import GPU_DEVICES
+from conftest import GPU_DEVICES, placeholders
 from tfreduce.primitives import chunk_sizes
 
 
@@ -19,11 +19,7 @@ def build(num_towers, shapes, algorithm, dtype=tf.float32, pack_bytes=None, **op
     devices = GPU_DEVICES[:num_towers]
     graph = tf.Graph()
     with graph.as_default():
-        grads = []
-        for k, d in enumerate(devices):
-            with tf.device(d):
-                grads.append([tf.compat.v1.placeholder(dtype, s, name=f"t{k}_g{n}")
-                              for n, s in enumerate(shapes)])
+        grads = placeholders(devices, shapes, dtype)
         out = tfreduce.allreduce_grads(grads, devices, algorithm=algorithm,
                                        pack_bytes=pack_bytes, **options)
     return graph, grads, out
