@@ -8,6 +8,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -154,3 +155,36 @@ def _numpy(values):
 def runner(request):
     """Runs a reduction in a tf.function (TF2) or a tf.compat.v1 Session."""
     return run_in_function if request.param == "function" else run_in_session
+
+
+def alive(pid):
+    """True if the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def expected(grads, average):
+    """NumPy reference: sum (in float32 for half types), mean = sum * (1/K)."""
+    num_towers = len(grads)
+    out = []
+    for n in range(len(grads[0])):
+        dtype = grads[0][n].dtype
+        acc = np.dtype(np.float32) if dtype in (np.float16, ml_dtypes.bfloat16) else dtype
+        total = np.sum([g[n].astype(acc) for g in grads], axis=0, dtype=acc)
+        if average:
+            total = total * acc.type(1.0 / num_towers)
+        out.append(np.asarray(total).astype(dtype))
+    return out
+
+
+def check(values, devices, grads, average, placed_on):
+    want = expected(grads, average)
+    for k, row in enumerate(values):
+        for n, got in enumerate(row):
+            assert got.dtype == want[n].dtype, (k, n)
+            assert got.shape == want[n].shape, (k, n)
+            np.testing.assert_array_equal(got, want[n], err_msg=f"tower {k} variable {n}")
+            assert devices[k][n].endswith(placed_on[k]), (k, n, devices[k][n])

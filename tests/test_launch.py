@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import alive
+
 from tfreduce import launch
 
 LAUNCH = [sys.executable, str(Path(launch.__file__))]
@@ -31,15 +33,6 @@ PRELUDE = textwrap.dedent("""\
     open(os.path.join(pid_dir, str(os.getpid())), "w").close()
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     """)
-
-
-def alive(pid):
-    """True if the process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ from tfreduce.cluster import Cluster
 from tfreduce.multiworker import (CROSS_WORKER_PACK_BYTES, allreduce_grads_multiworker,
                                   broadcast_variables_multiworker)
 
-from conftest import CPU_DEVICES
+from conftest import CPU_DEVICES, alive
 
 WORKERS = Path(__file__).parent / "workers"
 sys.path.insert(0, str(WORKERS))
@@ -260,14 +260,6 @@ def launch_workers(script, *args, pid_dir=None, workers=2):
             proc.kill()
         pytest.fail(f"the launcher did not finish in {LAUNCH_TIMEOUT + 30}s: {command}")
     return proc.returncode, out, err, time.monotonic() - start
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def expected(case, inputs, n):

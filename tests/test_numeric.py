@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from conftest import CPU_DEVICES
+from conftest import CPU_DEVICES, check
 
 ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]
 DTYPES = {
@@ -33,30 +33,6 @@ def make_grads(num_towers, seed):
                 v = rng.integers(-64, 65, size=shape) / 4.0
                 grads[k].append(np.asarray(v, dtype=dtype))
     return grads
-
-
-def expected(grads, average):
-    """NumPy reference: sum (in float32 for half types), mean = sum * (1/K)."""
-    num_towers = len(grads)
-    out = []
-    for n in range(len(grads[0])):
-        dtype = grads[0][n].dtype
-        acc = np.dtype(np.float32) if dtype in (np.float16, ml_dtypes.bfloat16) else dtype
-        total = np.sum([g[n].astype(acc) for g in grads], axis=0, dtype=acc)
-        if average:
-            total = total * acc.type(1.0 / num_towers)
-        out.append(np.asarray(total).astype(dtype))
-    return out
-
-
-def check(values, devices, grads, average, placed_on):
-    want = expected(grads, average)
-    for k, row in enumerate(values):
-        for n, got in enumerate(row):
-            assert got.dtype == want[n].dtype, (k, n)
-            assert got.shape == want[n].shape, (k, n)
-            np.testing.assert_array_equal(got, want[n], err_msg=f"tower {k} variable {n}")
-            assert devices[k][n].endswith(placed_on[k]), (k, n, devices[k][n])
 
 
 @pytest.mark.parametrize("pack_bytes", [None, 64])

@@ -2,13 +2,12 @@
 
 import re
 
-import ml_dtypes
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfreduce
-from conftest import CPU_DEVICES, GPU_DEVICES, build_graph, v1_session_config
+from conftest import CPU_DEVICES, build_graph, check, v1_session_config
 from tfreduce.primitives import chunk_sizes
 
 SCOPE = "allreduce_ring"
@@ -178,27 +177,6 @@ def test_bad_input_is_reported_like_every_algorithm():
 
 
 # ---------------------------------------------------------------- numeric
-
-def expected(arrays, average):
-    out = []
-    for n in range(len(arrays[0])):
-        dtype = arrays[0][n].dtype
-        acc = np.dtype(np.float32 if dtype in (np.float16, ml_dtypes.bfloat16) else dtype)
-        total = np.sum([a[n].astype(acc) for a in arrays], axis=0, dtype=acc)
-        if average:
-            total = total * acc.type(1.0 / len(arrays))
-        out.append(np.asarray(total).astype(dtype))
-    return out
-
-
-def check(values, placed, arrays, average, devices):
-    want = expected(arrays, average)
-    for k, row in enumerate(values):
-        for n, got in enumerate(row):
-            assert got.dtype == want[n].dtype and got.shape == want[n].shape, (k, n)
-            np.testing.assert_array_equal(got, want[n], err_msg=f"tower {k} variable {n}")
-            assert placed[k][n].endswith(devices[k]), (k, n, placed[k][n])
-
 
 @pytest.mark.parametrize("num_towers", [5, 7])
 def test_uneven_tiny_and_empty_tensors_exact(runner, num_towers):

@@ -608,7 +608,10 @@ class Cluster:
             else:
                 with session.graph.as_default():
                     arrived = session.run(build())
-        assert int(arrived) == self.num_workers, arrived
+        if int(arrived) != self.num_workers:
+            raise RuntimeError(
+                f"finish(): {int(arrived)} of {self.num_workers} workers reached the "
+                f"barrier; every worker must call finish() once, at the same point")
         time.sleep(linger)
 
     # ------------------------------------------------------------------ failures
