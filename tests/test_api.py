@@ -1,0 +1,130 @@
+"""The public API: every exported name and documented signature, as recorded.
+
+The layout may change behind these names; the names, their signatures and
+the constants users rely on may not. A change here is a change of the public
+API and must be deliberate (and said in the README).
+"""
+
+import importlib
+import inspect
+
+import pytest
+
+import tfreduce
+
+# tfreduce.<name> (and each public method of an exported class) -> its
+# signature, or the repr of a constant; "property" for properties.
+EXPORTS = {
+    'ALGORITHMS': "('auto', 'flat', 'hierarchical', 'ring', 'nccl', 'collective')",
+    'Cluster': '(cluster_spec, task_type, task_index, timeout=300.0)',
+    'Cluster.address': '(self, rank=None)',
+    'Cluster.batch_slice': '(self, batch_size, towers_per_worker)',
+    'Cluster.describe': '(self, rank)',
+    'Cluster.detect_lost_workers': '(self, probe_timeout=5.0)',
+    'Cluster.device': "(self, device, where='device')",
+    'Cluster.devices': '(self, devices)',
+    'Cluster.finish': '(self, session=None, linger=0.5)',
+    'Cluster.from_tf_config': '(cls, tf_config=None, timeout=300.0)',
+    'Cluster.group_key': '(self, local_devices)',
+    'Cluster.is_chief': 'property',
+    'Cluster.num_workers': 'property',
+    'Cluster.rank': 'property',
+    'Cluster.session_config': '(self, config=None)',
+    'Cluster.start': '(self)',
+    'Cluster.start_server': '(self, config=None)',
+    'Cluster.task_name': '(self, rank=None)',
+    'Cluster.unreachable_workers': '(self, probe_timeout=5.0)',
+    'CollectiveKeys': '(first_instance_key=1)',
+    'CollectiveKeys.for_call': '(cls, text)',
+    'CollectiveKeys.group_key': '(devices)',
+    'CollectiveKeys.instance_key': '(self)',
+    'ReplicatedTrainer': "(model_fn, loss, optimizer_fn, devices=None, algorithm='auto', average=True, *, bcast_period=0, cluster='auto', **allreduce_options)",
+    'ReplicatedTrainer.broadcast': '(self)',
+    'ReplicatedTrainer.check_replicas': '(self)',
+    'ReplicatedTrainer.evaluate': '(self, x, y=None, batch_size=256)',
+    'ReplicatedTrainer.fit': '(self, x, y=None, *, epochs=1, batch_size=32, shuffle=True, seed=0, validation_data=None, logdir=None, checkpoint_dir=None, callbacks=(), verbose=1)',
+    'ReplicatedTrainer.is_chief': 'property',
+    'ReplicatedTrainer.predict': '(self, x, batch_size=256)',
+    'ReplicatedTrainer.restore': '(self, path)',
+    'ReplicatedTrainer.save': '(self, path)',
+    'ReplicatedTrainer.step': 'property',
+    'ReplicatedTrainer.train_step': '(self, x, y)',
+    'Traffic': '(pair_bytes, pair_transfers, unsized_transfers, num_ops, ops_per_device, op_types, longest_hop_chain)',
+    'Traffic.as_dict': '(self)',
+    'Traffic.devices': 'property',
+    'Traffic.received': '(self, device)',
+    'Traffic.sent': '(self, device)',
+    'Traffic.total_bytes': 'property',
+    'WorkerLostError': '(message, lost, error)',
+    'allreduce_grads': "(all_grads, devices=None, average=False, algorithm='auto', **options)",
+    'allreduce_grads_collective': "(all_grads, devices=None, average=False, communication='auto', pack_bytes=65536, sparse_as_dense=False, keys=None, timeout=None)",
+    'allreduce_grads_flat': '(all_grads, devices=None, average=False, pack_bytes=65536, sparse_as_dense=False)',
+    'allreduce_grads_hierarchical': '(all_grads, devices=None, average=False, groups=None, pack_bytes=65536, sparse_as_dense=False)',
+    'allreduce_grads_multiworker': "(all_grads, devices=None, average=False, cluster=None, local_algorithm='auto', local_options=None, pack_bytes=4194304, communication='auto', keys=None, timeout=None)",
+    'allreduce_grads_nccl': '(all_grads, average=False, devices=None, pack_bytes=65536, sparse_as_dense=False)',
+    'allreduce_grads_ring': '(all_grads, devices=None, average=False, pack_bytes=65536, sparse_as_dense=False)',
+    'analyze_traffic': '(target, inputs=None)',
+    'broadcast_variables': '(all_vars, root=0)',
+    'broadcast_variables_multiworker': "(all_vars, cluster, keys=None, timeout=None, communication='auto')",
+    'choose_algorithm': '(devices)',
+    'default_groups': '(num_devices)',
+    'max_replica_difference': '(all_vars)',
+    'merge_grad_list': '(all_grads, all_vars)',
+    'split_grad_list': '(grad_list)',
+}
+
+# Documented names of submodules: "module.name" -> signature or repr.
+MODULE_NAMES = {
+    'tfreduce.cluster.parse_tf_config': '(tf_config=None)',
+    'tfreduce.cluster.DEFAULT_TIMEOUT': '300.0',
+    'tfreduce.multiworker.CROSS_WORKER_PACK_BYTES': '4194304',
+    'tfreduce.packing.DEFAULT_PACK_BYTES': '65536',
+    'tfreduce.bench.main': '(argv=None)',
+    'tfreduce.bench.parse_bytes': '(text)',
+    'tfreduce.bench.format_bytes': '(num)',
+    'tfreduce.bench.gradient_shapes': '(model, num_tensors=100, total_bytes=None, dtype_size=4)',
+    'tfreduce.launch.main': '(argv=None)',
+    'tfreduce.launch.free_ports': "(count, host='127.0.0.1')",
+    'tfreduce.launch.tf_config': '(addresses, index)',
+    'tfreduce.trainer.ReplicatedTrainer': "(model_fn, loss, optimizer_fn, devices=None, algorithm='auto', average=True, *, bcast_period=0, cluster='auto', **allreduce_options)",
+}
+
+
+def describe(obj):
+    if callable(obj):
+        return str(inspect.signature(obj))
+    return repr(obj)
+
+
+def public_methods(name, cls):
+    out = {}
+    for attr, value in sorted(vars(cls).items()):
+        if attr.startswith("_"):
+            continue
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        if inspect.isfunction(value):
+            out[f"{name}.{attr}"] = str(inspect.signature(value))
+        elif isinstance(value, property):
+            out[f"{name}.{attr}"] = "property"
+    return out
+
+
+def test_the_exported_names_are_the_recorded_ones():
+    assert sorted(tfreduce.__all__) == sorted(k for k in EXPORTS if "." not in k)
+
+
+def test_every_export_has_its_recorded_signature():
+    got = {}
+    for name in tfreduce.__all__:
+        obj = getattr(tfreduce, name)
+        got[name] = describe(obj)
+        if inspect.isclass(obj):
+            got.update(public_methods(name, obj))
+    assert got == EXPORTS
+
+
+@pytest.mark.parametrize("path", sorted(MODULE_NAMES))
+def test_documented_module_names(path):
+    module, _, name = path.rpartition(".")
+    assert describe(getattr(importlib.import_module(module), name)) == MODULE_NAMES[path]
