@@ -1,190 +1,25 @@
 """Test set-up: 8 logical CPU devices stand in for 8 GPUs.
 
 The logical devices must be configured before TensorFlow initialises its
-runtime, so this happens once, when pytest imports this file.
+runtime, so this happens once, when pytest imports this file. Shared helpers
+live in helpers.py.
 """
 
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-NUM_CPUS = 8
+from helpers import NUM_CPUS, run_in_function, run_in_session  # noqa: E402
 
 _cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(
     _cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_CPUS)
-
-CPU_DEVICES = [f"/device:CPU:{k}" for k in range(NUM_CPUS)]
-GPU_DEVICES = [f"/device:GPU:{k}" for k in range(NUM_CPUS)]
-
-
-def placeholders(devices, specs, dtype=tf.float32):
-    """K x N placeholders in the current graph, row k on devices[k].
-
-    specs: list of N shapes (all of ``dtype``) or of (shape, dtype) pairs.
-    """
-    specs = [s if len(s) == 2 and isinstance(s[1], tf.DType) else (s, dtype) for s in specs]
-    out = []
-    for k, d in enumerate(devices):
-        with tf.device(d):
-            out.append([tf.compat.v1.placeholder(t, shape, name=f"t{k}_g{n}")
-                        for n, (shape, t) in enumerate(specs)])
-    return out
-
-
-def build_graph(num_towers, shapes, devices=None, dtype=tf.float32):
-    """A v1 Graph with K x N placeholders on "/gpu:k": (graph, grads, devices)."""
-    devices = devices or GPU_DEVICES[:num_towers]
-    graph = tf.Graph()
-    with graph.as_default():
-        grads = placeholders(devices, shapes, dtype)
-    return graph, grads, devices
-
-
-def v1_session_config():
-    """A tf.compat.v1 ConfigProto with the same 8 CPU devices."""
-    return tf.compat.v1.ConfigProto(device_count={"CPU": NUM_CPUS})
-
-
-def place(arrays, devices):
-    """K x N numpy arrays -> K x N constants, row k created on devices[k]."""
-    out = []
-    for row, d in zip(arrays, devices):
-        with tf.device(d):
-            out.append([None if a is None else tf.constant(a) for a in row])
-    return out
-
-
-def run_in_function(build, arrays, devices):
-    """Builds ``build(grads)`` inside a tf.function on K x N inputs and runs it.
-
-    Returns (values, devices): K x N numpy results and the K x N devices of
-    the ops that produced them inside the function graph.
-    """
-    @tf.function(autograph=False)
-    def step(*flat):
-        it = iter(flat)
-        grads = [[None if a is None else next(it) for a in row] for row in arrays]
-        grads = [[None if g is None else _on(g, devices[k]) for g in row]
-                 for k, row in enumerate(grads)]
-        out = build(grads)
-        return out
-
-    flat = [tf.constant(a) for row in arrays for a in row if a is not None]
-    concrete = step.get_concrete_function(*flat)
-    graph_devices = _output_devices(concrete.graph, concrete.structured_outputs)
-    values = step(*flat)
-    return _numpy(values), graph_devices
-
-
-def run_in_session(build, arrays, devices):
-    """Builds ``build(grads)`` in a tf.compat.v1.Graph and runs it in a Session."""
-    graph = tf.Graph()
-    with graph.as_default():
-        grads = place(arrays, devices)
-        out = build(grads)
-        graph_devices = [[_producer(t) for t in row] for row in out]
-        with tf.compat.v1.Session(graph=graph, config=v1_session_config()) as sess:
-            values = sess.run(_fetchable(out))
-    return _numpy(values), graph_devices
-
-
-class SlicesValue:
-    """The numpy value of a tf.IndexedSlices, from either runner."""
-
-    def __init__(self, values, indices, dense_shape):
-        self.values, self.indices, self.dense_shape = values, indices, dense_shape
-
-    def dense(self):
-        out = np.zeros(self.dense_shape, self.values.dtype)
-        np.add.at(out, self.indices, self.values)
-        return out
-
-
-def _on(t, device):
-    with tf.device(device):
-        return tf.identity(t)
-
-
-def _producer(t):
-    if t is None:
-        return None
-    if isinstance(t, tf.IndexedSlices):
-        t = t.values
-    return t.op.device
-
-
-def _output_devices(graph, outputs):
-    # tf.function adds an Identity without a device after each output; the
-    # op the reduction placed is its input.
-    def dev(t):
-        if t is None:
-            return None
-        if isinstance(t, tf.IndexedSlices):
-            t = t.values
-        op = t.op
-        while op.type == "Identity" and not op.device and op.inputs:
-            op = op.inputs[0].op
-        return op.device
-    return [[dev(t) for t in row] for row in outputs]
-
-
-def _fetchable(out):
-    return [[t for t in row] for row in out]
-
-
-def _numpy(values):
-    def conv(v):
-        if v is None:
-            return None
-        if isinstance(v, tf.IndexedSlices):
-            return SlicesValue(v.values.numpy(), v.indices.numpy(),
-                               None if v.dense_shape is None else v.dense_shape.numpy())
-        if hasattr(v, "indices"):  # a Session's IndexedSlicesValue
-            return SlicesValue(v.values, v.indices, v.dense_shape)
-        return v.numpy() if hasattr(v, "numpy") else np.asarray(v)
-    return [[conv(v) for v in row] for row in values]
 
 
 @pytest.fixture(params=["function", "session"])
 def runner(request):
     """Runs a reduction in a tf.function (TF2) or a tf.compat.v1 Session."""
     return run_in_function if request.param == "function" else run_in_session
-
-
-def alive(pid):
-    """True if the process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def expected(grads, average):
-    """NumPy reference: sum (in float32 for half types), mean = sum * (1/K)."""
-    num_towers = len(grads)
-    out = []
-    for n in range(len(grads[0])):
-        dtype = grads[0][n].dtype
-        acc = np.dtype(np.float32) if dtype in (np.float16, ml_dtypes.bfloat16) else dtype
-        total = np.sum([g[n].astype(acc) for g in grads], axis=0, dtype=acc)
-        if average:
-            total = total * acc.type(1.0 / num_towers)
-        out.append(np.asarray(total).astype(dtype))
-    return out
-
-
-def check(values, devices, grads, average, placed_on):
-    want = expected(grads, average)
-    for k, row in enumerate(values):
-        for n, got in enumerate(row):
-            assert got.dtype == want[n].dtype, (k, n)
-            assert got.shape == want[n].shape, (k, n)
-            np.testing.assert_array_equal(got, want[n], err_msg=f"tower {k} variable {n}")
-            assert devices[k][n].endswith(placed_on[k]), (k, n, devices[k][n])

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from conftest import CPU_DEVICES, GPU_DEVICES
+from helpers import CPU_DEVICES, GPU_DEVICES
 
 
 def test_algorithm_names():

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from conftest import CPU_DEVICES, GPU_DEVICES
+from helpers import CPU_DEVICES, GPU_DEVICES
 
 
 def grads_on(devices, shapes, dtype=tf.float32):
@@ -206,7 +206,7 @@ def test_collective_fetching_part_of_a_group_times_out(graph):
     # In a v1 Session fetching only tower 0's output runs only its half of
     # the group: the runtime gives up after the timeout instead of hanging.
     # (A tf.function runs every stateful op, so the whole group always runs.)
-    from conftest import v1_session_config
+    from helpers import v1_session_config
     devices = CPU_DEVICES[:2]
     grads = grads_on(devices, [(2,)])
     out = tfreduce.allreduce_grads_collective(grads, devices, timeout=1.0)

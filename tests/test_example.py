@@ -13,7 +13,7 @@ import tensorflow as tf
 from sklearn.datasets import load_digits
 
 import tfreduce
-from conftest import NUM_CPUS
+from helpers import NUM_CPUS
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "image_classification.py")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import alive
+from helpers import alive
 
 from tfreduce import launch
 

@@ -39,7 +39,7 @@ from tfreduce.cluster import Cluster
 from tfreduce.multiworker import (CROSS_WORKER_PACK_BYTES, allreduce_grads_multiworker,
                                   broadcast_variables_multiworker)
 
-from conftest import CPU_DEVICES, alive
+from helpers import CPU_DEVICES, alive
 
 WORKERS = Path(__file__).parent / "workers"
 sys.path.insert(0, str(WORKERS))

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from conftest import CPU_DEVICES, check
+from helpers import CPU_DEVICES, check
 
 ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]
 DTYPES = {

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from conftest import GPU_DEVICES, placeholders
+from helpers import GPU_DEVICES, placeholders
 from tfreduce.packing import DEFAULT_PACK_BYTES
 
 ALGORITHMS = ["flat", "hierarchical", "ring", "collective", "nccl"]

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from conftest import CPU_DEVICES
+from helpers import CPU_DEVICES
 
 
 def tower_vars(num_towers, offset=0.0):

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from conftest import CPU_DEVICES, build_graph, check, v1_session_config
+from helpers import CPU_DEVICES, build_graph, check, v1_session_config
 from tfreduce.primitives import chunk_sizes
 
 SCOPE = "allreduce_ring"

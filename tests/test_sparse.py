@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from conftest import CPU_DEVICES
+from helpers import CPU_DEVICES
 
 ALGORITHMS = ["flat", "hierarchical", "collective"]
 ROWS, COLS = 6, 3

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from conftest import GPU_DEVICES, build_graph
+from helpers import GPU_DEVICES, build_graph
 
 BUILDERS = {
     "flat": tfreduce.allreduce_grads_flat,

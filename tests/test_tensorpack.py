@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from conftest import CPU_DEVICES, v1_session_config
+from helpers import CPU_DEVICES, v1_session_config
 
 tensorpack_utils = pytest.importorskip(
     "tensorpack.graph_builder.utils", reason="needs tensorpack (pip install tfreduce[test])")

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from conftest import GPU_DEVICES, placeholders
+from helpers import GPU_DEVICES, placeholders
 from tfreduce.primitives import chunk_sizes
 
 

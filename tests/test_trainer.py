@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from conftest import CPU_DEVICES
+from helpers import CPU_DEVICES
 from tfreduce.trainer import ReplicatedTrainer
 
 CPU_ALGORITHMS = [a for a in tfreduce.ALGORITHMS if a != "nccl"]
