@@ -36,6 +36,8 @@ import numpy as np
 import tensorflow as tf
 
 import tfreduce
+from tfreduce.devices import logical_devices
+from tfreduce.models import image_cnn
 from tfreduce.trainer import ReplicatedTrainer
 
 IMAGE_EXTENSIONS = (".bmp", ".gif", ".jpeg", ".jpg", ".png")
@@ -94,49 +96,6 @@ def parse_args(argv):
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     return parser, args
-
-
-def configure_devices(num_devices):
-    """Returns the K device names to train on, making logical CPUs if needed.
-
-    Must run before TensorFlow initialises its devices to be able to split
-    the CPU; if that already happened (another caller configured devices),
-    the existing logical CPU devices are used.
-
-    Args:
-      num_devices: int K, or None for every GPU (2 CPU devices without GPU).
-
-    Returns:
-      list[str], K device names.
-
-    Raises:
-      ValueError: fewer than K GPUs, or fewer than K CPU devices exist and
-        TensorFlow is already initialised.
-    """
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        num_devices = num_devices or len(gpus)
-        if num_devices > len(gpus):
-            raise ValueError(f"--devices {num_devices}: this machine has only {len(gpus)} GPUs")
-        return [f"/device:GPU:{i}" for i in range(num_devices)]
-    num_devices = num_devices or 2
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    if tf.config.get_logical_device_configuration(cpu) is None:
-        try:
-            tf.config.set_logical_device_configuration(
-                cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(num_devices)]
-            )
-        except RuntimeError:
-            # TensorFlow is already initialised; what exists is checked below.
-            pass
-    existing = tf.config.list_logical_devices("CPU")
-    if len(existing) < num_devices:
-        raise ValueError(
-            f"--devices {num_devices}: only {len(existing)} logical CPU devices exist and "
-            "TensorFlow is already initialised, so no more can be made; configure more "
-            "before TensorFlow starts or ask for fewer"
-        )
-    return [d.name for d in existing[:num_devices]]
 
 
 def load_digits(seed):
@@ -230,40 +189,6 @@ def load_folder(path, image_size, batch_size, num_devices, seed, limit):
     return train, test, num_classes
 
 
-def make_model(input_shape, num_classes, seed):
-    """A small CNN: two conv-BatchNorm-ReLU-pool blocks and a linear classifier.
-
-    Args:
-      input_shape: (height, width, channels).
-      num_classes: int, number of logits.
-      seed: int, seed of the weight initialisers.
-
-    Returns:
-      keras.Model mapping float32 [batch, *input_shape] to logits
-      [batch, num_classes].
-    """
-    inputs = keras.Input(input_shape)
-    x = inputs
-    for block, filters in enumerate((32, 64)):
-        x = keras.layers.Conv2D(
-            filters,
-            3,
-            padding="same",
-            use_bias=False,
-            kernel_initializer=keras.initializers.HeNormal(seed=seed + block),
-        )(x)
-        # Momentum 0.9, not Keras' 0.99: a small data set gives few steps
-        # per epoch, and the moving statistics used at test time must keep up.
-        x = keras.layers.BatchNormalization(momentum=0.9)(x)
-        x = keras.layers.ReLU()(x)
-        x = keras.layers.MaxPooling2D(2)(x)
-    x = keras.layers.Flatten()(x)
-    outputs = keras.layers.Dense(
-        num_classes, kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 2)
-    )(x)
-    return keras.Model(inputs, outputs, name="cnn")
-
-
 def plot_curves(history, path):
     """Writes a PNG of loss and accuracy per epoch (train and test)."""
     from matplotlib.figure import Figure
@@ -290,7 +215,11 @@ def main(argv=None):
     """
     parser, args = parse_args(argv)
     try:
-        devices = configure_devices(args.devices)
+        # Every GPU, else K logical CPU devices, made before TensorFlow starts.
+        devices = logical_devices(args.devices)
+    except ValueError as error:
+        parser.error(f"--devices {args.devices}: {error}" if args.devices else str(error))
+    try:
         # tfreduce: one worker of a multi-worker run when TF_CONFIG is set.
         cluster = tfreduce.Cluster.from_tf_config() if os.environ.get("TF_CONFIG") else None
     except (TypeError, ValueError) as error:
@@ -325,7 +254,7 @@ def main(argv=None):
         parser.error(f"--batch-size {args.batch_size} is smaller than {what}")
 
     trainer = ReplicatedTrainer(  # tfreduce:
-        model_fn=lambda: make_model(input_shape, num_classes, args.seed),
+        model_fn=lambda: image_cnn(input_shape, num_classes, args.seed),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer_fn=lambda: keras.optimizers.Adam(args.lr),
         devices=devices,

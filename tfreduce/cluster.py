@@ -37,7 +37,7 @@ import tensorflow as tf
 # there is no public way to give the eager context a server.
 from tensorflow.python.eager import context
 
-from tfreduce.contract import normalize_device
+from tfreduce.contract import normalize_device, shard_sizes
 from tfreduce.nccl_ops import CollectiveKeys
 
 __all__ = ["Cluster", "WorkerLostError", "parse_tf_config", "DEFAULT_TIMEOUT"]
@@ -421,13 +421,10 @@ class Cluster:
                 f"global batch size {batch_size!r} is smaller than the {towers} "
                 f"towers ({self.num_workers} workers x {towers_per_worker}): every "
                 f"tower needs at least one example")
-        base, extra = divmod(batch_size, towers)
-
-        def start_of(tower):
-            return tower * base + min(tower, extra)
-
+        sizes = shard_sizes(batch_size, towers)
         first = self.rank * towers_per_worker
-        return start_of(first), start_of(first + towers_per_worker)
+        start = sum(sizes[:first])
+        return start, start + sum(sizes[first:first + towers_per_worker])
 
     def group_key(self, local_devices):
         """The collective group key of one device per worker.

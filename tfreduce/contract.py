@@ -20,6 +20,8 @@ __all__ = [
     "merge_grad_list",
     "is_gpu",
     "nbytes",
+    "shard_sizes",
+    "check_variables",
 ]
 
 
@@ -111,6 +113,31 @@ def nbytes(tensor):
         for d in shape:
             count *= d if d is not None else 1
     return count * tensor.dtype.size
+
+
+def shard_sizes(total, num_shards):
+    """Splits ``total`` items into ``num_shards`` nearly equal shards.
+
+    The one rule every split in tfreduce follows (a global batch over the
+    towers, a gradient into ring chunks): the first ``total % num_shards``
+    shards hold one item more, so sizes differ by at most one and nothing is
+    dropped; with fewer items than shards the last shards are empty.
+    ``shard_sizes(10, 4) == [3, 3, 2, 2]``, ``shard_sizes(2, 4) == [1, 1, 0, 0]``.
+
+    Args:
+      total: int >= 0, or an integer scalar tf.Tensor (a size known only
+        when the graph runs).
+      num_shards: int >= 1.
+
+    Returns:
+      list of ``num_shards`` ints summing to ``total``; for a tensor
+      ``total``, a 1-D tensor of its dtype with ``num_shards`` elements.
+    """
+    if tf.is_tensor(total):
+        base, extra = total // num_shards, total % num_shards
+        return base + tf.cast(tf.range(num_shards) < extra, total.dtype)
+    base, extra = divmod(total, num_shards)
+    return [base + (1 if c < extra else 0) for c in range(num_shards)]
 
 
 def is_gpu(device):
@@ -357,3 +384,49 @@ def merge_grad_list(all_grads, all_vars):
                 f"tower {k} has {len(grads)} gradients and {len(variables)} variables")
         out.append(list(zip(grads, variables)))
     return out
+
+
+def check_variables(all_vars, fully_defined=False):
+    """Checks K lists of N variables: tower k's copies of the same N variables.
+
+    Args:
+      all_vars: list of K lists of N variables (``tf.Variable``, or anything
+        with ``assign``, such as a Keras variable); ``all_vars[k][n]`` is
+        tower k's copy of variable n.
+      fully_defined: bool; also require every shape to be fully defined
+        (what a packed copy between workers needs).
+
+    Raises:
+      TypeError: all_vars is not a non-empty list of lists, or holds
+        something that is not a variable.
+      ValueError: towers with different numbers of variables, or a variable
+        whose dtype or shape differs from tower 0's (or is not fully defined).
+    """
+    if isinstance(all_vars, (str, bytes)) or not isinstance(all_vars, (list, tuple)) or (
+            not all_vars):
+        raise TypeError("all_vars must be a non-empty list of K lists of N "
+                        "tf.Variables, all_vars[k][n] tower k's copy of variable n")
+    num_vars = len(all_vars[0]) if isinstance(all_vars[0], (list, tuple)) else None
+    for k, tower in enumerate(all_vars):
+        if not isinstance(tower, (list, tuple)):
+            raise TypeError(f"all_vars[{k}] (tower {k}) must be a list of N variables, "
+                            f"got {type(tower).__name__}")
+        if len(tower) != num_vars:
+            raise ValueError(f"tower {k} has {len(tower)} variables, tower 0 has "
+                             f"{num_vars}")
+        for n, v in enumerate(tower):
+            if not hasattr(v, "assign"):
+                raise TypeError(f"tower {k}, variable {n}: expected a tf.Variable, "
+                                f"got {type(v).__name__}")
+            ref = all_vars[0][n]
+            # Keras variables give a tuple shape and a dtype name.
+            shape, ref_shape = tf.TensorShape(v.shape), tf.TensorShape(ref.shape)
+            dtype, ref_dtype = tf.as_dtype(v.dtype), tf.as_dtype(ref.dtype)
+            same_shape = (shape == ref_shape and shape.is_fully_defined()
+                          if fully_defined else shape.is_compatible_with(ref_shape))
+            if dtype != ref_dtype or not same_shape:
+                need = "one fully defined shape" if fully_defined else "one shape"
+                raise ValueError(
+                    f"variable {n} ({ref.name}): tower {k} has {dtype.name} "
+                    f"{shape}, tower 0 has {ref_dtype.name} {ref_shape}; copies "
+                    f"need {need} and dtype")

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from tfreduce.allreduce import ALGORITHMS, allreduce_grads, choose_algorithm
 from tfreduce.cluster import Cluster
-from tfreduce.contract import nbytes, normalize_devices, validate_grads
+from tfreduce.contract import check_variables, nbytes, normalize_devices, validate_grads
 from tfreduce.driver import run_allreduce
 from tfreduce.nccl_ops import COMMUNICATIONS, CollectiveKeys
 from tfreduce.primitives import (RootBalancer, accumulation_dtype, broadcast, finish_sum,
@@ -245,31 +245,6 @@ def _multiworker_columns(columns, devices, average, cluster, local_reduce, run_a
     return out
 
 
-def _check_vars(all_vars):
-    if isinstance(all_vars, (str, bytes)) or not isinstance(all_vars, (list, tuple)) or (
-            not all_vars):
-        raise TypeError("all_vars must be a non-empty list of K lists of N "
-                        "tf.Variables, all_vars[k][n] tower k's copy of variable n")
-    num_vars = len(all_vars[0])
-    for k, tower in enumerate(all_vars):
-        if not isinstance(tower, (list, tuple)):
-            raise TypeError(f"all_vars[{k}] (tower {k}) must be a list of N variables, "
-                            f"got {type(tower).__name__}")
-        if len(tower) != num_vars:
-            raise ValueError(f"tower {k} has {len(tower)} variables, tower 0 has "
-                             f"{num_vars}")
-        for n, v in enumerate(tower):
-            if not isinstance(v, tf.Variable):
-                raise TypeError(f"tower {k}, variable {n}: expected a tf.Variable, "
-                                f"got {type(v).__name__}")
-            ref = all_vars[0][n]
-            if v.dtype != ref.dtype or v.shape != ref.shape or not v.shape.is_fully_defined():
-                raise ValueError(
-                    f"variable {n} ({ref.name}): tower {k} has {v.dtype.name} "
-                    f"{v.shape}, tower 0 has {ref.dtype.name} {ref.shape}; copies "
-                    f"need one fully defined shape and dtype")
-
-
 def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
                                     communication="auto"):
     """Copies tower 0 of rank 0 (the chief) to every tower of every worker.
@@ -306,7 +281,7 @@ def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
         communication, a variable on another worker's device.
     """
     _check_cluster(cluster)
-    _check_vars(all_vars)
+    check_variables(all_vars, fully_defined=True)
     if communication not in COMMUNICATIONS:
         raise ValueError(f"communication must be one of {COMMUNICATIONS}, got "
                          f"{communication!r}")

@@ -9,8 +9,8 @@ an op on device B that reads a tensor produced on device A is one A -> B copy.
   to the gradient's dtype, done once where the sum is formed.
 - ``broadcast``: one ``identity`` per target device.
 - ``gather_slices``: the all-reduce of ``tf.IndexedSlices`` by concatenation.
-- ``chunk_sizes``, ``ring_reduce_scatter``, ``ring_all_gather``: the two
-  halves of a ring all-reduce, one chunk step per op, each on its device.
+- ``ring_reduce_scatter``, ``ring_all_gather``: the two halves of a ring
+  all-reduce, one chunk step per op, each on its device.
 - ``RootBalancer``: picks root devices so that bytes are spread evenly.
 
 Half precision: ``float16`` and ``bfloat16`` gradients are cast to float32 on
@@ -20,8 +20,6 @@ their mean does not; accumulating in float32 avoids that and rounds only once.
 """
 
 import tensorflow as tf
-
-from tfreduce.contract import nbytes
 
 __all__ = [
     "accumulation_dtype",
@@ -34,7 +32,6 @@ __all__ = [
     "broadcast_slices",
     "RootBalancer",
     "sum_order",
-    "chunk_sizes",
     "ring_reduce_scatter",
     "ring_all_gather",
 ]
@@ -213,25 +210,6 @@ class RootBalancer:
         best = min(candidates, key=lambda i: self.load[i])
         self.load[best] += size
         return best
-
-
-def chunk_sizes(num_elements, num_chunks):
-    """Splits ``num_elements`` into ``num_chunks`` nearly equal chunk sizes.
-
-    The first ``num_elements % num_chunks`` chunks hold one element more, so
-    sizes differ by at most one; with fewer elements than chunks the last
-    chunks are empty. ``chunk_sizes(10, 4) == [3, 3, 2, 2]``,
-    ``chunk_sizes(2, 4) == [1, 1, 0, 0]``.
-
-    Args:
-      num_elements: int >= 0.
-      num_chunks: int >= 1.
-
-    Returns:
-      list of ``num_chunks`` ints summing to ``num_elements``.
-    """
-    base, extra = divmod(num_elements, num_chunks)
-    return [base + (1 if c < extra else 0) for c in range(num_chunks)]
 
 
 def _accumulate(tensor):

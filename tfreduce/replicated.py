@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tfreduce.driver import run_allreduce
 from tfreduce.packing import DEFAULT_PACK_BYTES
-from tfreduce.contract import nbytes
+from tfreduce.contract import check_variables, nbytes
 from tfreduce.primitives import RootBalancer, broadcast, finish_sum, reduce_to, sum_order
 
 __all__ = ["allreduce_grads_flat", "broadcast_variables", "max_replica_difference"]
@@ -81,22 +81,6 @@ def _flat_columns(columns, devices, average):
     return out
 
 
-def _check_vars(all_vars):
-    if not isinstance(all_vars, (list, tuple)) or not all_vars:
-        raise ValueError("all_vars must be a non-empty list of K lists of variables")
-    num_vars = len(all_vars[0])
-    for k, tower in enumerate(all_vars):
-        if len(tower) != num_vars:
-            raise ValueError(
-                f"tower {k} has {len(tower)} variables, tower 0 has {num_vars}")
-        for n, v in enumerate(tower):
-            ref = all_vars[0][n]
-            if v.dtype != ref.dtype or not v.shape.is_compatible_with(ref.shape):
-                raise ValueError(
-                    f"variable {n} ({ref.name}): tower {k} has {v.dtype.name} {v.shape}, "
-                    f"tower 0 has {ref.dtype.name} {ref.shape}")
-
-
 def broadcast_variables(all_vars, root=0):
     """Copies the root tower's variable values to every other tower.
 
@@ -113,10 +97,11 @@ def broadcast_variables(all_vars, root=0):
       assignments are done and the list holds their results.
 
     Raises:
+      TypeError: if all_vars is not K lists of variables.
       ValueError: if towers hold different numbers, shapes or dtypes of
         variables, or root is not a tower index.
     """
-    _check_vars(all_vars)
+    check_variables(all_vars)
     if not 0 <= root < len(all_vars):
         raise ValueError(f"root tower {root} is outside 0..{len(all_vars) - 1}")
     ops = []
@@ -141,9 +126,9 @@ def max_replica_difference(all_vars):
       for K=1).
 
     Raises:
-      ValueError: as broadcast_variables.
+      TypeError, ValueError: as broadcast_variables.
     """
-    _check_vars(all_vars)
+    check_variables(all_vars)
     diffs = [tf.constant(0.0, tf.float64)]
     for k, tower in enumerate(all_vars[1:], start=1):
         # Compare on tower k's device: only tower 0's copy crosses over.

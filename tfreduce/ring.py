@@ -24,8 +24,8 @@ import tensorflow as tf
 
 from tfreduce.driver import run_allreduce
 from tfreduce.packing import DEFAULT_PACK_BYTES
-from tfreduce.primitives import (chunk_sizes, finish_sum, ring_all_gather,
-                                 ring_reduce_scatter)
+from tfreduce.contract import shard_sizes
+from tfreduce.primitives import finish_sum, ring_all_gather, ring_reduce_scatter
 
 __all__ = ["allreduce_grads_ring"]
 
@@ -98,7 +98,7 @@ def _ring_column(column, devices, average, m):
     name = f"entry{m}"
     static = column[0].shape.is_fully_defined()
     if static:
-        sizes = chunk_sizes(column[0].shape.num_elements(), num_devices)
+        sizes = shard_sizes(column[0].shape.num_elements(), num_devices)
         if not any(sizes):
             # An empty gradient: its sum is itself, on every device.
             out = []
@@ -121,7 +121,8 @@ def _ring_column(column, devices, average, m):
             elif static:
                 parts = tf.split(flat, [sizes[j] for j in chunks], name=f"{name}_dev{k}_split")
             else:
-                parts = tf.split(flat, _dynamic_sizes(flat, num_devices), num=num_devices,
+                parts = tf.split(flat, shard_sizes(tf.size(flat), num_devices),
+                                 num=num_devices,
                                  name=f"{name}_dev{k}_split")
         for owner, part in zip(owners, parts):
             pieces[k][owner] = part
@@ -145,11 +146,3 @@ def _ring_column(column, devices, average, m):
             shape = column[0].shape if static else tf.shape(column[k])
             out.append(tf.reshape(flat, shape, name=f"{name}_dev{k}_out"))
     return out
-
-
-def _dynamic_sizes(flat, num_devices):
-    # The same rule as chunk_sizes, computed when the graph runs.
-    size = tf.size(flat)
-    base, extra = size // num_devices, size % num_devices
-    return base + tf.cast(tf.range(num_devices) < extra, size.dtype)
-

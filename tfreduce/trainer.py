@@ -21,7 +21,8 @@ import tensorflow as tf
 
 from tfreduce.allreduce import ALGORITHMS, allreduce_grads
 from tfreduce.cluster import Cluster
-from tfreduce.contract import normalize_devices
+from tfreduce.contract import shard_sizes
+from tfreduce.devices import tower_devices
 from tfreduce.multiworker import (
     CROSS_WORKER_PACK_BYTES,
     allreduce_grads_multiworker,
@@ -34,45 +35,6 @@ _CHECKPOINTS_KEPT = 3
 # The device that holds the step counter and where the global batch is split
 # and per-tower results are gathered: the host, which every tower can reach.
 _HOST = "/device:CPU:0"
-
-
-def _device_key(spec):
-    """Returns (type, index) of a DeviceSpec, the part that names a local device."""
-    return (spec.device_type.upper(), spec.device_index)
-
-
-def _tower_devices(devices):
-    """Checks device names against this process's logical devices.
-
-    Args:
-      devices: None, or a non-empty list of device strings such as "/gpu:0".
-
-    Returns:
-      list[str], K canonical names ("/device:GPU:0"), in the given order;
-      for None every GPU, or every CPU when there is no GPU.
-
-    Raises:
-      TypeError: devices is not a list of strings.
-      ValueError: a device is malformed, repeated or does not exist.
-    """
-    local = [tf.DeviceSpec.from_string(d.name) for d in tf.config.list_logical_devices()]
-    local = [s for s in local if s.device_type and s.device_index is not None]
-    if devices is None:
-        gpus = [s for s in local if s.device_type.upper() == "GPU"]
-        chosen = gpus or [s for s in local if s.device_type.upper() == "CPU"]
-        return [f"/device:{t}:{i}" for t, i in map(_device_key, chosen)]
-    names = normalize_devices(devices)
-    local_keys = {_device_key(s) for s in local}
-    for k, name in enumerate(names):
-        spec = tf.DeviceSpec.from_string(name)
-        if _device_key(spec) not in local_keys or spec.job not in (None, "localhost"):
-            available = sorted(f"/device:{t}:{i}" for t, i in local_keys)
-            raise ValueError(
-                f"devices[{k}]={devices[k]!r} does not exist in this process; available "
-                f"devices: {available}. For more CPU devices, call "
-                "tf.config.set_logical_device_configuration before TensorFlow initialises."
-            )
-    return names
 
 
 def _resolve_cluster(cluster):
@@ -124,18 +86,6 @@ def _per_example_loss_fn(loss):
         "loss must be a keras loss name, a keras.losses.Loss or a function "
         f"(y_true, y_pred) -> per-example losses, got {type(loss).__name__}"
     )
-
-
-def _split_sizes(batch, num_towers):
-    """Sizes of the K shards of a batch of `batch` examples (int32 tensor [K]).
-
-    The first batch % K towers take one example more than the others, so
-    shard sizes differ by at most one and a batch K does not divide is used
-    whole.
-    """
-    base = batch // num_towers
-    extra = tf.cast(tf.range(num_towers) < batch % num_towers, tf.int32)
-    return base + extra
 
 
 def _moving_statistics(model):
@@ -317,7 +267,7 @@ class ReplicatedTrainer:
                 f"bcast_period must be an int >= 0 (0: never re-broadcast), got {bcast_period!r}"
             )
         self.cluster = _resolve_cluster(cluster)
-        self.devices = _tower_devices(devices)
+        self.devices = tower_devices(devices)
         workers = self.cluster.num_workers if self.cluster is not None else 1
         # T, the towers of all workers, among which each global batch is split.
         self._total_towers = workers * len(self.devices)
@@ -531,7 +481,7 @@ class ReplicatedTrainer:
         num_towers = len(self.devices)
         total_towers = self._total_towers
         with tf.device(_HOST):
-            sizes = _split_sizes(tf.shape(x)[0], num_towers)
+            sizes = shard_sizes(tf.shape(x)[0], num_towers)
             x_shards = tf.split(x, sizes, num=num_towers)
             y_shards = tf.split(y, sizes, num=num_towers)
         all_grads, loss_sums, corrects, regs = [], [], [], []
@@ -630,7 +580,7 @@ class ReplicatedTrainer:
         """Sum of losses and correct predictions over a batch, split across towers."""
         num_towers = len(self.devices)
         with tf.device(_HOST):
-            sizes = _split_sizes(tf.shape(x)[0], num_towers)
+            sizes = shard_sizes(tf.shape(x)[0], num_towers)
             x_shards = tf.split(x, sizes, num=num_towers)
             y_shards = tf.split(y, sizes, num=num_towers)
         loss_sums, corrects = [], []
@@ -648,7 +598,7 @@ class ReplicatedTrainer:
     def _predict_graph(self, x):
         num_towers = len(self.devices)
         with tf.device(_HOST):
-            x_shards = tf.split(x, _split_sizes(tf.shape(x)[0], num_towers), num=num_towers)
+            x_shards = tf.split(x, shard_sizes(tf.shape(x)[0], num_towers), num=num_towers)
         outputs = []
         for k, (model, device) in enumerate(zip(self.models, self.devices)):
             with tf.device(device), tf.name_scope(f"tower{k}"):
