@@ -1,0 +1,224 @@
+"""The allreduce mode: every contender, the floor and the inputs row in one graph.
+
+All rows are built into one graph on the same K x N inputs, checked once
+against NumPy and timed together in one session (``harness``); the result
+is printed as a table and can be drawn as a bar chart.
+"""
+
+import statistics
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from tfreduce.bench.contenders import FAMILIES, contenders
+from tfreduce.bench.harness import (build_contender, check, consume, device_names,
+                                    environment, graph_session_config, make_floor,
+                                    make_inputs, time_rounds, warm_up)
+from tfreduce.bench.tables import print_table
+from tfreduce.bench.units import format_bytes
+from tfreduce.bench.workloads import gradient_shapes
+
+__all__ = ["run", "print_result", "plot"]
+
+
+def run(args, log):
+    """The allreduce mode; returns the JSON-ready result dict.
+
+    Args:
+      args: argparse.Namespace from ``cli.parse_args``.
+      log: callable(str), progress lines.
+
+    Returns:
+      dict with keys mode, config, floor, results (one dict a row: times in
+      ms, build time in CPU seconds, op count, cross-device bytes, check
+      results), ratios (contender -> contender -> ratio of medians),
+      skipped (name -> reason) and environment.
+    """
+    dtype = tf.as_dtype(args.dtype)
+    devices = device_names(args.devices, args.device_type)
+    shapes = gradient_shapes(args.model, args.num_tensors, args.total_bytes, dtype.size)
+    sizes = [int(np.prod(s)) for s in shapes]
+    total_bytes = sum(sizes) * dtype.size
+    average = args.reduce == "mean"
+    chosen, skipped = _select(args)
+    log(f"{len(shapes)} tensors, {format_bytes(total_bytes)} per tower, {args.dtype}, "
+        f"{args.reduce}, K={args.devices} {args.device_type} devices; "
+        f"{len(chosen)} contenders")
+
+    warm_up(chosen, devices, average, dtype)
+    graph, init, grads, fetches, rows = _build_graph(chosen, shapes, sum(sizes), devices,
+                                                     average, dtype, log)
+    with tf.compat.v1.Session(graph=graph, config=graph_session_config(
+            args.devices, args.device_type)) as sess:
+        sess.run(init)
+        inputs = sess.run(grads) if args.check else None
+        _first_steps(sess, rows, fetches, inputs, average, dtype, log)
+        log(f"timing {len(fetches)} rows x {args.steps} rounds")
+        times = time_rounds(sess, fetches, args.steps, args.warmup, log)
+
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    names = [c.name for c in chosen]
+    return {
+        "mode": "allreduce",
+        "config": {
+            "model": args.model, "num_tensors": len(shapes), "bytes_per_tower": total_bytes,
+            "dtype": args.dtype, "reduce": args.reduce, "devices": devices,
+            "device_type": args.device_type, "steps": args.steps, "warmup": args.warmup,
+            "pack_bytes": args.pack_bytes,
+        },
+        "floor": {
+            "definition": "add_n on device 0 of K buffers of S bytes: reads K*S, writes S",
+            "median_ms": 1e3 * medians["floor"],
+            "GB_per_s": (args.devices + 1) * total_bytes / medians["floor"] / 1e9,
+        },
+        "results": _results(times, medians, rows, names),
+        "ratios": {a: {b: medians[a] / medians[b] for b in names} for a in names},
+        "skipped": skipped,
+        "environment": environment(),
+    }
+
+
+def _select(args):
+    # The contenders that run here, narrowed to the --contenders families.
+    chosen, skipped = contenders(args.devices, args.device_type, args.pack_bytes, args.packing)
+    if args.contenders:
+        wanted = set(args.contenders)
+        skipped.update({c.name: "not selected by --contenders" for c in chosen
+                        if c.family not in wanted})
+        chosen = [c for c in chosen if c.family in wanted]
+    return chosen, skipped
+
+
+def _build_graph(chosen, shapes, total_elements, devices, average, dtype, log):
+    # One graph: the inputs, the floor and every contender, each consumed by
+    # its own fetch. Returns (graph, init op, K x N grads, fetches, rows).
+    graph = tf.Graph()
+    with graph.as_default():
+        variables, grads = make_inputs(shapes, devices, dtype)
+        floor_vars, floor_sum = make_floor(total_elements, devices, dtype)
+        fetches = {"floor": consume([floor_sum], devices, "floor"),
+                   "inputs": consume(grads, devices, "inputs")}
+        rows = {}
+        for c in chosen:
+            rows[c.name] = build_contender(c, graph, grads, devices, average)
+            fetches[c.name] = rows[c.name].pop("fetch")
+            log(f"built {c.name}: {rows[c.name]['num_ops']} ops in "
+                f"{rows[c.name]['build_s']:.2f} s")
+        init = tf.compat.v1.initializers.variables(
+            [v for row in variables for v in row] + floor_vars)
+    return graph, init, grads, fetches, rows
+
+
+def _first_steps(sess, rows, fetches, inputs, average, dtype, log):
+    # Each contender's first run, timed on its own; then, unless inputs is
+    # None (--no-check), the check run of its values and pruning.
+    for name, row in rows.items():
+        start = time.perf_counter()
+        sess.run(fetches[name])
+        row["first_step_s"] = time.perf_counter() - start
+        if inputs is not None:
+            check(sess, row, fetches[name], inputs, average, dtype)
+            log(f"checked {name}: max error {row['max_abs_error']:g}, "
+                f"{row['ops_not_run']} of its ops did not run")
+
+
+def _quartiles(samples):
+    if len(samples) < 2:
+        return samples[0], samples[0]
+    q = statistics.quantiles(samples, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def _results(times, medians, rows, names):
+    # One JSON row per timed row: floor, inputs, then the contenders.
+    results = []
+    for name in ["floor", "inputs"] + names:
+        q1, q3 = _quartiles(times[name])
+        entry = {"name": name, "median_ms": 1e3 * medians[name], "q1_ms": 1e3 * q1,
+                 "q3_ms": 1e3 * q3, "min_ms": 1e3 * min(times[name]),
+                 "x_floor": medians[name] / medians["floor"]}
+        if name in rows:
+            entry["net_ms"] = 1e3 * (medians[name] - medians["inputs"])
+            entry.update({k: v for k, v in rows[name].items()
+                          if k not in ("outputs", "op_names")})
+        results.append(entry)
+    return results
+
+
+def print_result(result, out=None):
+    """Prints the allreduce result as a table to ``out`` (a file; None: stdout).
+
+    ``net ms`` is the median minus the ``inputs`` row's median: an estimate
+    of the reduction's own time, without the reads of the K x N inputs.
+    ``build s`` is the CPU time of the thread that built the graph.
+
+    Args:
+      result: dict returned by ``run`` (config, floor, results, skipped).
+      out: a text file, or None for stdout.
+    """
+    cfg = result["config"]
+    title = (f"{cfg['model']}: {cfg['num_tensors']} tensors, "
+             f"{format_bytes(cfg['bytes_per_tower'])} per tower, {cfg['dtype']} "
+             f"{cfg['reduce']}, K={len(cfg['devices'])}; median of {cfg['steps']} steps; "
+             f"floor {result['floor']['median_ms']:.2f} ms = "
+             f"{result['floor']['GB_per_s']:.1f} GB/s")
+    header = (f"{'contender':30s} {'median ms':>10s} {'q1-q3 ms':>15s} {'x floor':>8s} "
+              f"{'net ms':>7s} {'build s':>8s} {'ops':>7s} {'max sent/dev':>12s} {'hops':>5s} "
+              f"{'ok':>3s}")
+    print_table(title, header, [_line(r) for r in result["results"]], out)
+    for name, reason in result["skipped"].items():
+        print(f"skipped {name}: {reason}", file=out)
+
+
+def _line(r):
+    # One table row; floor and inputs (no build) leave the build columns empty.
+    extra = ""
+    if "build_s" in r:
+        ok = {True: "yes", False: "NO"}.get(r.get("correct"), "-")
+        extra = (f" {r['net_ms']:7.2f} {r['build_s']:8.2f} {r['num_ops']:7d} "
+                 f"{format_bytes(r['max_sent_bytes']):>12s} {r['longest_hop_chain']:5d} "
+                 f"{ok:>3s}")
+    extra = extra or f" {'':7s}"
+    return (f"{r['name']:30s} {r['median_ms']:10.2f} "
+            f"{r['q1_ms']:7.2f}-{r['q3_ms']:<7.2f} {r['x_floor']:8.2f}{extra}")
+
+
+def plot(result, path):
+    """Writes a horizontal bar chart of median step times to ``path`` (PNG).
+
+    Uses matplotlib's Agg canvas directly, so the caller's pyplot backend and
+    state are left alone.
+
+    Args:
+      result: dict returned by ``run``.
+      path: str, the PNG file to write.
+
+    Raises:
+      ImportError: matplotlib is not installed.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = result["results"]
+    medians = [r["median_ms"] for r in rows]
+    errors = [[r["median_ms"] - r["q1_ms"] for r in rows],
+              [r["q3_ms"] - r["median_ms"] for r in rows]]
+    colors = ["0.6" if "family" not in r else
+              ("C0" if r["family"] in FAMILIES[:5] else "C1") for r in rows]
+    fig = Figure(figsize=(8, 0.35 * len(rows) + 1.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.barh(range(len(rows)), medians, xerr=errors, color=colors)
+    ax.axvline(result["floor"]["median_ms"], color="k", linestyle=":", linewidth=1)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([r["name"] for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("median step (ms); whiskers: quartiles; dotted: memory floor; "
+                  "blue: tfreduce")
+    cfg = result["config"]
+    ax.set_title(f"{cfg['model']}, {cfg['num_tensors']} tensors, "
+                 f"{format_bytes(cfg['bytes_per_tower'])}/tower, {cfg['dtype']} "
+                 f"{cfg['reduce']}, K={len(cfg['devices'])}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,193 @@
+"""The ``tfreduce-bench`` command line: options, checks and the run of one mode."""
+
+import argparse
+import json
+import sys
+
+import tensorflow as tf
+
+import tfreduce
+import tfreduce.bench.allreduce_mode as allreduce_mode
+import tfreduce.bench.scaling_mode as scaling_mode
+import tfreduce.bench.train_mode as train_mode
+from tfreduce.bench.contenders import FAMILIES
+from tfreduce.bench.units import format_bytes, parse_bytes
+from tfreduce.bench.workloads import keras_application
+from tfreduce.devices import logical_devices
+from tfreduce.packing import DEFAULT_PACK_BYTES
+
+__all__ = ["MODES", "main", "parse_args"]
+
+# --mode -> the module that runs it (run, print_result).
+_MODES = {"allreduce": allreduce_mode, "train": train_mode, "scaling": scaling_mode}
+MODES = tuple(_MODES)
+
+
+def _parse_list(text, convert, what):
+    try:
+        values = [convert(item) for item in text.split(",") if item.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{what}: {error}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{what}: give at least one value")
+    return values
+
+
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def parse_args(argv):
+    """Parses and checks the command line.
+
+    Args:
+      argv: list of str, the arguments without the program name (None:
+        sys.argv[1:]).
+
+    Returns:
+      (parser, args): the argparse.ArgumentParser and its Namespace.
+
+    Raises:
+      SystemExit: status 2 with a usage error for a bad value (unknown
+        contender or algorithm, a malformed byte count, K < 1, fewer GPUs
+        than --devices).
+    """
+    parser = argparse.ArgumentParser(
+        prog="tfreduce-bench",
+        description="Time tfreduce's all-reduce algorithms against tensorpack, "
+                    "tf.distribute and the memory floor on K devices.")
+    parser.add_argument("--mode", choices=MODES, default="allreduce",
+                        help="allreduce (default): reductions of model gradients; train: "
+                             "ReplicatedTrainer vs MirroredStrategy model.fit; scaling: "
+                             "cost over a grid of K and N")
+    parser.add_argument("--devices", type=_positive_int, default=8, metavar="K",
+                        help="number of devices (towers); default %(default)s")
+    parser.add_argument("--device-type", choices=("cpu", "gpu"), default="cpu",
+                        help="cpu (default): K logical CPU devices; gpu: the first K GPUs")
+    parser.add_argument("--model", default="resnet50",
+                        help="a keras.applications model name, built with weights=None, or "
+                             "'synthetic'; default %(default)s")
+    parser.add_argument("--num-tensors", type=_positive_int, default=100, metavar="N",
+                        help="number of equal tensors for --model synthetic; default "
+                             "%(default)s")
+    parser.add_argument("--total-bytes", type=parse_bytes, default=None, metavar="BYTES",
+                        help="bytes per tower: rescales the model's tensors to this total "
+                             "(e.g. 1MB), or sizes the synthetic tensors (default 4KiB each)")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "float64"),
+                        default="float32", help="gradient dtype; default %(default)s")
+    parser.add_argument("--reduce", choices=("mean", "sum"), default="mean",
+                        help="default %(default)s")
+    parser.add_argument("--steps", type=_positive_int, default=20,
+                        help="timed rounds, each running every contender once (train mode: "
+                             "steps per round); default %(default)s")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed runs per contender; default %(default)s")
+    parser.add_argument("--pack-bytes", default=[DEFAULT_PACK_BYTES], metavar="BYTES[,BYTES]",
+                        type=lambda s: _parse_list(s, parse_bytes, "--pack-bytes"),
+                        help="pack sizes of the packed variants; default "
+                             f"{format_bytes(DEFAULT_PACK_BYTES)} (packing.DEFAULT_PACK_BYTES)")
+    parser.add_argument("--packing", choices=("both", "on", "off"), default="both",
+                        help="run tfreduce algorithms unpacked, packed, or both (default)")
+    parser.add_argument("--contenders", default=None, metavar="NAME[,NAME]",
+                        type=lambda s: _parse_list(s, str, "--contenders"),
+                        help=f"run only these of {','.join(FAMILIES)}; default all")
+    parser.add_argument("--grid-devices", default=None, metavar="K[,K]",
+                        type=lambda s: _parse_list(s, _positive_int, "--grid-devices"),
+                        help="train and scaling modes: the K values; default 2,4,8 (train), "
+                             "2,4,8,16,32 (scaling)")
+    parser.add_argument("--grid-tensors", default=None, metavar="N[,N]",
+                        type=lambda s: _parse_list(s, _positive_int, "--grid-tensors"),
+                        help="scaling mode: the N values; default 10,100,1000")
+    parser.add_argument("--tensor-bytes", type=parse_bytes, default=1024, metavar="BYTES",
+                        help="scaling mode: bytes per tensor, rounded down to a multiple of "
+                             "64; default 1KiB")
+    parser.add_argument("--algorithms", default=None, metavar="NAME[,NAME]",
+                        type=lambda s: _parse_list(s, str, "--algorithms"),
+                        help="scaling mode: tfreduce algorithms, NAME+pack for packed; "
+                             "default flat,hierarchical,flat+pack,hierarchical+pack,ring+pack. "
+                             "train mode: the trainer's algorithm; default auto")
+    parser.add_argument("--batch-size", type=_positive_int, default=128,
+                        help="train mode: global batch size; default %(default)s")
+    parser.add_argument("--image-size", type=_positive_int, default=28,
+                        help="train mode: side of the square one-channel images; default "
+                             "%(default)s")
+    parser.add_argument("--rounds", type=_positive_int, default=5,
+                        help="train mode: timed rounds per contender; default %(default)s")
+    parser.add_argument("--no-check", dest="check", action="store_false",
+                        help="skip the run that checks values and pruning")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
+    parser.add_argument("--png", default=None, metavar="PATH",
+                        help="allreduce mode: write a bar chart here")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    args = parser.parse_args(argv)
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.contenders:
+        unknown = sorted(set(args.contenders) - set(FAMILIES))
+        if unknown:
+            parser.error(f"--contenders: unknown {unknown}; choose from {list(FAMILIES)}")
+    if args.algorithms:
+        known = set(tfreduce.ALGORITHMS)
+        bad = [a for a in args.algorithms if a.partition("+")[0] not in known
+               or a.partition("+")[2] not in ("", "pack")]
+        if bad:
+            parser.error(f"--algorithms: unknown {bad}; use names in {list(known)}, "
+                         f"optionally with '+pack'")
+    if args.device_type == "gpu":
+        found = len(tf.config.list_physical_devices("GPU"))
+        if found < args.devices:
+            parser.error(f"--devices {args.devices} --device-type gpu: this machine has "
+                         f"{found} GPUs")
+    return parser, args
+
+
+def main(argv=None):
+    """Runs the benchmark; returns the exit status.
+
+    Prints the mode's table to stdout and progress to stderr; writes the
+    result as JSON (``--json``) and the allreduce bar chart (``--png``).
+
+    Args:
+      argv: list of command-line arguments, None for sys.argv[1:].
+
+    Returns:
+      int, 0.
+
+    Raises:
+      SystemExit: status 2 with a usage error for a bad argument, including
+        an unknown Keras model and a train-mode K this process cannot have.
+    """
+    parser, args = parse_args(argv)
+
+    def log(message):
+        if not args.quiet:
+            print(message, file=sys.stderr, flush=True)
+
+    if args.mode == "train" and args.grid_devices and len(args.grid_devices) == 1:
+        # In this process, before anything else touches TensorFlow's runtime.
+        try:
+            logical_devices(args.grid_devices[0], args.device_type)
+        except ValueError as error:
+            parser.error(str(error))
+    if args.mode == "allreduce" and args.model != "synthetic":
+        try:
+            keras_application(args.model)
+        except ValueError as error:
+            parser.error(str(error))
+    mode = _MODES[args.mode]
+    result = mode.run(args, log)
+    mode.print_result(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        log(f"wrote {args.json}")
+    if args.png:
+        if args.mode == "allreduce":
+            allreduce_mode.plot(result, args.png)
+            log(f"wrote {args.png}")
+        else:
+            log(f"--png draws the allreduce mode only; nothing drawn for --mode {args.mode}")
+    return 0

@@ -1,0 +1,205 @@
+"""The train mode: ReplicatedTrainer.train_step against MirroredStrategy + model.fit.
+
+Both train the CNN of examples/image_classification.py (``tfreduce.models``)
+on the same random images and K devices; each K runs in its own process
+when several are asked for.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from tfreduce.bench.harness import environment
+from tfreduce.bench.tables import print_table
+from tfreduce.devices import logical_devices
+
+__all__ = ["run", "print_result"]
+
+
+def run(args, log):
+    """The train mode: ReplicatedTrainer vs MirroredStrategy + model.fit, per K.
+
+    Args:
+      args: argparse.Namespace from ``cli.parse_args``.
+      log: callable(str), progress lines.
+
+    Returns:
+      dict with keys mode, config, results (one dict per K: images per
+      second of each, their ratio, the per-round rates) and environment.
+
+    Raises:
+      subprocess.CalledProcessError: a child process for one K failed.
+      ValueError: this process cannot have K devices.
+    """
+    counts = args.grid_devices or [2, 4, 8]
+    if len(counts) == 1:
+        rows = [_train_one(args, counts[0], log)]
+    else:
+        # MirroredStrategy on CPUs reduces with collective ops whose group
+        # keys restart at 1 in every strategy, so strategies over different
+        # device sets cannot share a process: each K runs in its own.
+        rows = [_train_in_child(args, num_devices, log) for num_devices in counts]
+    return {
+        "mode": "train",
+        "config": {"model": "example CNN", "image_size": args.image_size,
+                   "batch_size": args.batch_size, "steps_per_round": args.steps,
+                   "rounds": args.rounds, "algorithm": (args.algorithms or ["auto"])[0],
+                   "device_type": args.device_type},
+        "results": rows,
+        "environment": environment(),
+    }
+
+
+def _train_in_child(args, num_devices, log):
+    log(f"K={num_devices}: timing in a child process")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "train.json")
+        argv = [sys.executable, "-m", "tfreduce.bench", "--mode", "train", "--grid-devices",
+                str(num_devices), "--device-type", args.device_type, "--batch-size",
+                str(args.batch_size), "--image-size", str(args.image_size), "--steps",
+                str(args.steps), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
+                "--json", path, "--quiet"]
+        if args.algorithms:
+            argv += ["--algorithms", ",".join(args.algorithms)]
+        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+        with open(path) as f:
+            row = json.load(f)["results"][0]
+    log(f"K={num_devices}: trainer {row['trainer_images_per_s']:.0f} images/s, "
+        f"fit {row['fit_images_per_s']:.0f} images/s")
+    return row
+
+
+def _train_one(args, num_devices, log):
+    # Times both contenders for one K in this process; returns the result row.
+    devices = logical_devices(num_devices, args.device_type)
+    batch, side, num_classes, num_batches = args.batch_size, args.image_size, 10, 8
+    rng = np.random.default_rng(0)
+    x = rng.random((batch * num_batches, side, side, 1), dtype=np.float32)
+    y = rng.integers(0, num_classes, size=batch * num_batches).astype(np.int32)
+    algorithm = (args.algorithms or ["auto"])[0]
+    log(f"K={num_devices}: building ReplicatedTrainer({algorithm}) and MirroredStrategy")
+    trainer_round = _trainer_rounds(devices, algorithm, x, y, batch, num_classes)
+    strategy, fit_round = _fit_rounds(devices, x, y, batch, num_classes)
+    rates = _alternate({"ReplicatedTrainer": trainer_round, "MirroredStrategy.fit": fit_round},
+                       args, batch)
+    medians = {name: statistics.median(v) for name, v in rates.items()}
+    log(f"K={num_devices}: trainer {medians['ReplicatedTrainer']:.0f} images/s, "
+        f"fit {medians['MirroredStrategy.fit']:.0f} images/s")
+    return {
+        "devices": num_devices,
+        "trainer_images_per_s": medians["ReplicatedTrainer"],
+        "fit_images_per_s": medians["MirroredStrategy.fit"],
+        # Rounds alternate between the two, so compare them round by round.
+        "trainer_over_fit": statistics.median(
+            t / f for t, f in zip(rates["ReplicatedTrainer"], rates["MirroredStrategy.fit"])),
+        "trainer_rounds": rates["ReplicatedTrainer"],
+        "fit_rounds": rates["MirroredStrategy.fit"],
+        # Which reduction MirroredStrategy chose here (no public accessor).
+        "strategy_cross_device_ops": type(
+            getattr(strategy.extended, "_cross_device_ops", None)
+            or getattr(strategy.extended, "_inferred_cross_device_ops", None)).__name__,
+    }
+
+
+def _loss():
+    import keras  # Only the train mode needs Keras; it is slow to import.
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _trainer_rounds(devices, algorithm, x, y, batch, num_classes):
+    # A ReplicatedTrainer on the devices; returns round(steps) -> seconds.
+    import keras
+
+    from tfreduce.models import image_cnn
+    from tfreduce.trainer import ReplicatedTrainer
+
+    num_batches = len(x) // batch
+    trainer = ReplicatedTrainer(
+        model_fn=lambda: image_cnn(x.shape[1:], num_classes), loss=_loss(),
+        optimizer_fn=lambda: keras.optimizers.Adam(1e-3), devices=devices,
+        algorithm=algorithm, average=True)
+    batches = [(tf.constant(x[i * batch:(i + 1) * batch]),
+                tf.constant(y[i * batch:(i + 1) * batch])) for i in range(num_batches)]
+
+    def trainer_round(steps):
+        # train_step returns the loss as a float, so each step is waited for.
+        trainer.train_step(*batches[0])
+        start = time.perf_counter()
+        for step in range(1, steps + 1):
+            trainer.train_step(*batches[step % num_batches])
+        return time.perf_counter() - start
+
+    return trainer_round
+
+
+def _fit_rounds(devices, x, y, batch, num_classes):
+    # The same model compiled under MirroredStrategy on the devices; returns
+    # (strategy, round(steps) -> seconds).
+    import keras
+
+    from tfreduce.models import image_cnn
+
+    strategy = tf.distribute.MirroredStrategy(devices=devices)
+    with strategy.scope():
+        model = image_cnn(x.shape[1:], num_classes)
+        # No XLA on either side: ReplicatedTrainer does not compile either.
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=_loss(),
+                      jit_compile=False)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        batch, drop_remainder=True).repeat()
+    stamps = []
+
+    class StepClock(keras.callbacks.Callback):
+        def on_train_batch_end(self, step, logs=None):
+            # Reading the loss waits for the step, as train_step does.
+            float(logs["loss"])
+            stamps.append(time.perf_counter())
+
+    def fit_round(steps):
+        # Timed from the end of the first step to the end of the last, so
+        # fit's per-call set-up (iterators, callbacks) is left out.
+        stamps.clear()
+        model.fit(dataset, epochs=1, steps_per_epoch=steps + 1, verbose=0,
+                  shuffle=False, callbacks=[StepClock()])
+        return stamps[-1] - stamps[0]
+
+    return strategy, fit_round
+
+
+def _alternate(rounds, args, batch):
+    # Images per second of each contender, over --rounds rounds of --steps
+    # steps whose order alternates; returns name -> list of rates.
+    for run_round in rounds.values():
+        run_round(max(args.warmup, 1))  # the first call traces
+    rates = {name: [] for name in rounds}
+    for r in range(args.rounds):
+        order = list(rounds) if r % 2 == 0 else list(rounds)[::-1]
+        for name in order:
+            rates[name].append(args.steps * batch / rounds[name](args.steps))
+    return rates
+
+
+def print_result(result, out=None):
+    """Prints the train result as a table to ``out`` (a file; None: stdout).
+
+    Args:
+      result: dict returned by ``run`` (config, one result row per K).
+      out: a text file, or None for stdout.
+    """
+    cfg = result["config"]
+    title = (f"{cfg['model']}, {cfg['image_size']}x{cfg['image_size']} images, global batch "
+             f"{cfg['batch_size']}, median of {cfg['rounds']} rounds of "
+             f"{cfg['steps_per_round']} steps; ReplicatedTrainer(algorithm={cfg['algorithm']!r})")
+    # trainer/fit: median over rounds of the two rates' ratio in each round.
+    header = f"{'K':>3s} {'trainer img/s':>14s} {'fit img/s':>10s} {'trainer/fit':>12s}"
+    print_table(title, header, [
+        f"{r['devices']:3d} {r['trainer_images_per_s']:14.0f} "
+        f"{r['fit_images_per_s']:10.0f} {r['trainer_over_fit']:12.2f}"
+        for r in result["results"]], out)
