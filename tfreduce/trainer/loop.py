@@ -1,0 +1,256 @@
+"""The loops over batches: fit (epochs, progress, TensorBoard, Ctrl-C), evaluate, predict.
+
+The fit loop drives a trainer through its public face (step, is_chief,
+cluster, optimizers, evaluate, save) and one private method,
+`_run_train_step(x, y) -> (mean loss, correct count or None)`, looked up on
+the trainer at every step so that a replaced method is the one that runs.
+Evaluate and predict loop over batches with the step functions they are
+given.
+"""
+
+import dataclasses
+import sys
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfreduce.trainer.batching import check_batch, fit_data, is_dataset, numpy_batches
+from tfreduce.trainer.losses import regularization
+
+
+@dataclasses.dataclass(frozen=True)
+class Epochs:
+    """What every epoch of one fit call shares.
+
+    Attributes:
+      x, y: np.ndarray [examples, ...] of inputs and targets, or a
+        tf.data.Dataset of (x, y) global batches as x and None as y.
+      epochs: int, the epoch to train up to.
+      batch_size: int, global batch size for array input.
+      shuffle: bool, reshuffle array input every epoch.
+      seed: int, seed of the shuffling.
+      steps_per_epoch: int, global batches in one epoch.
+      total_towers: int T, the towers of all workers; an array batch smaller
+        than T is skipped.
+      writer: tf.summary writer of TensorBoard summaries, or None.
+      verbose: 0 silent, 1 progress bar per epoch.
+    """
+
+    x: object
+    y: object
+    epochs: int
+    batch_size: int
+    shuffle: bool
+    seed: int
+    steps_per_epoch: int
+    total_towers: int
+    writer: object
+    verbose: int
+
+
+def fit_loop(
+    trainer,
+    x,
+    y,
+    total_towers,
+    *,
+    epochs,
+    batch_size,
+    shuffle,
+    seed,
+    validation_data,
+    logdir,
+    checkpoint_dir,
+    callbacks,
+    verbose,
+):
+    """The body of `ReplicatedTrainer.fit`, whose docstring says what it does.
+
+    Args:
+      trainer: the ReplicatedTrainer.
+      total_towers: int T, the towers of all workers.
+      the others: as `ReplicatedTrainer.fit`.
+
+    Returns:
+      dict of lists, one entry per epoch run.
+    """
+    x, y, steps_per_epoch = fit_data(x, y, batch_size, total_towers)
+    if not trainer.is_chief:
+        # Rank 0 writes and reports for the whole cluster.
+        logdir, checkpoint_dir, verbose = None, None, 0
+    writer = tf.summary.create_file_writer(logdir) if logdir else None
+    run = Epochs(
+        x, y, epochs, batch_size, shuffle, seed, steps_per_epoch, total_towers, writer, verbose
+    )
+    history = {}
+    try:
+        first_epoch, skip = divmod(trainer.step, steps_per_epoch)
+        for epoch in range(first_epoch, epochs):
+            logs = fit_epoch(trainer, run, epoch, skip)
+            skip = 0
+            logs = _end_epoch(trainer, run, logs, validation_data)
+            logs = {"epoch": epoch + 1, **logs}
+            for name, value in logs.items():
+                history.setdefault(name, []).append(value)
+            if checkpoint_dir is not None:
+                trainer.save(checkpoint_dir)
+            for callback in callbacks:
+                callback(epoch + 1, logs)
+    except KeyboardInterrupt:
+        if checkpoint_dir is not None:
+            path = trainer.save(checkpoint_dir)
+            print(
+                f"\ninterrupted at step {trainer.step}; checkpoint written to {path}",
+                file=sys.stderr,
+            )
+        raise
+    finally:
+        if writer is not None:
+            writer.close()
+    if trainer.cluster is not None:
+        # No worker leaves while a peer still needs its answers. Not in
+        # a finally: after a failure the peers may never get here.
+        trainer.cluster.finish()
+    return history
+
+
+def _end_epoch(trainer, run, logs, validation_data):
+    """Adds validation results to an epoch's logs, writes and prints them."""
+    if validation_data is not None:
+        val_x, val_y = (validation_data, None) if is_dataset(validation_data) else validation_data
+        results = trainer.evaluate(val_x, val_y, batch_size=max(run.batch_size, 256))
+        logs.update({f"val_{name}": value for name, value in results.items()})
+    if run.writer is not None:
+        with run.writer.as_default(step=trainer.step):
+            for name, value in logs.items():
+                tf.summary.scalar(f"epoch/{name}", value)
+        run.writer.flush()
+    if run.verbose:
+        print(" - ".join(f"{name}: {value:.4g}" for name, value in logs.items()))
+    return logs
+
+
+def _epoch_batches(run, epoch, skip):
+    """The epoch's (x, y) global batches from batch `skip` on."""
+    if is_dataset(run.x):
+        return iter(run.x.skip(skip))
+    order = (
+        np.random.default_rng([run.seed, epoch]).permutation(len(run.x))
+        if run.shuffle
+        else np.arange(len(run.x))
+    )
+    return numpy_batches(
+        run.x, run.y, run.batch_size, order, skip, run.total_towers, drop_small=True
+    )
+
+
+def fit_epoch(trainer, run, epoch, skip):
+    """Runs the steps of one epoch from batch `skip`; returns the epoch's logs.
+
+    Args:
+      trainer: the ReplicatedTrainer; each step calls its `_run_train_step`.
+      run: Epochs, what every epoch of this fit shares.
+      epoch: int, the 0-based epoch.
+      skip: int, the batches of this epoch already trained (on a resume).
+
+    Returns:
+      dict: "loss", "accuracy" (when defined) and "images_per_sec".
+    """
+    batches = _epoch_batches(run, epoch, skip)
+    if run.verbose:
+        print(f"Epoch {epoch + 1}/{run.epochs}")
+    progress = keras.utils.Progbar(
+        run.steps_per_epoch, verbose=run.verbose, stateful_metrics=["loss", "accuracy", "images/s"]
+    )
+    if skip:
+        progress.update(skip)
+    loss_total, correct_total, seen, has_accuracy = 0.0, 0, 0, False
+    # Throughput is measured on the wall clock, so it counts batching,
+    # logging and tracing too, not just the time inside the step.
+    epoch_start = time.perf_counter()
+    for step_in_epoch, (x_batch, y_batch) in enumerate(batches, start=skip + 1):
+        start = time.perf_counter()
+        loss, correct = trainer._run_train_step(x_batch, y_batch)
+        step_time = time.perf_counter() - start
+        size = int(x_batch.shape[0])
+        elapsed = time.perf_counter() - epoch_start
+        seen += size
+        loss_total += loss * size
+        values = [("loss", loss_total / seen)]
+        if correct is not None:
+            has_accuracy = True
+            correct_total += correct
+            values.append(("accuracy", correct_total / seen))
+        values.append(("images/s", seen / elapsed))
+        progress.update(step_in_epoch, values)
+        if run.writer is not None:
+            with run.writer.as_default(step=trainer.step):
+                tf.summary.scalar("train/loss", loss)
+                if correct is not None:
+                    tf.summary.scalar("train/accuracy", correct / size)
+                tf.summary.scalar("train/learning_rate", _learning_rate(trainer.optimizers[0]))
+                tf.summary.scalar("train/step_time_s", step_time)
+    logs = {"loss": loss_total / max(seen, 1)}
+    if has_accuracy:
+        logs["accuracy"] = correct_total / max(seen, 1)
+    logs["images_per_sec"] = seen / (time.perf_counter() - epoch_start)
+    return logs
+
+
+def _learning_rate(optimizer):
+    return float(tf.convert_to_tensor(optimizer.learning_rate))
+
+
+def evaluate_loop(batches, steps_for, model):
+    """Mean loss and accuracy over (x, y) global batches.
+
+    Args:
+      batches: iterable of (x, y) global batches.
+      steps_for: fn(x) -> the trainer's step.StepFunctions, built on batch x
+        if needed; its evaluate(x, y) returns (float64 loss sum, int64
+        correct count, -1 when accuracy is not defined).
+      model: keras.Model whose regularisation losses are added to the mean.
+
+    Returns:
+      dict: "loss" and, when defined for every batch, "accuracy".
+
+    Raises:
+      ValueError: a bad batch, or no examples.
+    """
+    loss_total, correct_total, count, has_accuracy = 0.0, 0, 0, True
+    for x_batch, y_batch in batches:
+        x_batch, y_batch = check_batch(x_batch, y_batch, "evaluate")
+        loss_sum, correct = steps_for(x_batch).evaluate(x_batch, y_batch)
+        loss_total += float(loss_sum)
+        count += int(x_batch.shape[0])
+        has_accuracy = has_accuracy and int(correct) >= 0
+        correct_total += int(correct)
+    if count == 0:
+        raise ValueError("evaluate: the data has no examples")
+    reg = float(regularization(model, tf.float64))
+    results = {"loss": loss_total / count + reg}
+    if has_accuracy:
+        results["accuracy"] = correct_total / count
+    return results
+
+
+def predict_loop(batches, steps_for):
+    """Model outputs for every input batch, concatenated in order.
+
+    Args:
+      batches: iterable of input global batches.
+      steps_for: fn(x) -> the trainer's step.StepFunctions, built on batch x
+        if needed.
+
+    Raises:
+      ValueError: there are no batches.
+    """
+    outputs = []
+    for x_batch in batches:
+        x_batch = tf.convert_to_tensor(x_batch)
+        outputs.append(steps_for(x_batch).predict(x_batch).numpy())
+    if not outputs:
+        raise ValueError("predict: x has no examples")
+    return np.concatenate(outputs, axis=0)

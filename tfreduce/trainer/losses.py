@@ -1,0 +1,102 @@
+"""The loss a tower minimises: per-example losses, regularisation, accuracy.
+
+The trainer forms the mean loss over the global batch itself, so it takes
+one loss value per example from whatever the user gives (a Keras loss, a
+loss name or a function) and sums them per tower.
+"""
+
+import keras
+import tensorflow as tf
+
+
+def per_example_loss_fn(loss):
+    """Returns fn(y_true, y_pred) -> one loss value per example.
+
+    A `keras.losses.Loss` is used through its unreduced `call`: its own
+    reduction would average over the tower's shard, while the trainer needs
+    per-example values to weight each shard by its share of the global batch.
+    `call` also keeps the model's dtype, where `Loss.__call__` casts to the
+    loss's dtype (float32 by default).
+
+    Args:
+      loss: a keras.losses.Loss, a Keras loss name ("mse"), or a function
+        (y_true, y_pred) -> per-example losses.
+
+    Raises:
+      ValueError: loss is a name Keras does not know.
+      TypeError: loss is none of these.
+    """
+    if isinstance(loss, str):
+        resolved = keras.losses.get(loss)
+        if resolved is None:
+            raise ValueError(
+                f"unknown loss {loss!r}; give a keras loss name, a keras.losses.Loss or a function"
+            )
+        loss = resolved
+    if isinstance(loss, keras.losses.Loss):
+        return loss.call
+    if callable(loss):
+        return loss
+    raise TypeError(
+        "loss must be a keras loss name, a keras.losses.Loss or a function "
+        f"(y_true, y_pred) -> per-example losses, got {type(loss).__name__}"
+    )
+
+
+def correct_count(y_true, y_pred):
+    """Number of correct class predictions, or None when it is not defined.
+
+    Defined for class scores y_pred [batch, classes] against integer labels
+    [batch] or [batch, 1], or one-hot labels [batch, classes].
+
+    Returns:
+      int64 scalar tf.Tensor, or None.
+    """
+    if y_pred.shape.rank != 2 or y_pred.shape[-1] is None or y_pred.shape[-1] < 2:
+        return None
+    if y_true.shape.rank == 2 and y_true.shape[-1] == 1 and y_true.dtype.is_integer:
+        y_true = tf.squeeze(y_true, axis=-1)
+    if y_true.shape.rank == 1 and y_true.dtype.is_integer:
+        labels = tf.cast(y_true, tf.int64)
+    elif y_true.shape.rank == 2 and y_true.shape[-1] == y_pred.shape[-1]:
+        labels = tf.argmax(y_true, axis=-1)
+    else:
+        return None
+    hits = tf.equal(tf.argmax(y_pred, axis=-1), labels)
+    return tf.reduce_sum(tf.cast(hits, tf.int64))
+
+
+def regularization(model, dtype):
+    """The sum of the model's regularisation losses as a `dtype` scalar (0 without any)."""
+    if not model.losses:
+        return tf.zeros([], dtype)
+    return tf.cast(tf.add_n(model.losses), dtype)
+
+
+def tower_loss_sum(loss_fn, model, x, y, training):
+    """Sum of per-example losses of one shard and the model's outputs.
+
+    Args:
+      loss_fn: fn(y_true, y_pred) -> per-example losses [shard, ...]; trailing
+        axes are averaged.
+      model: keras.Model, the tower's replica.
+      x, y: the tower's shard of inputs and targets, [shard, ...].
+      training: bool, passed to the model call.
+
+    Returns:
+      (scalar tf.Tensor of the model's dtype, y_pred [shard, ...]).
+
+    Raises:
+      ValueError: loss_fn returned one value for the whole shard.
+    """
+    y_pred = model(x, training=training)
+    per_example = tf.convert_to_tensor(loss_fn(y, y_pred))
+    if per_example.shape.rank == 0:
+        raise ValueError(
+            "loss returned a single value for the whole shard; the trainer needs one "
+            "value per example "
+            "(give a keras.losses.Loss, a loss name, or a function without reduction)"
+        )
+    if per_example.shape.rank > 1:
+        per_example = tf.reduce_mean(per_example, axis=list(range(1, per_example.shape.rank)))
+    return tf.reduce_sum(per_example), y_pred

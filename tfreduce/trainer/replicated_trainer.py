@@ -1,0 +1,446 @@
+"""The public ReplicatedTrainer: checks, replicas, and one delegating method per action."""
+
+import tensorflow as tf
+
+from tfreduce.allreduce import ALGORITHMS
+from tfreduce.devices import tower_devices
+from tfreduce.trainer.batching import eval_batches, input_batches, worker_batch
+from tfreduce.trainer.checkpoints import TrainerCheckpoint, find_prefix
+from tfreduce.trainer.loop import evaluate_loop, fit_loop, predict_loop
+from tfreduce.trainer.losses import per_example_loss_fn
+from tfreduce.trainer.step import HOST, StepFunctions, StepOptions
+from tfreduce.trainer.towers import (
+    build_towers,
+    check_factories,
+    create_replicas,
+    resolve_cluster,
+)
+
+
+class ReplicatedTrainer:
+    """Trains K replicas of a Keras model with one gradient all-reduce per step.
+
+    Tower k holds a replica of the model (`models[k]`) and its own optimizer,
+    all their variables on `devices[k]`. One step on a global batch of B
+    examples:
+
+    1. splits the batch into K contiguous shards; when K does not divide B
+       the first B % K towers take one example more (B=10, K=4 gives 3, 3, 2,
+       2), so no example is dropped or repeated;
+    2. runs forward and backward on every tower; tower k's loss is the sum of
+       its per-example losses times K/B when `average=True` (the all-reduce
+       then divides the sum by K), or times 1/B when `average=False` (the
+       all-reduce sums). Either way the reduced gradient is exactly the
+       gradient of the mean loss over the B examples of the global batch,
+       even for uneven shards: with equal shards, K/B is the shard mean;
+    3. calls `tfreduce.allreduce_grads` once on the K x N gradients;
+    4. applies the reduced gradients with each tower's optimizer. Every tower
+       applies the same update to the same values, so the replicas stay equal;
+    5. replaces the moving mean and variance of every trainable
+       BatchNormalization layer with their average over towers weighted by
+       shard size (one more all-reduce with the same algorithm). For a
+       moving mean this is exactly the update one device makes from the
+       global batch; a moving variance becomes the weighted mean of shard
+       variances, which leaves out the spread between shard means. The
+       normalisation inside a step still uses each shard's own statistics,
+       as in any data-parallel BatchNorm that is not cross-replica.
+
+    At start, and after `restore`, tower 0's variables (model and optimizer)
+    are broadcast to every tower; `bcast_period=n` repeats that every n steps
+    to wipe out any drift. Random layers such as Dropout keep their random
+    state in model variables, so after a broadcast every tower draws the same
+    random numbers, each on its own shard of the batch.
+
+    A model whose variables are created on first call (a Sequential without
+    an Input) is built on the first batch the trainer sees.
+
+    Several workers (processes, usually one per machine, each with its own
+    K devices; see `tfreduce.cluster`): under TF_CONFIG, or with
+    `cluster=`, every worker runs the same program on the same global
+    batches. Each step then takes this worker's part of the global batch
+    (`Cluster.batch_slice`), so the T = W * K towers of all W workers get
+    the shards one process with T devices would give them, and both
+    all-reduces go through `tfreduce.allreduce_grads_multiworker` (this
+    worker's towers with `algorithm`, then across workers). The broadcasts
+    copy rank 0's tower 0, step counter included, to every tower of every
+    worker. Only rank 0 (`is_chief`) writes checkpoints and summaries and
+    shows progress; `restore` reads the checkpoint on rank 0 only. Every
+    worker evaluates and predicts on all the data it is given, so all get
+    the same results. A lost worker fails the step with
+    `tfreduce.cluster.WorkerLostError`.
+
+    Example:
+
+        trainer = tfreduce.ReplicatedTrainer(           # tfreduce:
+            model_fn=make_model,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            optimizer_fn=lambda: keras.optimizers.Adam(1e-3),
+            devices=["/gpu:0", "/gpu:1"],
+            algorithm="hierarchical",
+        )
+        trainer.fit(x_train, y_train, epochs=5, batch_size=128,
+                    validation_data=(x_test, y_test), checkpoint_dir="ckpt")
+
+    Attributes:
+      models: list of K `keras.Model`, the tower replicas; models[0] is tower 0.
+      optimizers: list of K Keras optimizers, optimizers[k] updates models[k].
+      devices: list of K canonical device names, devices[k] holds tower k.
+      step: int, the number of training steps taken (restored by `restore`).
+      cluster: the started tfreduce.Cluster, or None in a single process.
+      is_chief: bool, True on rank 0 (and in a single process), the
+        worker that writes checkpoints and logs.
+    """
+
+    def __init__(
+        self,
+        model_fn,
+        loss,
+        optimizer_fn,
+        devices=None,
+        algorithm="auto",
+        average=True,
+        *,
+        bcast_period=0,
+        cluster="auto",
+        **allreduce_options,
+    ):
+        """Builds one model replica and one optimizer per device.
+
+        Args:
+          model_fn: function () -> keras.Model, called once per tower under
+            that tower's device so the replica's variables live there. Every
+            call must build the same architecture.
+          loss: a keras.losses.Loss, a Keras loss name ("mse"), or a function
+            (y_true, y_pred) -> per-example losses of shape [batch] (trailing
+            axes are averaged). Only per-example values are used; the
+            trainer forms the global-batch mean itself.
+          optimizer_fn: function () -> keras.optimizers.Optimizer, called once
+            per tower; each optimizer's slots live on its tower.
+          devices: list of K device names, one tower each; default all GPUs,
+            or all logical CPU devices when there is no GPU.
+          algorithm: str, a name in tfreduce.ALGORITHMS, passed to
+            tfreduce.allreduce_grads.
+          average: bool, passed to tfreduce.allreduce_grads; the loss scaling
+            adapts so the global-batch mean is optimised either way.
+          bcast_period: int >= 0; when positive, tower 0's variables are
+            broadcast to all towers every `bcast_period` steps (MegEngine's
+            bcast_period). 0 broadcasts only at start and after restore.
+          cluster: "auto", None or a tfreduce.Cluster. "auto": when the
+            TF_CONFIG environment variable is set, `Cluster.from_tf_config()`;
+            otherwise a single process. The cluster is started here, before
+            any variable exists, so configure logical devices first. `devices`
+            are then this worker's own devices.
+          **allreduce_options: passed to tfreduce.allreduce_grads, such as
+            groups=[[0, 1], [2, 3]] for "hierarchical" or pack_bytes=; in a
+            cluster, pack_bytes goes to allreduce_grads_multiworker and the
+            others to its local algorithm.
+
+        Raises:
+          TypeError: model_fn or optimizer_fn is not callable or returns the
+            wrong type, or loss is not a loss.
+          ValueError: unknown algorithm, bad or missing devices, a negative
+            bcast_period, or replicas that differ in their variables.
+          TypeError: cluster is not "auto", None or a Cluster.
+        """
+        check_factories(model_fn, optimizer_fn)
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
+        if isinstance(bcast_period, bool) or not isinstance(bcast_period, int) or bcast_period < 0:
+            raise ValueError(
+                f"bcast_period must be an int >= 0 (0: never re-broadcast), got {bcast_period!r}"
+            )
+        self.cluster = resolve_cluster(cluster)
+        self.devices = tower_devices(devices)
+        workers = self.cluster.num_workers if self.cluster is not None else 1
+        self._options = StepOptions(
+            loss_fn=per_example_loss_fn(loss),
+            average=bool(average),
+            # T, the towers of all workers, among which each global batch is split.
+            total_towers=workers * len(self.devices),
+            devices=self.devices,
+            algorithm=algorithm,
+            allreduce_options=dict(allreduce_options),
+            cluster=self.cluster,
+        )
+        self._bcast_period = bcast_period
+        self.models, self.optimizers = create_replicas(model_fn, optimizer_fn, self.devices)
+        with tf.device(HOST):
+            self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+        self._steps = None  # StepFunctions, once the models are built
+        self._checkpoint = None
+        self._pending_restore = None
+        if all(model.built for model in self.models):
+            self._build(None)
+
+    @property
+    def step(self):
+        """int: the number of training steps taken so far."""
+        return int(self._step.numpy())
+
+    @property
+    def is_chief(self):
+        """bool: rank 0 of the cluster, or True in a single process."""
+        return self.cluster is None or self.cluster.is_chief
+
+    def _build(self, x):
+        """Creates every variable on its tower, checks the replicas and syncs them.
+
+        Args:
+          x: a batch to build unbuilt models with, or None when all are built.
+        """
+        built = build_towers(self.models, self.optimizers, self.devices, x)
+        self._checkpoint = TrainerCheckpoint(self.models[0], self.optimizers[0], self._step)
+        self._steps = StepFunctions(built, self._options, self._step)
+        if self._pending_restore is not None:
+            prefix, self._pending_restore = self._pending_restore, None
+            self._checkpoint.restore(prefix)
+        self._steps.broadcast()
+
+    def _built_steps(self, x):
+        """The StepFunctions; batch x builds the models first if they are not built."""
+        if self._steps is None:
+            self._build(x)
+        return self._steps
+
+    def _run_train_step(self, x, y):
+        """Runs one step; returns (mean loss float, correct count int or None)."""
+        x, y, batch = worker_batch(
+            x, y, self.cluster, len(self.devices), self._options.total_towers
+        )
+        loss, correct = self._built_steps(x).train(x, y, batch)
+        if self._bcast_period and self.step % self._bcast_period == 0:
+            self._steps.broadcast()
+        # A negative count: accuracy is not defined for the model's outputs.
+        correct = int(correct)
+        return float(loss), (correct if correct >= 0 else None)
+
+    def train_step(self, x, y):
+        """Trains on one global batch, split across the towers.
+
+        Args:
+          x: tf.Tensor or np.ndarray [batch, ...], the inputs of the global batch.
+          y: tf.Tensor or np.ndarray [batch, ...], the targets (for example int
+            class labels [batch]).
+
+        Returns:
+          float, the mean loss over the global batch (plus regularisation),
+          computed before the update.
+
+        Raises:
+          ValueError: x and y disagree on the batch size, or the batch has
+            fewer examples than there are towers (of all workers).
+          tfreduce.cluster.WorkerLostError: in a cluster, a worker is lost.
+        """
+        return self._run_train_step(x, y)[0]
+
+    def check_replicas(self):
+        """Largest absolute difference between any tower's variable and tower 0's.
+
+        Compares every model and optimizer variable. After a step it is 0 for
+        floating-point models on devices of one kind.
+
+        Returns:
+          float, max over towers k, variables n and elements of
+          |models[k] variable n - models[0] variable n|.
+
+        Raises:
+          ValueError: the models are not built yet (no batch seen).
+        """
+        if self._steps is None:
+            raise ValueError("check_replicas: the models are not built yet; train on a batch first")
+        return float(self._steps.difference())
+
+    def broadcast(self):
+        """Copies tower 0's model and optimizer variables to every tower.
+
+        In a cluster, rank 0's tower 0 (and step counter) goes to every tower
+        of every worker; call it on every worker at the same point.
+
+        Raises:
+          ValueError: the models are not built yet (no batch seen).
+        """
+        if self._steps is None:
+            raise ValueError("broadcast: the models are not built yet; train on a batch first")
+        self._steps.broadcast()
+
+    def fit(
+        self,
+        x,
+        y=None,
+        *,
+        epochs=1,
+        batch_size=32,
+        shuffle=True,
+        seed=0,
+        validation_data=None,
+        logdir=None,
+        checkpoint_dir=None,
+        callbacks=(),
+        verbose=1,
+    ):
+        """Trains until `epochs` epochs are done, counting restored ones.
+
+        The epoch and batch to start from follow from the step counter, so
+        after `restore` (or a previous `fit`) training continues where it
+        stopped; with array input and the same arguments the result equals
+        an uninterrupted run. Array input is reshuffled each epoch by a
+        generator seeded with (seed, epoch); a last batch with fewer examples
+        than towers is skipped in that epoch (its examples land in other
+        batches in other epochs when shuffling). A dataset is iterated as
+        given: it must be finite and yield (x, y) global batches of at least K
+        examples each, and a resume is exact only if it yields the same
+        batches in every pass.
+
+        Ctrl-C (KeyboardInterrupt) during fit writes a checkpoint to
+        `checkpoint_dir`, when given, and then re-raises.
+
+        In a cluster every worker calls fit with the same data and
+        arguments; batches are global (split over the T = W * K towers of all
+        workers), only rank 0 writes summaries and checkpoints and shows
+        progress (the others ignore logdir, checkpoint_dir and verbose), and
+        a successful fit ends with `Cluster.finish()`, which waits for every
+        worker.
+
+        Args:
+          x: np.ndarray [examples, ...] of inputs, or a tf.data.Dataset of
+            (x, y) global batches.
+          y: np.ndarray [examples, ...] of targets; None for a dataset.
+          epochs: int, the epoch to train up to (total, not additional).
+          batch_size: int >= T, global batch size for array input (T = K
+            towers, times W workers in a cluster).
+          shuffle: bool, reshuffle array input every epoch.
+          seed: int, seed of the shuffling.
+          validation_data: (x_val, y_val) arrays or a dataset of (x, y)
+            batches, evaluated after every epoch.
+          logdir: directory for TensorBoard summaries: per step loss,
+            accuracy, learning rate and step time; per epoch the epoch
+            means, validation results and images/s. None: no summaries.
+          checkpoint_dir: directory where a checkpoint is written after every
+            epoch and on Ctrl-C (see `save`). None: no checkpoints.
+          callbacks: functions fn(epoch, logs) called after every epoch with
+            the 1-based epoch number and that epoch's dict of results.
+          verbose: 0 silent, 1 progress bar per epoch.
+
+        Returns:
+          dict of lists, one entry per epoch run by this call: "epoch",
+          "loss", "accuracy" (when defined), "val_loss" and "val_accuracy"
+          (with validation_data), "images_per_sec" (training images over
+          the epoch's wall time, including the first step's tracing).
+
+        Raises:
+          ValueError: bad arrays or dataset, batch_size smaller than K, or
+            an infinite dataset.
+          KeyboardInterrupt: re-raised after the checkpoint is written.
+        """
+        return fit_loop(
+            self,
+            x,
+            y,
+            self._options.total_towers,
+            epochs=epochs,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            validation_data=validation_data,
+            logdir=logdir,
+            checkpoint_dir=checkpoint_dir,
+            callbacks=callbacks,
+            verbose=verbose,
+        )
+
+    def evaluate(self, x, y=None, batch_size=256):
+        """Mean loss and accuracy over a dataset, each batch split across the towers.
+
+        Args:
+          x: np.ndarray [examples, ...] or a tf.data.Dataset of (x, y) batches.
+          y: np.ndarray [examples, ...] of targets; None for a dataset.
+          batch_size: int, global batch size for array input.
+
+        Returns:
+          dict: "loss" (float, mean per-example loss plus regularisation) and,
+          for class scores against int or one-hot labels, "accuracy" (float).
+
+        Raises:
+          ValueError: bad arrays (empty, or x and y of different lengths).
+        """
+        batches = eval_batches(x, y, batch_size, "evaluate")
+        return evaluate_loop(batches, self._built_steps, self.models[0])
+
+    def predict(self, x, batch_size=256):
+        """Model outputs for every example, each batch split across the towers.
+
+        Args:
+          x: np.ndarray [examples, ...], or a tf.data.Dataset of input batches
+            (or of (x, y) batches, whose y is ignored).
+          batch_size: int, global batch size for array input.
+
+        Returns:
+          np.ndarray [examples, ...outputs], in input order.
+
+        Raises:
+          ValueError: x has no examples.
+        """
+        return predict_loop(input_batches(x, batch_size), self._built_steps)
+
+    def save(self, path):
+        """Writes a checkpoint of tower 0's model, optimizer and the step counter.
+
+        `path` is a directory. Each save writes the files of a new checkpoint
+        `ckpt-<n>` under a number no earlier checkpoint there used, and only
+        then rewrites the small `checkpoint` index file that names the
+        latest one (tf.train.CheckpointManager, which replaces that file
+        atomically). A crash during a save therefore leaves the previous
+        checkpoint as the latest, never a half-written one. The three newest
+        checkpoints are kept. In a cluster only rank 0 writes; the other
+        ranks hold the same values and write nothing.
+
+        Args:
+          path: str, checkpoint directory (created if missing).
+
+        Returns:
+          str, the prefix of the checkpoint written; None on the other ranks
+          of a cluster.
+
+        Raises:
+          ValueError: the models are not built yet (no batch seen).
+        """
+        if self._steps is None:
+            raise ValueError("save: the models are not built yet; train on a batch first")
+        if not self.is_chief:
+            return None
+        return self._checkpoint.save(path)
+
+    def restore(self, path):
+        """Restores a checkpoint written by `save` and broadcasts it to all towers.
+
+        Afterwards `fit` with the same data and arguments continues the run
+        exactly where the checkpoint was written. In a cluster, call it on
+        every worker: rank 0 reads the checkpoint and broadcasts it, so only
+        rank 0 needs to see `path`.
+
+        Args:
+          path: str, a checkpoint directory (its latest checkpoint is used)
+            or the prefix of one checkpoint ("dir/ckpt-3").
+
+        Returns:
+          str, the prefix of the checkpoint restored; None on the other ranks
+          of a cluster.
+
+        Raises:
+          FileNotFoundError: there is no checkpoint at path (rank 0).
+          ValueError: the checkpoint does not match this trainer's model.
+        """
+        if not self.is_chief:
+            # Rank 0's values arrive with the broadcast, at build if the
+            # models are not built yet.
+            if self._steps is not None:
+                self._steps.broadcast()
+            return None
+        prefix = find_prefix(path)
+        if self._steps is None:
+            # Restored once the first batch has built the models.
+            self._pending_restore = prefix
+            return prefix
+        self._checkpoint.restore(prefix)
+        self._steps.broadcast()
+        return prefix

@@ -1,0 +1,233 @@
+"""The K tower replicas of one worker: made, built, checked and kept equal.
+
+Tower k is a replica of the model and its own optimizer, all their variables
+on devices[k]. This module resolves the cluster the towers belong to (before
+any variable exists), creates the replicas, builds their variables, checks
+that every tower built the same thing, and makes the functions that
+broadcast tower 0 to every tower and measure how far the towers drifted;
+`collectives` is the context in which a lost worker is reported by name.
+"""
+
+import contextlib
+import dataclasses
+import os
+
+import keras
+import tensorflow as tf
+
+from tfreduce.cluster import Cluster
+from tfreduce.multiworker import broadcast_variables_multiworker
+from tfreduce.replicated import broadcast_variables, max_replica_difference
+
+
+@dataclasses.dataclass(frozen=True)
+class Towers:
+    """This worker's K built replicas; every list has one entry per tower k.
+
+    Attributes:
+      models: list of K keras.Model.
+      optimizers: list of K Keras optimizers, optimizers[k] updates models[k].
+      devices: list of K canonical device names, devices[k] holds tower k.
+      trainable: K x N list of the trainable variables, the gradients' order.
+      moving: K x M list of the moving mean and variance of every trainable
+        BatchNormalization layer (M may be 0).
+      variables: K x V list of every model and optimizer variable, the ones a
+        broadcast copies and a replica check compares.
+    """
+
+    models: list
+    optimizers: list
+    devices: list
+    trainable: list
+    moving: list
+    variables: list
+
+
+def resolve_cluster(cluster):
+    """The started Cluster of a multi-worker run, or None for one process.
+
+    Args:
+      cluster: "auto" (a Cluster from TF_CONFIG when that variable is set,
+        else None), None, or a tfreduce.Cluster.
+
+    Raises:
+      TypeError: cluster is none of these.
+    """
+    if isinstance(cluster, str) and cluster == "auto":
+        if not os.environ.get("TF_CONFIG"):
+            return None
+        cluster = Cluster.from_tf_config()
+    if cluster is None:
+        return None
+    if not isinstance(cluster, Cluster):
+        raise TypeError(
+            f'cluster must be "auto", None or a tfreduce.Cluster, got {type(cluster).__name__}'
+        )
+    # Before any tensor exists: from here on this worker's devices carry its
+    # job and task. start() does nothing on a cluster that already started.
+    return cluster.start()
+
+
+def check_factories(model_fn, optimizer_fn):
+    """Raises TypeError unless model_fn and optimizer_fn are callable."""
+    if not callable(model_fn):
+        raise TypeError(
+            f"model_fn must be a function that returns a new keras.Model, got {model_fn!r}"
+        )
+    if not callable(optimizer_fn):
+        raise TypeError(
+            "optimizer_fn must be a function that returns a new optimizer (one per "
+            f"tower), got {type(optimizer_fn).__name__}; pass e.g. "
+            "lambda: keras.optimizers.SGD(0.1)"
+        )
+
+
+def create_replicas(model_fn, optimizer_fn, devices):
+    """Calls model_fn and optimizer_fn once per tower under that tower's device.
+
+    Returns:
+      (list of K keras.Model, list of K Keras optimizers).
+
+    Raises:
+      TypeError: model_fn or optimizer_fn returned the wrong type.
+    """
+    models, optimizers = [], []
+    for k, device in enumerate(devices):
+        with tf.device(device):
+            model = model_fn()
+            optimizer = optimizer_fn()
+        if not isinstance(model, keras.Model):
+            raise TypeError(
+                f"model_fn returned {type(model).__name__} for tower {k}; "
+                "it must return a keras.Model"
+            )
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                f"optimizer_fn returned {type(optimizer).__name__} for tower {k}; "
+                "it must return a keras.optimizers.Optimizer"
+            )
+        models.append(model)
+        optimizers.append(optimizer)
+    return models, optimizers
+
+
+def moving_statistics(model):
+    """The moving mean and variance of every BatchNormalization layer that trains.
+
+    Found by walking the layer tree, not by taking every non-trainable
+    variable: frozen weights are non-trainable too, and averaging them every
+    step would cost an all-reduce of the frozen part of the model for
+    nothing. A frozen BatchNormalization runs in inference mode and keeps its
+    statistics, so it is left out as well. `_flatten_layers` is Keras' own
+    walk, which also reaches layers held as attributes of custom layers.
+    """
+    found = []
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+            found.extend([layer.moving_mean, layer.moving_variance])
+    return found
+
+
+def build_towers(models, optimizers, devices, x):
+    """Creates every variable on its tower and checks that the towers match.
+
+    Args:
+      models, optimizers, devices: lists of K, tower k's replica, optimizer
+        and device.
+      x: a batch [batch, ...] to build unbuilt models with, or None when all
+        are built.
+
+    Returns:
+      Towers.
+
+    Raises:
+      ValueError: the towers differ in their variables.
+    """
+    for model, optimizer, device in zip(models, optimizers, devices):
+        with tf.device(device):
+            if not model.built:
+                # One example is enough to create the variables; the
+                # inference call leaves BatchNorm statistics untouched.
+                model(x[:1], training=False)
+            optimizer.build(model.trainable_variables)
+    towers = Towers(
+        models=models,
+        optimizers=optimizers,
+        devices=devices,
+        trainable=[list(m.trainable_variables) for m in models],
+        moving=[moving_statistics(m) for m in models],
+        variables=[list(m.variables) + list(o.variables) for m, o in zip(models, optimizers)],
+    )
+    _check_match(towers.variables)
+    return towers
+
+
+def _check_match(all_vars):
+    """Raises ValueError unless every tower's variables match tower 0's in shape and dtype."""
+    reference = all_vars[0]
+    for k, tower_vars in enumerate(all_vars[1:], start=1):
+        if len(tower_vars) != len(reference):
+            raise ValueError(
+                f"tower {k} has {len(tower_vars)} model and optimizer variables, tower 0 has "
+                f"{len(reference)}; model_fn and optimizer_fn must build the same thing "
+                "on every call"
+            )
+        for v, v0 in zip(tower_vars, reference):
+            if tuple(v.shape) != tuple(v0.shape) or v.dtype != v0.dtype:
+                raise ValueError(
+                    f"tower {k} variable {v.path!r} is {v.dtype}{list(v.shape)} but tower 0's "
+                    f"{v0.path!r} is {v0.dtype}{list(v0.shape)}; model_fn must build "
+                    "the same model on every call"
+                )
+
+
+def sync_functions(towers, cluster, step):
+    """The tf.functions that broadcast tower 0 and measure the towers' difference.
+
+    Args:
+      towers: Towers, built.
+      cluster: the started tfreduce.Cluster, or None in a single process.
+      step: the int64 step counter tf.Variable; in a cluster rank 0's value
+        is broadcast with the variables.
+
+    Returns:
+      (broadcast, difference): broadcast() copies tower 0's variables (rank
+      0's in a cluster) to every tower; difference() returns the float
+      largest absolute difference between any tower's variable and tower 0's.
+    """
+    # The raw tf.Variables, which the core reductions read and assign.
+    raw = [[v.value for v in tower] for tower in towers.variables]
+
+    def broadcast():
+        # The assignments run as the function's stateful ops; their
+        # Operation results cannot be returned from a tf.function.
+        broadcast_variables(raw, root=0)
+
+    def broadcast_cluster():
+        # Rank 0's step counter travels too: only rank 0 reads
+        # checkpoints, and every worker must continue from its step.
+        # Second, after the variables: collectives are issued in order.
+        ops = broadcast_variables_multiworker(raw, cluster)
+        with tf.control_dependencies(ops):
+            ops = broadcast_variables_multiworker([[step]], cluster)
+        with tf.control_dependencies(ops):
+            return tf.constant(0)
+
+    broadcast_fn = tf.function(broadcast if cluster is None else broadcast_cluster, autograph=False)
+    difference_fn = tf.function(lambda: max_replica_difference(raw), autograph=False)
+    return broadcast_fn, difference_fn
+
+
+def collectives(cluster):
+    """Context of every call that runs cross-worker collectives.
+
+    Turns the failure of a collective whose peer died into a
+    WorkerLostError that names the lost worker.
+
+    Args:
+      cluster: the started tfreduce.Cluster, or None in a single process
+        (then the context does nothing).
+    """
+    if cluster is None:
+        return contextlib.nullcontext()
+    return cluster.detect_lost_workers()
