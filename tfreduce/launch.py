@@ -18,7 +18,6 @@ untrusted network (a firewall, or a container without published ports).
 """
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -26,6 +25,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from tfreduce.tf_config import worker_tf_config as tf_config
 
 __all__ = ["main", "free_ports", "tf_config"]
 
@@ -59,12 +60,6 @@ def free_ports(count, host="127.0.0.1"):
     finally:
         for s in sockets:
             s.close()
-
-
-def tf_config(addresses, index):
-    """The TF_CONFIG JSON of worker ``index`` in a cluster of ``addresses``."""
-    return json.dumps({"cluster": {"worker": list(addresses)},
-                       "task": {"type": "worker", "index": index}})
 
 
 class _Prefixer(threading.Thread):
