@@ -32,7 +32,7 @@ from tensorflow.python.eager import context
 
 from tfreduce.contract import normalize_device, shard_sizes
 from tfreduce.failures import WorkerLostError, detect_lost_workers, unreachable_workers
-from tfreduce.nccl_ops import CollectiveKeys
+from tfreduce.collective import CollectiveKeys
 from tfreduce.tf_config import JOBS, parse_address, parse_tf_config
 
 __all__ = ["Cluster", "WorkerLostError", "parse_tf_config", "DEFAULT_TIMEOUT"]

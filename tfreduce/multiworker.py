@@ -26,7 +26,7 @@ from tfreduce.allreduce import ALGORITHMS, allreduce_grads, choose_algorithm
 from tfreduce.cluster import Cluster
 from tfreduce.contract import check_variables, nbytes, normalize_devices, validate_grads
 from tfreduce.driver import run_allreduce
-from tfreduce.nccl_ops import COMMUNICATIONS, CollectiveKeys
+from tfreduce.collective import COMMUNICATIONS, CollectiveKeys
 from tfreduce.primitives import (RootBalancer, accumulation_dtype, broadcast, finish_sum,
                                  sum_order)
 
