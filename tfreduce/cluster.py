@@ -12,9 +12,7 @@ the group leader that matches up the members of every collective group;
 ``start_server()`` does the same for a ``tf.compat.v1.Session``. From then on
 this worker's devices are named ``/job:worker/replica:0/task:<i>/device:...``
 and the cross-worker collectives of ``tfreduce.multiworker`` run over that
-server. ``detect_lost_workers()`` turns the error of a collective whose peer
-has died into a ``WorkerLostError`` that names the lost workers
-(``tfreduce.failures``).
+server; ``detect_lost_workers()`` names a lost peer (``tfreduce.failures``).
 
 Security: TensorFlow's gRPC server has no authentication and no encryption,
 and it listens on every network interface of the machine (``0.0.0.0``),
@@ -22,7 +20,7 @@ whatever host TF_CONFIG names. Anyone who can reach its port can run any
 operation in the worker. Run a cluster only on a trusted, firewalled network.
 """
 
-import socket
+import contextlib
 import time
 
 import tensorflow as tf
@@ -31,9 +29,10 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 from tfreduce.contract import normalize_device, shard_sizes
-from tfreduce.failures import WorkerLostError, detect_lost_workers, unreachable_workers
-from tfreduce.collective import CollectiveKeys
-from tfreduce.tf_config import JOBS, parse_address, parse_tf_config
+from tfreduce.failures import COLLECTIVE_FAILURES, lost_worker_message, unreachable_workers
+from tfreduce.collective import (CollectiveKeys, CollectiveOptions, all_reduce,
+                                 check_timeout, in_function)
+from tfreduce.tf_config import JOBS, check_port, parse_tf_config
 
 __all__ = ["Cluster", "WorkerLostError", "parse_tf_config", "DEFAULT_TIMEOUT"]
 
@@ -47,6 +46,23 @@ DEFAULT_TIMEOUT = 300.0
 # CollectiveKeys.for_call draws per-call keys from (1 .. 2**30), so that a
 # local collective reduction and the cross-worker one never share a key.
 _FIRST_CROSS_WORKER_KEY = 2 ** 30 + 1
+
+
+class WorkerLostError(RuntimeError):
+    """A cross-worker collective failed because a worker is lost or stuck.
+
+    Attributes:
+      lost: list of str, the workers that did not answer a probe after the
+        failure, e.g. ``["worker 1 (10.0.0.2:2222)"]``; empty when every
+        worker answered (the collective then timed out on a worker that is
+        alive but stuck or far slower than the others).
+      error: the ``tf.errors.OpError`` the collective raised.
+    """
+
+    def __init__(self, message, lost, error):
+        super().__init__(message)
+        self.lost = lost
+        self.error = error
 
 
 class Cluster:
@@ -85,13 +101,10 @@ class Cluster:
     def __init__(self, cluster_spec, task_type, task_index, timeout=DEFAULT_TIMEOUT):
         spec, task_type, task_index = parse_tf_config(
             {"cluster": cluster_spec, "task": {"type": task_type, "index": task_index}})
-        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                or not timeout > 0):
-            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.cluster_spec = spec
         self.task_type = task_type
         self.task_index = task_index
-        self.timeout = float(timeout)
+        self.timeout = check_timeout(timeout)
         self.keys = CollectiveKeys(first_instance_key=_FIRST_CROSS_WORKER_KEY)
         self._tasks = [(job, i) for job in JOBS for i in range(len(spec.get(job, [])))]
         self._mode = None
@@ -281,23 +294,6 @@ class Cluster:
             job_name=self.task_type, task_index=self.task_index, protocol="grpc",
             default_session_config=config)
 
-    def _check_port(self):
-        # TF's gRPC server listens on 0.0.0.0:port whatever the host, and
-        # reports a taken port only as "Could not start gRPC server".
-        port = parse_address(self.address(), "address")[1]
-        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        # As gRPC does: a port whose last connections linger in TIME_WAIT is free.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("0.0.0.0", port))
-        except OSError as e:
-            raise ValueError(
-                f"{self.describe(self.rank)}: port {port} cannot be opened on this "
-                f"host ({e.strerror}): another process holds it; free it or give "
-                f"this task another port in TF_CONFIG") from None
-        finally:
-            probe.close()
-
     def start(self):
         """Starts this worker's server in the TF2 eager context.
 
@@ -321,7 +317,7 @@ class Cluster:
         if self._mode is not None:
             raise RuntimeError("start(): this Cluster already started a "
                                "tf.compat.v1 server with start_server()")
-        self._check_port()
+        check_port(self.address(), self.describe(self.rank))
         ctx = context.context()
         # The context's config carries the logical device configuration.
         server_def = self._server_def(self._session_settings(ctx.config))
@@ -352,7 +348,7 @@ class Cluster:
         if self._mode is not None:
             raise RuntimeError(f"start_server(): this Cluster already started a "
                                f"server ({self._mode})")
-        self._check_port()
+        check_port(self.address(), self.describe(self.rank))
         server = tf.distribute.Server(
             tf.train.ClusterSpec(self.cluster_spec), job_name=self.task_type,
             task_index=self.task_index, protocol="grpc",
@@ -366,14 +362,11 @@ class Cluster:
         """Waits until every worker gets here; call it on each before exiting.
 
         A worker that exits as soon as its own last collective is done can
-        break a peer that is still finishing that collective (it still needs
-        an answer from the exited worker's server: seen here as "Socket
-        closed" on the peer). ``finish`` runs one all-reduce of a scalar over
-        every worker: once it completes on a worker, every worker has
-        entered it, so every earlier collective is done everywhere. It then
-        waits ``linger`` seconds, for the answers of this last all-reduce
-        still on their way to the peers. ``ReplicatedTrainer.fit`` in a
-        cluster should end with it.
+        break a peer still finishing it (seen here as "Socket closed"). This
+        all-reduces a scalar over every worker: once it completes on one,
+        every worker has entered it, so every earlier collective is done
+        everywhere; then it waits ``linger`` seconds for the answers still on
+        their way. ``ReplicatedTrainer.fit`` in a cluster ends with it.
 
         Args:
           session: the ``tf.compat.v1.Session`` on this worker's server
@@ -393,18 +386,16 @@ class Cluster:
                 "no session after start()")
         device = self.task_name() + "/device:CPU:0"
         group_key = self.group_key(["/device:CPU:0"])
+        options = CollectiveOptions(timeout=self.timeout)
 
         def build():
             with tf.name_scope("cluster_finish"), tf.device(device):
-                return tf.raw_ops.CollectiveReduceV2(
-                    input=tf.constant(1, tf.int32), group_size=self.num_workers,
-                    group_key=group_key, instance_key=self.keys.instance_key(),
-                    ordering_token=[], merge_op="Add", final_op="Id",
-                    timeout_seconds=self.timeout, name="barrier")
+                return all_reduce(tf.constant(1, tf.int32), self.num_workers, group_key,
+                                  self.keys.instance_key(), options, name="barrier")
 
         with self.detect_lost_workers():
             if session is None:
-                arrived = tf.function(build, autograph=False)()
+                arrived = in_function(build)
             else:
                 with session.graph.as_default():
                     arrived = session.run(build())
@@ -417,11 +408,7 @@ class Cluster:
     # ------------------------------------------------------------------ failures
 
     def unreachable_workers(self, probe_timeout=5.0):
-        """The other tasks that do not answer now.
-
-        After ``start()`` each peer is asked through TF's collective health
-        check, which also notices a peer that restarted; otherwise a TCP
-        connection to its port is attempted.
+        """The other tasks that do not answer now (probed as ``failures.unreachable_workers`` says).
 
         Args:
           probe_timeout: float seconds to wait for each peer.
@@ -431,6 +418,7 @@ class Cluster:
         """
         return unreachable_workers(self, probe_timeout, eager=self._mode == "eager")
 
+    @contextlib.contextmanager
     def detect_lost_workers(self, probe_timeout=5.0):
         """Turns the failure of a cross-worker collective into a WorkerLostError.
 
@@ -439,11 +427,9 @@ class Cluster:
             with cluster.detect_lost_workers():      # tfreduce:
                 loss = train_step(x, y)
 
-        When a peer dies, TF fails the collective with UnavailableError
-        (within about a second: its connections are refused) or, for a peer
-        that hangs or whose host vanished, DeadlineExceededError after the
-        cluster's timeout. The peers are then probed and the error names the
-        ones that do not answer. Other errors pass through unchanged.
+        After a collective failed because a peer is gone or late
+        (``failures.COLLECTIVE_FAILURES``), the peers are probed and the error
+        names the ones that do not answer. Other errors pass through unchanged.
 
         Args:
           probe_timeout: float seconds to wait for each peer's answer.
@@ -451,4 +437,11 @@ class Cluster:
         Raises:
           WorkerLostError: from the collective's ``tf.errors.OpError``.
         """
-        return detect_lost_workers(self, probe_timeout, eager=self._mode == "eager")
+        try:
+            yield
+        except COLLECTIVE_FAILURES as e:
+            lost = self.unreachable_workers(probe_timeout)
+            if not lost and not isinstance(e, tf.errors.DeadlineExceededError):
+                raise
+            raise WorkerLostError(lost_worker_message(self, e, lost),
+                                  [self.describe(r) for r in lost], e) from e

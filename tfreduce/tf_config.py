@@ -16,9 +16,10 @@ importing TensorFlow.
 import json
 import os
 import re
+import socket
 
 __all__ = ["JOBS", "parse_address", "check_cluster_spec", "parse_tf_config",
-           "worker_tf_config"]
+           "worker_tf_config", "check_port"]
 
 # TF_CONFIG jobs that take part in the all-reduce, in rank order: a chief,
 # when there is one, is rank 0, as in MultiWorkerMirroredStrategy.
@@ -180,3 +181,30 @@ def worker_tf_config(addresses, index):
     """The TF_CONFIG JSON of worker ``index`` in a cluster of ``addresses``."""
     return json.dumps({"cluster": {"worker": list(addresses)},
                        "task": {"type": "worker", "index": index}})
+
+
+def check_port(address, task):
+    """Checks that the port of this task's ``address`` can be opened here.
+
+    TF's gRPC server listens on 0.0.0.0:port whatever the host, and reports
+    a taken port only as "Could not start gRPC server".
+
+    Args:
+      address: str, this task's "host:port" in TF_CONFIG.
+      task: str, the task as messages name it, e.g. "worker 1 (h:2222)".
+
+    Raises:
+      ValueError: another process holds the port.
+    """
+    port = parse_address(address, "address")[1]
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # As gRPC does: a port whose last connections linger in TIME_WAIT is free.
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        probe.bind(("0.0.0.0", port))
+    except OSError as e:
+        raise ValueError(
+            f"{task}: port {port} cannot be opened on this host ({e.strerror}): another "
+            f"process holds it; free it or give this task another port in TF_CONFIG") from None
+    finally:
+        probe.close()
