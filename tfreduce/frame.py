@@ -26,12 +26,12 @@ The stage contract, tower-major like the public API::
 import tensorflow as tf
 
 from tfreduce.collective import in_function
-from tfreduce.contract import nbytes
+from tfreduce.contract import nbytes, validate_grads
 from tfreduce.packing import PackPlan
 from tfreduce.primitives import (RootBalancer, accumulation_dtype, broadcast_slices,
                                  check_average_dtype, finish_sum, gather_slices, sum_order)
 
-__all__ = ["Stage", "ReduceContext", "run_stages"]
+__all__ = ["Stage", "ReduceContext", "run_stages", "run_stage"]
 
 
 class Stage:
@@ -148,6 +148,21 @@ def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_de
     if any(stage.needs_function for stage in stages):
         return in_function(build)
     return build()
+
+
+def run_stage(stage, all_grads, devices, average, pack_bytes, sparse_as_dense):
+    """One public algorithm call: validates the K x N input once and runs one stage.
+
+    Args:
+      stage: Stage.
+      all_grads, devices, average, pack_bytes, sparse_as_dense: the public
+        call's arguments (see ``allreduce_grads``).
+
+    Returns:
+      list of K lists of N, ``out[k][n]`` on ``devices[k]``.
+    """
+    return run_stages(validate_grads(all_grads, devices), [stage], average,
+                      pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense)
 
 
 def _values(g):

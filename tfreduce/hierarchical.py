@@ -17,8 +17,8 @@ divides by K once, on the device that forms the total.
 
 import tensorflow as tf
 
-from tfreduce.contract import nbytes, validate_grads, validate_groups
-from tfreduce.frame import Stage, run_stages
+from tfreduce.contract import nbytes, validate_groups
+from tfreduce.frame import Stage, run_stage
 from tfreduce.packing import DEFAULT_PACK_BYTES
 from tfreduce.primitives import RootBalancer, broadcast, reduce_to, sum_order
 
@@ -91,8 +91,8 @@ def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=
       TypeError, ValueError: bad gradients or devices (see
         ``contract.validate_grads``), or groups that do not partition 0..K-1.
     """
-    return run_stages(validate_grads(all_grads, devices), [HierarchicalStage(groups)], average,
-                      pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense)
+    return run_stage(HierarchicalStage(groups), all_grads, devices, average, pack_bytes,
+                     sparse_as_dense)
 
 
 class HierarchicalStage(Stage):

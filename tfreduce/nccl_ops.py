@@ -16,8 +16,8 @@ import tensorflow as tf
 from tensorflow.python.ops import nccl_ops as _tf_nccl
 
 from tfreduce.collective import CollectiveChain, CollectiveKeys, CollectiveOptions
-from tfreduce.contract import is_gpu, validate_grads
-from tfreduce.frame import Stage, run_stages
+from tfreduce.contract import is_gpu
+from tfreduce.frame import Stage, run_stage
 from tfreduce.packing import DEFAULT_PACK_BYTES
 from tfreduce.primitives import accumulation_dtype, scale_by_reciprocal
 
@@ -58,8 +58,7 @@ def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=DEFA
       ValueError: at build time if any device is not a GPU (naming them), or
         bad input (see ``contract.validate_grads``).
     """
-    return run_stages(validate_grads(all_grads, devices), [NcclStage()], average,
-                      pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense)
+    return run_stage(NcclStage(), all_grads, devices, average, pack_bytes, sparse_as_dense)
 
 
 class NcclStage(Stage):
@@ -141,9 +140,9 @@ def allreduce_grads_collective(all_grads, devices=None, average=False, communica
       ValueError: unknown communication, a timeout that is neither None nor
         > 0, or bad input (see ``contract.validate_grads``).
     """
-    stage = CollectiveStage(communication, keys, timeout)
-    return run_stages(validate_grads(all_grads, devices), [stage], average,
-                      pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense)
+    # The options are checked before the input, as the stage is built first.
+    return run_stage(CollectiveStage(communication, keys, timeout), all_grads, devices,
+                     average, pack_bytes, sparse_as_dense)
 
 
 class CollectiveStage(Stage):

@@ -22,8 +22,8 @@ links between devices are the bottleneck.
 
 import tensorflow as tf
 
-from tfreduce.contract import shard_sizes, validate_grads
-from tfreduce.frame import Stage, run_stages
+from tfreduce.contract import shard_sizes
+from tfreduce.frame import Stage, run_stage
 from tfreduce.packing import DEFAULT_PACK_BYTES
 from tfreduce.primitives import ring_all_gather, ring_reduce_scatter
 
@@ -85,8 +85,7 @@ def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=DEFA
     Raises:
       TypeError, ValueError: bad input, see ``contract.validate_grads``.
     """
-    return run_stages(validate_grads(all_grads, devices), [RingStage()], average,
-                      pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense)
+    return run_stage(RingStage(), all_grads, devices, average, pack_bytes, sparse_as_dense)
 
 
 class RingStage(Stage):
