@@ -190,8 +190,13 @@ def test_bad_collective_options(graph):
     with pytest.raises(ValueError, match=re.escape(
             "communication must be one of ('auto', 'ring', 'nccl'), got 'mpi'")):
         tfreduce.allreduce_grads_collective(grads, GPU_DEVICES[:2], communication="mpi")
-    with pytest.raises(ValueError, match="timeout must be >= 0 seconds or None, got -2"):
-        tfreduce.allreduce_grads_collective(grads, GPU_DEVICES[:2], timeout=-2)
+    # One rule for every collective's timeout (collective.check_timeout):
+    # seconds > 0, or None for the default; TF's "0 waits forever" is refused.
+    for timeout in (-2, 0):
+        with pytest.raises(ValueError, match=re.escape(
+                f"timeout must be a number of seconds > 0 or None (wait forever), "
+                f"got {timeout}")):
+            tfreduce.allreduce_grads_collective(grads, GPU_DEVICES[:2], timeout=timeout)
 
 
 def test_merge_grad_list_mismatch():

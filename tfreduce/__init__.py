@@ -28,7 +28,7 @@ _EXPORTS = {
     "default_groups": "tfreduce.hierarchical",
     "allreduce_grads_multiworker": "tfreduce.multiworker",
     "broadcast_variables_multiworker": "tfreduce.multiworker",
-    "CollectiveKeys": "tfreduce.nccl_ops",
+    "CollectiveKeys": "tfreduce.collective",
     "allreduce_grads_collective": "tfreduce.nccl_ops",
     "allreduce_grads_nccl": "tfreduce.nccl_ops",
     "allreduce_grads_flat": "tfreduce.replicated",

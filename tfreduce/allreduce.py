@@ -1,31 +1,33 @@
-"""One entry point that picks an all-reduce algorithm by name."""
+"""One entry point that picks an all-reduce algorithm by name, and the stage registry.
+
+Every algorithm is a ``frame.Stage``; ``STAGES`` registers each once, by
+name. The options an algorithm takes are its stage's constructor arguments
+plus the frame's (``pack_bytes``, ``sparse_as_dense``), so no table repeats
+a signature.
+"""
+
+import inspect
 
 from tfreduce.contract import is_gpu, validate_grads
-from tfreduce.hierarchical import allreduce_grads_hierarchical
-from tfreduce.nccl_ops import allreduce_grads_collective, allreduce_grads_nccl
-from tfreduce.replicated import allreduce_grads_flat
-from tfreduce.ring import allreduce_grads_ring
+from tfreduce.frame import run_stages
+from tfreduce.hierarchical import HierarchicalStage
+from tfreduce.nccl_ops import CollectiveStage, NcclStage
+from tfreduce.packing import DEFAULT_PACK_BYTES
+from tfreduce.replicated import FlatStage
+from tfreduce.ring import RingStage
 
-__all__ = ["ALGORITHMS", "allreduce_grads", "choose_algorithm"]
+__all__ = ["ALGORITHMS", "STAGES", "FRAME_OPTIONS", "allreduce_grads", "choose_algorithm",
+           "make_stage"]
 
-_BUILDERS = {
-    "flat": allreduce_grads_flat,
-    "hierarchical": allreduce_grads_hierarchical,
-    "ring": allreduce_grads_ring,
-    "nccl": allreduce_grads_nccl,
-    "collective": allreduce_grads_collective,
-}
+#: Algorithm name -> its Stage class.
+STAGES = {stage.name: stage for stage in (FlatStage, HierarchicalStage, RingStage, NcclStage,
+                                          CollectiveStage)}
 
 #: Names ``allreduce_grads(algorithm=...)`` accepts.
-ALGORITHMS = ("auto",) + tuple(_BUILDERS)
+ALGORITHMS = ("auto",) + tuple(STAGES)
 
-_OPTIONS = {
-    "flat": {"pack_bytes", "sparse_as_dense"},
-    "hierarchical": {"pack_bytes", "sparse_as_dense", "groups"},
-    "ring": {"pack_bytes", "sparse_as_dense"},
-    "nccl": {"pack_bytes", "sparse_as_dense"},
-    "collective": {"pack_bytes", "sparse_as_dense", "communication", "keys", "timeout"},
-}
+#: Options of the frame, which every algorithm takes.
+FRAME_OPTIONS = ("pack_bytes", "sparse_as_dense")
 
 
 def choose_algorithm(devices):
@@ -47,6 +49,31 @@ def choose_algorithm(devices):
     if len(devices) > 1 and all(is_gpu(d) for d in devices):
         return "nccl"
     return "flat"
+
+
+def make_stage(algorithm, options):
+    """The stage of a named algorithm (not "auto") with its options.
+
+    Args:
+      algorithm: a name in STAGES.
+      options: dict of the stage's constructor arguments, e.g.
+        ``{"groups": [[0, 1], [2, 3]]}``; frame options are ignored here.
+
+    Returns:
+      frame.Stage.
+
+    Raises:
+      TypeError: an option neither the stage nor the frame takes.
+      ValueError: a bad option value (from the stage's constructor).
+    """
+    stage = STAGES[algorithm]
+    own = set(inspect.signature(stage).parameters)
+    unknown = sorted(set(options) - own - set(FRAME_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"algorithm {algorithm!r} takes no option {unknown}; it takes "
+            f"{sorted(own | set(FRAME_OPTIONS))}")
+    return stage(**{name: value for name, value in options.items() if name in own})
 
 
 def allreduce_grads(all_grads, devices=None, average=False, algorithm="auto", **options):
@@ -77,11 +104,13 @@ def allreduce_grads(all_grads, devices=None, average=False, algorithm="auto", **
     if algorithm not in ALGORITHMS:
         raise ValueError(
             f"unknown all-reduce algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    # The input is validated once; a named algorithm checks its options first.
     if algorithm == "auto":
-        algorithm = choose_algorithm(validate_grads(all_grads, devices).devices)
-    unknown = sorted(set(options) - _OPTIONS[algorithm])
-    if unknown:
-        raise TypeError(
-            f"algorithm {algorithm!r} takes no option {unknown}; it takes "
-            f"{sorted(_OPTIONS[algorithm])}")
-    return _BUILDERS[algorithm](all_grads, devices=devices, average=average, **options)
+        grads = validate_grads(all_grads, devices)
+        stage = make_stage(choose_algorithm(grads.devices), options)
+    else:
+        stage = make_stage(algorithm, options)
+        grads = validate_grads(all_grads, devices)
+    return run_stages(grads, [stage], average,
+                      pack_bytes=options.get("pack_bytes", DEFAULT_PACK_BYTES),
+                      sparse_as_dense=options.get("sparse_as_dense", False))

@@ -1,12 +1,8 @@
-"""The cluster of a multi-worker run: TF_CONFIG, the worker's server, failures.
+"""The cluster of a multi-worker run: ranks, device names, the worker's server.
 
 A multi-worker run is W processes ("workers"), usually one per machine, each
 with its own K devices. They find each other through the standard
-``TF_CONFIG`` environment variable, the one MultiWorkerMirroredStrategy
-reads::
-
-    TF_CONFIG='{"cluster": {"worker": ["host0:2222", "host1:2222"]},
-                "task": {"type": "worker", "index": 1}}'
+``TF_CONFIG`` environment variable (``tfreduce.tf_config``).
 
 ``Cluster`` parses and checks it without side effects, so a mistake (no task,
 an index out of range, a malformed address) is reported before anything
@@ -16,8 +12,7 @@ the group leader that matches up the members of every collective group;
 ``start_server()`` does the same for a ``tf.compat.v1.Session``. From then on
 this worker's devices are named ``/job:worker/replica:0/task:<i>/device:...``
 and the cross-worker collectives of ``tfreduce.multiworker`` run over that
-server. ``detect_lost_workers()`` turns the error of a collective whose peer
-has died into a ``WorkerLostError`` that names the lost workers.
+server; ``detect_lost_workers()`` names a lost peer (``tfreduce.failures``).
 
 Security: TensorFlow's gRPC server has no authentication and no encryption,
 and it listens on every network interface of the machine (``0.0.0.0``),
@@ -26,10 +21,6 @@ operation in the worker. Run a cluster only on a trusted, firewalled network.
 """
 
 import contextlib
-import json
-import os
-import re
-import socket
 import time
 
 import tensorflow as tf
@@ -38,7 +29,10 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 from tfreduce.contract import normalize_device, shard_sizes
-from tfreduce.nccl_ops import CollectiveKeys
+from tfreduce.failures import COLLECTIVE_FAILURES, lost_worker_message, unreachable_workers
+from tfreduce.collective import (CollectiveKeys, CollectiveOptions, all_reduce,
+                                 check_timeout, in_function)
+from tfreduce.tf_config import JOBS, check_port, parse_tf_config
 
 __all__ = ["Cluster", "WorkerLostError", "parse_tf_config", "DEFAULT_TIMEOUT"]
 
@@ -48,36 +42,10 @@ __all__ = ["Cluster", "WorkerLostError", "parse_tf_config", "DEFAULT_TIMEOUT"]
 #: detected within a second, because its peers' connections are refused.
 DEFAULT_TIMEOUT = 300.0
 
-# TF_CONFIG jobs that take part in the all-reduce, in rank order: a chief,
-# when there is one, is rank 0, as in MultiWorkerMirroredStrategy.
-_JOBS = ("chief", "worker")
-
 # Cross-worker instance keys start above the range that
 # CollectiveKeys.for_call draws per-call keys from (1 .. 2**30), so that a
 # local collective reduction and the cross-worker one never share a key.
 _FIRST_CROSS_WORKER_KEY = 2 ** 30 + 1
-
-_HOSTNAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
-
-# Errors a collective reports when a peer is gone, hangs or restarted.
-_COLLECTIVE_FAILURES = (
-    tf.errors.UnavailableError,
-    tf.errors.DeadlineExceededError,
-    tf.errors.AbortedError,
-    tf.errors.CancelledError,
-    tf.errors.FailedPreconditionError,
-)
-
-
-def _tf_reason(error):
-    """The line of a TF error message that says what happened to the collective."""
-    lines = [line.strip() for line in str(error.message or "").splitlines()]
-    lines = [line for line in lines if line and not line.startswith(("[[", "Detected at"))
-             and line != "Graph execution error:"]
-    for line in lines:
-        if "Collective" in line or "collective" in line:
-            return line
-    return lines[0] if lines else ""
 
 
 class WorkerLostError(RuntimeError):
@@ -95,155 +63,6 @@ class WorkerLostError(RuntimeError):
         super().__init__(message)
         self.lost = lost
         self.error = error
-
-
-def _parse_address(address, where):
-    """Checks one ``host:port`` (or ``[v6]:port``) address; returns (host, port)."""
-    if not isinstance(address, str):
-        raise TypeError(
-            f"{where} must be a 'host:port' string, got {type(address).__name__} "
-            f"{address!r}")
-    hint = "give 'host:port', e.g. '10.0.0.1:2222' or 'localhost:2222'"
-    if "://" in address:
-        raise ValueError(f"{where} {address!r} has a scheme: {hint} (no 'grpc://')")
-    if address.startswith("["):
-        host, sep, port = address[1:].partition("]:")
-        valid_host = bool(host) and ":" in host and all(
-            c in "0123456789abcdefABCDEF:." for c in host)
-    else:
-        host, sep, port = address.rpartition(":")
-        valid_host = bool(_HOSTNAME.match(host))
-    if not sep:
-        raise ValueError(f"{where} {address!r} has no port: {hint}")
-    if not valid_host:
-        raise ValueError(f"{where} {address!r} has no valid host name or IP before "
-                         f"the port: {hint}")
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{where} {address!r}: port {port!r} is not a number in "
-                         f"1..65535: {hint}")
-    return host, int(port)
-
-
-def _check_cluster_spec(spec):
-    """Validates the ``cluster`` part of TF_CONFIG; returns a clean copy."""
-    if not isinstance(spec, dict):
-        raise TypeError(
-            f"TF_CONFIG 'cluster' must map job names to lists of 'host:port' "
-            f"addresses, e.g. {{\"worker\": [\"host0:2222\", \"host1:2222\"]}}, got "
-            f"{type(spec).__name__} {spec!r}")
-    others = sorted(set(spec) - set(_JOBS))
-    if others:
-        raise ValueError(
-            f"TF_CONFIG cluster has jobs {others}; tfreduce's synchronous "
-            f"all-reduce runs among 'worker' tasks (and at most one 'chief'), "
-            f"so remove them (parameter servers and evaluators take no part)")
-    clean = {}
-    seen = {}
-    for job in _JOBS:
-        if job not in spec:
-            continue
-        addresses = spec[job]
-        if isinstance(addresses, str) or not isinstance(addresses, (list, tuple)):
-            raise TypeError(
-                f"TF_CONFIG cluster[{job!r}] must be a list of 'host:port' "
-                f"addresses, got {type(addresses).__name__} {addresses!r}")
-        if not addresses:
-            raise ValueError(f"TF_CONFIG cluster[{job!r}] is empty: list one "
-                             f"address per {job} task or leave the job out")
-        if job == "chief" and len(addresses) != 1:
-            raise ValueError(
-                f"TF_CONFIG cluster['chief'] lists {len(addresses)} addresses "
-                f"{list(addresses)!r}; a cluster has at most one chief")
-        for i, address in enumerate(addresses):
-            where = f"TF_CONFIG cluster[{job!r}][{i}]"
-            host, port = _parse_address(address, where)
-            key = (host.lower(), port)
-            if key in seen:
-                raise ValueError(
-                    f"{where} {address!r} is the address of {seen[key]} too: "
-                    f"every task needs its own host:port")
-            seen[key] = f"{job} {i}"
-        clean[job] = list(addresses)
-    if not clean:
-        raise ValueError(
-            "TF_CONFIG cluster lists no 'worker' (or 'chief') tasks: give e.g. "
-            "{\"worker\": [\"host0:2222\", \"host1:2222\"]}")
-    return clean
-
-
-def parse_tf_config(tf_config=None):
-    """Parses and checks a TF_CONFIG, before anything is started.
-
-    Args:
-      tf_config: the TF_CONFIG as a JSON string or a dict; None reads the
-        ``TF_CONFIG`` environment variable.
-
-    Returns:
-      (cluster_spec, task_type, task_index): a dict mapping "worker" (and
-      "chief", if present) to lists of "host:port" strings, the str job of
-      this task and its int index in that job.
-
-    Raises:
-      ValueError: TF_CONFIG unset or not JSON; no "cluster" or "task"; a job
-        other than "worker" and "chief"; more than one chief; an empty job; a
-        malformed or repeated address; a task type not in the cluster or an
-        index out of range; an "rpc_layer" other than "grpc".
-      TypeError: a part of TF_CONFIG has the wrong JSON type (the task index
-        must be an int, the addresses strings).
-    """
-    if tf_config is None:
-        tf_config = os.environ.get("TF_CONFIG", "")
-        if not tf_config.strip():
-            raise ValueError(
-                "TF_CONFIG is not set: on each host set it to the cluster and this "
-                "host's task, e.g. TF_CONFIG='{\"cluster\": {\"worker\": "
-                "[\"host0:2222\", \"host1:2222\"]}, \"task\": {\"type\": \"worker\", "
-                "\"index\": 0}}', or try it on one machine with "
-                "'python -m tfreduce.launch --workers 2 -- python your_script.py'")
-    if isinstance(tf_config, str):
-        try:
-            tf_config = json.loads(tf_config)
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"TF_CONFIG is not valid JSON ({e.msg} at line {e.lineno} column "
-                f"{e.colno}): {tf_config[:200]!r}") from None
-    if not isinstance(tf_config, dict):
-        raise TypeError(f"TF_CONFIG must be a JSON object with 'cluster' and 'task', "
-                        f"got {type(tf_config).__name__} {tf_config!r}")
-    if "cluster" not in tf_config:
-        raise ValueError(f"TF_CONFIG has no 'cluster' (keys: {sorted(tf_config)}): "
-                         f"give the addresses of all workers")
-    spec = _check_cluster_spec(tf_config["cluster"])
-    rpc_layer = tf_config.get("rpc_layer", "grpc") or "grpc"
-    if rpc_layer != "grpc":
-        raise ValueError(f"TF_CONFIG rpc_layer {rpc_layer!r} is not supported; "
-                         f"TF's collectives run over 'grpc'")
-    task = tf_config.get("task")
-    if task is None:
-        raise ValueError(
-            f"TF_CONFIG has no 'task': say which of the cluster's tasks this process "
-            f"is, e.g. \"task\": {{\"type\": \"worker\", \"index\": 0}} (the cluster "
-            f"is {spec})")
-    if not isinstance(task, dict):
-        raise TypeError(f"TF_CONFIG 'task' must be an object like {{\"type\": "
-                        f"\"worker\", \"index\": 0}}, got {task!r}")
-    for field in ("type", "index"):
-        if field not in task:
-            raise ValueError(f"TF_CONFIG task {task!r} has no {field!r}: give e.g. "
-                             f"{{\"type\": \"worker\", \"index\": 0}}")
-    task_type, index = task["type"], task["index"]
-    if task_type not in spec:
-        raise ValueError(f"TF_CONFIG task type {task_type!r} is not a job of the "
-                         f"cluster, which has {sorted(spec)}")
-    if isinstance(index, bool) or not isinstance(index, int):
-        raise TypeError(f"TF_CONFIG task index must be an int, got "
-                        f"{type(index).__name__} {index!r}")
-    count = len(spec[task_type])
-    if not 0 <= index < count:
-        raise ValueError(
-            f"TF_CONFIG task index {index} is out of range: the cluster has {count} "
-            f"{task_type} task{'s' if count != 1 else ''} (indices 0..{count - 1})")
-    return spec, task_type, index
 
 
 class Cluster:
@@ -282,15 +101,12 @@ class Cluster:
     def __init__(self, cluster_spec, task_type, task_index, timeout=DEFAULT_TIMEOUT):
         spec, task_type, task_index = parse_tf_config(
             {"cluster": cluster_spec, "task": {"type": task_type, "index": task_index}})
-        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                or not timeout > 0):
-            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.cluster_spec = spec
         self.task_type = task_type
         self.task_index = task_index
-        self.timeout = float(timeout)
+        self.timeout = check_timeout(timeout)
         self.keys = CollectiveKeys(first_instance_key=_FIRST_CROSS_WORKER_KEY)
-        self._tasks = [(job, i) for job in _JOBS for i in range(len(spec.get(job, [])))]
+        self._tasks = [(job, i) for job in JOBS for i in range(len(spec.get(job, [])))]
         self._mode = None
 
     @classmethod
@@ -478,23 +294,6 @@ class Cluster:
             job_name=self.task_type, task_index=self.task_index, protocol="grpc",
             default_session_config=config)
 
-    def _check_port(self):
-        # TF's gRPC server listens on 0.0.0.0:port whatever the host, and
-        # reports a taken port only as "Could not start gRPC server".
-        port = _parse_address(self.address(), "address")[1]
-        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        # As gRPC does: a port whose last connections linger in TIME_WAIT is free.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("0.0.0.0", port))
-        except OSError as e:
-            raise ValueError(
-                f"{self.describe(self.rank)}: port {port} cannot be opened on this "
-                f"host ({e.strerror}): another process holds it; free it or give "
-                f"this task another port in TF_CONFIG") from None
-        finally:
-            probe.close()
-
     def start(self):
         """Starts this worker's server in the TF2 eager context.
 
@@ -518,7 +317,7 @@ class Cluster:
         if self._mode is not None:
             raise RuntimeError("start(): this Cluster already started a "
                                "tf.compat.v1 server with start_server()")
-        self._check_port()
+        check_port(self.address(), self.describe(self.rank))
         ctx = context.context()
         # The context's config carries the logical device configuration.
         server_def = self._server_def(self._session_settings(ctx.config))
@@ -549,7 +348,7 @@ class Cluster:
         if self._mode is not None:
             raise RuntimeError(f"start_server(): this Cluster already started a "
                                f"server ({self._mode})")
-        self._check_port()
+        check_port(self.address(), self.describe(self.rank))
         server = tf.distribute.Server(
             tf.train.ClusterSpec(self.cluster_spec), job_name=self.task_type,
             task_index=self.task_index, protocol="grpc",
@@ -563,14 +362,11 @@ class Cluster:
         """Waits until every worker gets here; call it on each before exiting.
 
         A worker that exits as soon as its own last collective is done can
-        break a peer that is still finishing that collective (it still needs
-        an answer from the exited worker's server: seen here as "Socket
-        closed" on the peer). ``finish`` runs one all-reduce of a scalar over
-        every worker: once it completes on a worker, every worker has
-        entered it, so every earlier collective is done everywhere. It then
-        waits ``linger`` seconds, for the answers of this last all-reduce
-        still on their way to the peers. ``ReplicatedTrainer.fit`` in a
-        cluster should end with it.
+        break a peer still finishing it (seen here as "Socket closed"). This
+        all-reduces a scalar over every worker: once it completes on one,
+        every worker has entered it, so every earlier collective is done
+        everywhere; then it waits ``linger`` seconds for the answers still on
+        their way. ``ReplicatedTrainer.fit`` in a cluster ends with it.
 
         Args:
           session: the ``tf.compat.v1.Session`` on this worker's server
@@ -590,18 +386,16 @@ class Cluster:
                 "no session after start()")
         device = self.task_name() + "/device:CPU:0"
         group_key = self.group_key(["/device:CPU:0"])
+        options = CollectiveOptions(timeout=self.timeout)
 
         def build():
             with tf.name_scope("cluster_finish"), tf.device(device):
-                return tf.raw_ops.CollectiveReduceV2(
-                    input=tf.constant(1, tf.int32), group_size=self.num_workers,
-                    group_key=group_key, instance_key=self.keys.instance_key(),
-                    ordering_token=[], merge_op="Add", final_op="Id",
-                    timeout_seconds=self.timeout, name="barrier")
+                return all_reduce(tf.constant(1, tf.int32), self.num_workers, group_key,
+                                  self.keys.instance_key(), options, name="barrier")
 
         with self.detect_lost_workers():
             if session is None:
-                arrived = tf.function(build, autograph=False)()
+                arrived = in_function(build)
             else:
                 with session.graph.as_default():
                     arrived = session.run(build())
@@ -614,11 +408,7 @@ class Cluster:
     # ------------------------------------------------------------------ failures
 
     def unreachable_workers(self, probe_timeout=5.0):
-        """The other tasks that do not answer now.
-
-        After ``start()`` each peer is asked through TF's collective health
-        check, which also notices a peer that restarted; otherwise a TCP
-        connection to its port is attempted.
+        """The other tasks that do not answer now (probed as ``failures.unreachable_workers`` says).
 
         Args:
           probe_timeout: float seconds to wait for each peer.
@@ -626,26 +416,7 @@ class Cluster:
         Returns:
           list of int ranks.
         """
-        lost = []
-        for rank in range(self.num_workers):
-            if rank != self.rank and not self._answers(rank, probe_timeout):
-                lost.append(rank)
-        return lost
-
-    def _answers(self, rank, probe_timeout):
-        if self._mode == "eager":
-            try:
-                context.context().check_collective_ops_peer_health(
-                    self.task_name(rank), timeout_in_ms=int(probe_timeout * 1000))
-                return True
-            except tf.errors.OpError:
-                return False
-        host, port = _parse_address(self.address(rank), "address")
-        try:
-            socket.create_connection((host, port), timeout=probe_timeout).close()
-            return True
-        except OSError:
-            return False
+        return unreachable_workers(self, probe_timeout, eager=self._mode == "eager")
 
     @contextlib.contextmanager
     def detect_lost_workers(self, probe_timeout=5.0):
@@ -656,11 +427,9 @@ class Cluster:
             with cluster.detect_lost_workers():      # tfreduce:
                 loss = train_step(x, y)
 
-        When a peer dies, TF fails the collective with UnavailableError
-        (within about a second: its connections are refused) or, for a peer
-        that hangs or whose host vanished, DeadlineExceededError after the
-        cluster's timeout. The peers are then probed and the error names the
-        ones that do not answer. Other errors pass through unchanged.
+        After a collective failed because a peer is gone or late
+        (``failures.COLLECTIVE_FAILURES``), the peers are probed and the error
+        names the ones that do not answer. Other errors pass through unchanged.
 
         Args:
           probe_timeout: float seconds to wait for each peer's answer.
@@ -670,25 +439,9 @@ class Cluster:
         """
         try:
             yield
-        except _COLLECTIVE_FAILURES as e:
+        except COLLECTIVE_FAILURES as e:
             lost = self.unreachable_workers(probe_timeout)
             if not lost and not isinstance(e, tf.errors.DeadlineExceededError):
                 raise
-            names = [self.describe(r) for r in lost]
-            first_line = _tf_reason(e)
-            if names:
-                message = (
-                    f"{self.describe(self.rank)}: lost {', '.join(names)}: "
-                    f"{'it does' if len(names) == 1 else 'they do'} not answer, and "
-                    f"the all-reduce cannot go on without "
-                    f"{'it' if len(names) == 1 else 'them'}. Stop every worker, "
-                    f"restart them all and resume from the last checkpoint. "
-                    f"(TF: {type(e).__name__}: {first_line})")
-            else:
-                message = (
-                    f"{self.describe(self.rank)}: a collective waited {self.timeout:g}s "
-                    f"for its peers and every worker still answers: one of them is "
-                    f"stuck, much slower, or running a different program (other "
-                    f"models, shapes or number of steps). "
-                    f"(TF: {type(e).__name__}: {first_line})")
-            raise WorkerLostError(message, names, e) from e
+            raise WorkerLostError(lost_worker_message(self, e, lost),
+                                  [self.describe(r) for r in lost], e) from e

@@ -15,15 +15,14 @@ groups: devices i and i+4, as on the DGX-1), spreads the roots by bytes, and
 divides by K once, on the device that forms the total.
 """
 
-from tfreduce.contract import validate_groups
-from tfreduce.driver import run_allreduce
-from tfreduce.packing import DEFAULT_PACK_BYTES
-from tfreduce.contract import nbytes
-from tfreduce.primitives import RootBalancer, broadcast, finish_sum, reduce_to, sum_order
-
 import tensorflow as tf
 
-__all__ = ["allreduce_grads_hierarchical", "default_groups"]
+from tfreduce.contract import nbytes, validate_groups
+from tfreduce.frame import Stage, run_stage
+from tfreduce.packing import DEFAULT_PACK_BYTES
+from tfreduce.primitives import RootBalancer, broadcast, reduce_to, sum_order
+
+__all__ = ["HierarchicalStage", "allreduce_grads_hierarchical", "default_groups"]
 
 
 def default_groups(num_devices):
@@ -92,48 +91,53 @@ def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=
       TypeError, ValueError: bad gradients or devices (see
         ``contract.validate_grads``), or groups that do not partition 0..K-1.
     """
-    def check(devs):
-        nonlocal groups
-        groups = validate_groups(
-            default_groups(len(devs)) if groups is None else groups, len(devs))
-
-    return run_allreduce(
-        all_grads, devices, average,
-        lambda columns, devs: _hierarchical_columns(columns, devs, average, groups),
-        scope="allreduce_hierarchical", pack_bytes=pack_bytes,
-        sparse_as_dense=sparse_as_dense, check_devices=check)
+    return run_stage(HierarchicalStage(groups), all_grads, devices, average, pack_bytes,
+                     sparse_as_dense)
 
 
-def _hierarchical_columns(columns, devices, average, groups):
-    num_towers = len(devices)
-    positions = max(len(g) for g in groups)
-    balancer = RootBalancer(num_towers)
-    sizes = [nbytes(c[0]) for c in columns]
-    out = [None] * len(columns)
-    for m in sum_order(sizes):
-        column, size = columns[m], sizes[m]
-        # Position p minimising the summed load of the roots it selects.
-        p = min(range(positions),
-                key=lambda q: sum(balancer.load[g[q % len(g)]] for g in groups))
-        roots = [g[p % len(g)] for g in groups]
-        for r in roots:
-            balancer.load[r] += size
-        combiner = balancer.pick(roots, size)
-        group_sums = [
-            reduce_to([column[i] for i in g], devices[r], name=f"entry{m}_group{gi}_sum")
-            for gi, (g, r) in enumerate(zip(groups, roots))]
-        total = reduce_to(group_sums, devices[combiner], name=f"entry{m}_sum")
-        total = finish_sum(total, column[0].dtype, num_towers, average,
-                           devices[combiner], name=f"entry{m}_total")
-        result = [None] * num_towers
-        for gi, (g, r) in enumerate(zip(groups, roots)):
-            if r == combiner:
+class HierarchicalStage(Stage):
+    """Per entry: sums inside groups on paired roots, combine the roots, broadcast back.
+
+    Args:
+      groups: list of lists of device indices partitioning 0..K-1, or None
+        for ``default_groups(K)``; checked against K in ``bind``.
+    """
+
+    name = "hierarchical"
+
+    def __init__(self, groups=None):
+        self.groups = groups
+
+    def bind(self, devices):
+        groups = default_groups(len(devices)) if self.groups is None else self.groups
+        return HierarchicalStage(validate_groups(groups, len(devices)))
+
+    def reduce(self, buffers, ctx):
+        devices, groups = ctx.devices, self.groups
+        num_towers = len(devices)
+        positions = max(len(g) for g in groups)
+        balancer = RootBalancer(num_towers)
+        sizes = [nbytes(t) for t in buffers[0]]
+        out = [[None] * len(sizes) for _ in range(num_towers)]  # K x M
+        for m in sum_order(sizes):
+            # Position p minimising the summed load of the roots it selects.
+            p = min(range(positions),
+                    key=lambda q: sum(balancer.load[g[q % len(g)]] for g in groups))
+            roots = [g[p % len(g)] for g in groups]
+            for r in roots:
+                balancer.load[r] += sizes[m]
+            combiner = balancer.pick(roots, sizes[m])
+            group_sums = [
+                reduce_to([buffers[i][m] for i in g], devices[r], name=f"entry{m}_group{gi}_sum")
+                for gi, (g, r) in enumerate(zip(groups, roots))]
+            total = reduce_to(group_sums, devices[combiner], name=f"entry{m}_sum")
+            total = ctx.finish(total, m, num_towers, devices[combiner], name=f"entry{m}_total")
+            for gi, (g, r) in enumerate(zip(groups, roots)):
                 root_total = total
-            else:
-                with tf.device(devices[r]):
-                    root_total = tf.identity(total, name=f"entry{m}_group{gi}_total")
-            for k, t in zip(g, broadcast(root_total, [devices[i] for i in g],
-                                         name_fmt=f"entry{m}_dev{{}}_out", indices=g)):
-                result[k] = t
-        out[m] = result
-    return out
+                if r != combiner:
+                    with tf.device(devices[r]):
+                        root_total = tf.identity(total, name=f"entry{m}_group{gi}_total")
+                for k, t in zip(g, broadcast(root_total, [devices[i] for i in g],
+                                             name_fmt=f"entry{m}_dev{{}}_out", indices=g)):
+                    out[k][m] = t
+        return out

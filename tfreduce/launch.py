@@ -18,7 +18,6 @@ untrusted network (a firewall, or a container without published ports).
 """
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -26,6 +25,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from tfreduce.tf_config import worker_tf_config as tf_config
 
 __all__ = ["main", "free_ports", "tf_config"]
 
@@ -59,12 +60,6 @@ def free_ports(count, host="127.0.0.1"):
     finally:
         for s in sockets:
             s.close()
-
-
-def tf_config(addresses, index):
-    """The TF_CONFIG JSON of worker ``index`` in a cluster of ``addresses``."""
-    return json.dumps({"cluster": {"worker": list(addresses)},
-                       "task": {"type": "worker", "index": index}})
 
 
 class _Prefixer(threading.Thread):
@@ -208,6 +203,40 @@ def parse_args(argv):
     return args
 
 
+def _supervise(workers, args, interrupted, start, log):
+    """Waits for the workers; stops them all on a failure, a signal or --timeout.
+
+    Returns:
+      int, the exit code so far (0 while nothing went wrong).
+    """
+    code = 0
+    while workers.running():
+        failed = [(i, p.returncode) for i, p in enumerate(workers.procs)
+                  if p.returncode not in (None, 0)]
+        if failed:
+            i, returncode = failed[0]
+            log(f"worker {i} {_describe(returncode)} after "
+                f"{time.monotonic() - start:.1f}s; the others get {args.grace:g}s "
+                f"to finish")
+            code = _exit_code(returncode)
+            workers.stop(args.grace)
+            break
+        if interrupted:
+            log(f"{signal.Signals(interrupted[0]).name}: stopping every worker")
+            code = 130 if interrupted[0] == signal.SIGINT else 143
+            workers.signal_all(interrupted[0])
+            workers.stop(0.0)
+            break
+        if args.timeout is not None and time.monotonic() - start > args.timeout:
+            log(f"--timeout {args.timeout:g}s reached: stopping every worker")
+            code = 124
+            workers.stop(0.0)
+            break
+        time.sleep(_POLL_SECONDS)
+    workers.stop(0.0)
+    return code
+
+
 def main(argv=None):
     """Runs the workers; returns the launcher's exit code.
 
@@ -246,32 +275,8 @@ def main(argv=None):
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         return 127
-    code = 0
     try:
-        while workers.running():
-            failed = [(i, p.returncode) for i, p in enumerate(workers.procs)
-                      if p.returncode not in (None, 0)]
-            if failed:
-                i, returncode = failed[0]
-                log(f"worker {i} {_describe(returncode)} after "
-                    f"{time.monotonic() - start:.1f}s; the others get {args.grace:g}s "
-                    f"to finish")
-                code = _exit_code(returncode)
-                workers.stop(args.grace)
-                break
-            if interrupted:
-                log(f"{signal.Signals(interrupted[0]).name}: stopping every worker")
-                code = 130 if interrupted[0] == signal.SIGINT else 143
-                workers.signal_all(interrupted[0])
-                workers.stop(0.0)
-                break
-            if args.timeout is not None and time.monotonic() - start > args.timeout:
-                log(f"--timeout {args.timeout:g}s reached: stopping every worker")
-                code = 124
-                workers.stop(0.0)
-                break
-            time.sleep(_POLL_SECONDS)
-        workers.stop(0.0)
+        code = _supervise(workers, args, interrupted, start, log)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -16,22 +16,28 @@ rendezvous and Horovod's hierarchical all-reduce:
 3. local broadcast: that device divides by W*K once (``average=True``),
    casts back once and copies the result to the worker's other devices.
 
+The reduction is written as data, the stage list ``[<local stage>,
+CrossWorkerStage]`` (stages 2 and 3 are the ``CrossWorkerStage``), run by
+the same frame as every single-host algorithm (``frame.run_stages``): the
+input is validated and packed once, every sum is formed in float32 for half
+types, and the result is unpacked once.
+
 No transport of tfreduce's own: TF's collective runtime moves the bytes (a
 ring over gRPC on CPUs), as under MultiWorkerMirroredStrategy.
 """
 
 import tensorflow as tf
 
-from tfreduce.allreduce import ALGORITHMS, allreduce_grads, choose_algorithm
+from tfreduce.allreduce import ALGORITHMS, choose_algorithm, make_stage
 from tfreduce.cluster import Cluster
+from tfreduce.collective import (CollectiveChain, CollectiveKeys, CollectiveOptions,
+                                 broadcast_recv, broadcast_send, in_function)
 from tfreduce.contract import check_variables, nbytes, normalize_devices, validate_grads
-from tfreduce.driver import run_allreduce
-from tfreduce.nccl_ops import COMMUNICATIONS, CollectiveKeys
-from tfreduce.primitives import (RootBalancer, accumulation_dtype, broadcast, finish_sum,
-                                 sum_order)
+from tfreduce.frame import Stage, run_stages
+from tfreduce.primitives import RootBalancer, broadcast, sum_order
 
-__all__ = ["allreduce_grads_multiworker", "broadcast_variables_multiworker",
-           "CROSS_WORKER_PACK_BYTES"]
+__all__ = ["CrossWorkerStage", "allreduce_grads_multiworker",
+           "broadcast_variables_multiworker", "CROSS_WORKER_PACK_BYTES"]
 
 #: Default buffer size for packing before the cross-worker all-reduce. Each
 #: collective between hosts pays a network round trip or more, so small
@@ -49,22 +55,16 @@ def _check_cluster(cluster):
             f"then cluster.start()), got {type(cluster).__name__} {cluster!r}")
 
 
-def _check_timeout(timeout, cluster):
-    if timeout is None:
-        return cluster.timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a number of seconds > 0 or None (the "
-                         f"cluster's {cluster.timeout:g}s), got {timeout!r}")
-    return float(timeout)
-
-
-def _check_keys(keys, cluster):
+def _cross_worker_options(cluster, communication, timeout, keys):
+    """(CollectiveOptions, CollectiveKeys) of cross-worker collectives; None: the cluster's."""
+    options = CollectiveOptions(communication, timeout,
+                                none_means=f"the cluster's {cluster.timeout:g}s")
     if keys is None:
-        return cluster.keys
-    if not isinstance(keys, CollectiveKeys):
+        keys = cluster.keys
+    elif not isinstance(keys, CollectiveKeys):
         raise TypeError(f"keys must be a tfreduce.CollectiveKeys or None (the "
                         f"cluster's), got {type(keys).__name__}")
-    return keys
+    return options.with_timeout(cluster.timeout), keys
 
 
 def _local_name(device):
@@ -73,14 +73,57 @@ def _local_name(device):
     return f"/device:{spec.device_type}:{spec.device_index}"
 
 
-def _ordering_token(device, group_key):
-    # One resource per device and group: in a tf.function, automatic control
-    # dependencies then order the collectives per device only; ordering them
-    # across devices would serialise the group and deadlock.
-    with tf.device(device):
-        return tf.raw_ops.VarHandleOp(
-            dtype=tf.float32, shape=[], shared_name=f"tfreduce_cross_order_{group_key}",
-            name="cross_worker_order")
+class CrossWorkerStage(Stage):
+    """Per entry: one device per worker all-reduces across workers, then copies to the others.
+
+    The entry's root r is picked by bytes, largest entries first, so the K
+    devices of a worker each carry about 1/K of the cross-worker traffic.
+    On r: ``entry{m}_cross_worker``, a ``CollectiveReduceV2`` over device r
+    of every worker (chained per device), then the one scaling by 1/T
+    (T = W * K towers) and cast back, ``entry{m}_total``; then
+    ``entry{m}_dev{k}_out``, the copy to each of the worker's devices.
+
+    Args:
+      cluster: tfreduce.Cluster of this worker.
+      options: collective.CollectiveOptions, with a timeout.
+      keys: CollectiveKeys that hand out the same keys on every worker.
+    """
+
+    name = "cross_worker"
+    collective = True
+    needs_function = True
+
+    def __init__(self, cluster, options, keys):
+        self.cluster = cluster
+        self.options = options
+        self.keys = keys
+
+    def reduce(self, buffers, ctx):
+        devices, num_workers = ctx.devices, self.cluster.num_workers
+        num_local = len(devices)
+        group_keys = [self.cluster.group_key([_local_name(d)]) for d in devices]
+        chain = CollectiveChain(self.options)
+        balancer = RootBalancer(num_local)
+        sizes = [nbytes(t) for t in buffers[0]]
+        out = [[None] * len(sizes) for _ in range(num_local)]  # K x M
+        for m in sum_order(sizes):
+            r = balancer.pick(range(num_local), sizes[m])
+            chain.token(devices[r], f"tfreduce_cross_order_{group_keys[r]}",
+                        "cross_worker_order")
+            # Only device r's copy is read, but the K ops of a collective
+            # local stage wait for each other: all K must run, or a
+            # tf.compat.v1 session hangs.
+            others = ([buffers[k][m] for k in range(num_local) if k != r]
+                      if ctx.upstream_collective else [])
+            with chain.after_previous(devices[r], extra=others):
+                summed = chain.all_reduce(buffers[r][m], devices[r], num_workers, group_keys[r],
+                                          self.keys.instance_key(),
+                                          name=f"entry{m}_cross_worker")
+            total = ctx.finish(summed, m, num_workers * num_local, devices[r],
+                               name=f"entry{m}_total")
+            for k, t in enumerate(broadcast(total, devices, name_fmt=f"entry{m}_dev{{}}_out")):
+                out[k][m] = t
+        return out
 
 
 def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=None,
@@ -158,91 +201,25 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
     if local_algorithm not in ALGORITHMS:
         raise ValueError(f"local_algorithm must be one of {ALGORITHMS}, got "
                          f"{local_algorithm!r}")
-    if communication not in COMMUNICATIONS:
-        raise ValueError(f"communication must be one of {COMMUNICATIONS}, got "
-                         f"{communication!r}")
     local_options = dict(local_options or {})
     own = sorted(set(local_options) & set(_OWN_OPTIONS))
     if own:
         raise ValueError(
             f"local_options {own} are set by allreduce_grads_multiworker itself; "
             f"pass pack_bytes to it directly")
-    timeout = _check_timeout(timeout, cluster)
-    keys = _check_keys(keys, cluster)
+    options, keys = _cross_worker_options(cluster, communication, timeout, keys)
+    grads = validate_grads(all_grads, devices)
     # Full names: the ops stay on this worker, and a local collective
     # algorithm gets a group key of its own on each worker.
-    devices = cluster.devices(validate_grads(all_grads, devices).devices)
+    grads.devices = cluster.devices(grads.devices)
     if local_algorithm == "auto":
-        local_algorithm = choose_algorithm(devices)
-
-    def local_reduce(grads, devs):
-        # The entries arrive packed by this call's own plan: no second packing.
-        return allreduce_grads(grads, devs, average=False, algorithm=local_algorithm,
-                               pack_bytes=None, **local_options)
-
-    # Only one device's copy of each local sum is used. Outputs of the other
-    # devices are pruned, which is right for reductions built from copies,
-    # but the K ops of a collective or NCCL reduction wait for each other:
-    # all K must run, or a tf.compat.v1 session hangs.
-    run_all_local = local_algorithm in ("collective", "nccl")
-
-    def reduce_dense(columns, devs):
-        return _multiworker_columns(columns, devs, average, cluster, local_reduce,
-                                    run_all_local, communication, keys, timeout)
-
-    def build():
-        return run_allreduce(all_grads, devices, average, reduce_dense,
-                             scope="allreduce_multiworker", pack_bytes=pack_bytes,
-                             sparse_as_dense=True)
-
-    if tf.executing_eagerly():
-        # Collectives must be issued together; eagerly each would block.
-        return tf.function(build, autograph=False)()
-    return build()
-
-
-def _multiworker_columns(columns, devices, average, cluster, local_reduce, run_all_local,
-                         communication, keys, timeout):
-    num_local = len(devices)
-    num_entries = len(columns)
-    total_towers = num_local * cluster.num_workers
-    # Half types go up to float32 on each tower, before the first sum, so
-    # that both sums are float32 and the result is rounded once.
-    local_in = [[None] * num_entries for _ in range(num_local)]
-    for m, column in enumerate(columns):
-        acc = accumulation_dtype(column[0].dtype)
-        for k, (g, d) in enumerate(zip(column, devices)):
-            if acc != g.dtype:
-                with tf.device(d):
-                    g = tf.cast(g, acc, name=f"entry{m}_dev{k}_to_{acc.name}")
-            local_in[k][m] = g
-    local_sums = local_reduce(local_in, devices)
-
-    group_keys = [cluster.group_key([_local_name(d)]) for d in devices]
-    tokens = {}
-    previous = {}
-    balancer = RootBalancer(num_local)
-    sizes = [nbytes(c[0]) for c in columns]
-    out = [None] * num_entries
-    for m in sum_order(sizes):
-        r = balancer.pick(range(num_local), sizes[m])
-        if r not in tokens:
-            tokens[r] = _ordering_token(devices[r], group_keys[r])
-        deps = [previous[r]] if r in previous else []
-        if run_all_local:
-            deps += [local_sums[k][m] for k in range(num_local) if k != r]
-        with tf.device(devices[r]), tf.control_dependencies(deps):
-            summed = tf.raw_ops.CollectiveReduceV2(
-                input=local_sums[r][m], group_size=cluster.num_workers,
-                group_key=group_keys[r], instance_key=keys.instance_key(),
-                ordering_token=[tokens[r]], merge_op="Add", final_op="Id",
-                communication_hint=communication, timeout_seconds=timeout,
-                name=f"entry{m}_cross_worker")
-        previous[r] = summed
-        total = finish_sum(summed, columns[m][0].dtype, total_towers, average,
-                           devices[r], name=f"entry{m}_total")
-        out[m] = broadcast(total, devices, name_fmt=f"entry{m}_dev{{}}_out")
-    return out
+        local_algorithm = choose_algorithm(grads.devices)
+    # The reduction as data: the local stage sums this worker's towers, the
+    # cross-worker stage sums across workers and copies back.
+    stages = [make_stage(local_algorithm, local_options),
+              CrossWorkerStage(cluster, options, keys)]
+    return run_stages(grads, stages, average, scope="allreduce_multiworker",
+                      pack_bytes=pack_bytes, sparse_as_dense=True)
 
 
 def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
@@ -282,30 +259,28 @@ def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
     """
     _check_cluster(cluster)
     check_variables(all_vars, fully_defined=True)
-    if communication not in COMMUNICATIONS:
-        raise ValueError(f"communication must be one of {COMMUNICATIONS}, got "
-                         f"{communication!r}")
-    timeout = _check_timeout(timeout, cluster)
-    keys = _check_keys(keys, cluster)
+    options, keys = _cross_worker_options(cluster, communication, timeout, keys)
     devices = normalize_devices([cluster.device(t[0].device or "/device:CPU:0",
                                                 where=f"tower {k}'s device")
                                  for k, t in enumerate(all_vars)])
 
     def build():
         with tf.name_scope("broadcast_variables_multiworker"):
-            return _broadcast_build(all_vars, devices, cluster, keys, timeout, communication)
+            return _broadcast_build(all_vars, devices, cluster, keys, options)
 
-    if tf.executing_eagerly():
-        def run():
-            with tf.control_dependencies(build()):
-                return tf.constant(0)
+    if not tf.executing_eagerly():
+        return build()
 
-        tf.function(run, autograph=False)()
-        return None
-    return build()
+    def run():
+        # Operations cannot be returned from a tf.function: depend on them.
+        with tf.control_dependencies(build()):
+            return tf.constant(0)
+
+    in_function(run)
+    return None
 
 
-def _broadcast_build(all_vars, devices, cluster, keys, timeout, communication):
+def _broadcast_build(all_vars, devices, cluster, keys, options):
     root = devices[0]
     group_key = cluster.group_key([_local_name(root)])
     by_dtype = {}
@@ -323,16 +298,11 @@ def _broadcast_build(all_vars, devices, cluster, keys, timeout, communication):
                 buffer = tf.concat(flat, axis=0, name=f"{dtype.name}_send_buffer")
                 # Read the values from the send's output: in a tf.function an
                 # unread CollectiveBcastSendV2 would be pruned.
-                buffer = tf.raw_ops.CollectiveBcastSendV2(
-                    input=buffer, group_size=cluster.num_workers, group_key=group_key,
-                    instance_key=keys.instance_key(), communication_hint=communication,
-                    timeout_seconds=timeout, name=f"{dtype.name}_send")
+                buffer = broadcast_send(buffer, cluster.num_workers, group_key,
+                                        keys.instance_key(), options, name=f"{dtype.name}_send")
             else:
-                buffer = tf.raw_ops.CollectiveBcastRecvV2(
-                    group_size=cluster.num_workers, group_key=group_key,
-                    instance_key=keys.instance_key(), shape=[sum(sizes)], T=dtype,
-                    communication_hint=communication, timeout_seconds=timeout,
-                    name=f"{dtype.name}_recv")
+                buffer = broadcast_recv([sum(sizes)], dtype, cluster.num_workers, group_key,
+                                        keys.instance_key(), options, name=f"{dtype.name}_recv")
             previous = [buffer]
             buffers.append(buffer)
             parts = tf.split(buffer, sizes, name=f"{dtype.name}_unpack")

@@ -12,28 +12,16 @@ Both form the sum on every device, so ``average=True`` divides on every
 device; there is no single place where the sum exists.
 """
 
-import zlib
-
 import tensorflow as tf
 from tensorflow.python.ops import nccl_ops as _tf_nccl
 
+from tfreduce.collective import CollectiveChain, CollectiveKeys, CollectiveOptions
 from tfreduce.contract import is_gpu
-from tfreduce.driver import run_allreduce
+from tfreduce.frame import Stage, run_stage
 from tfreduce.packing import DEFAULT_PACK_BYTES
 from tfreduce.primitives import accumulation_dtype, scale_by_reciprocal
 
-__all__ = ["allreduce_grads_nccl", "allreduce_grads_collective", "CollectiveKeys",
-           "COMMUNICATIONS"]
-
-COMMUNICATIONS = ("auto", "ring", "nccl")
-
-
-def _require_gpus(devices):
-    others = [d for d in devices if not is_gpu(d)]
-    if others:
-        raise ValueError(
-            f"NCCL runs only on GPUs, but devices {others} are not GPUs: use "
-            f"algorithm='collective', 'flat' or 'hierarchical' there")
+__all__ = ["NcclStage", "CollectiveStage", "allreduce_grads_nccl", "allreduce_grads_collective"]
 
 
 def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=DEFAULT_PACK_BYTES,
@@ -70,68 +58,38 @@ def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=DEFA
       ValueError: at build time if any device is not a GPU (naming them), or
         bad input (see ``contract.validate_grads``).
     """
-    def reduce_dense(columns, devs):
-        out = []
-        num_towers = len(devs)
-        for m, column in enumerate(columns):
+    return run_stage(NcclStage(), all_grads, devices, average, pack_bytes, sparse_as_dense)
+
+
+class NcclStage(Stage):
+    """Per entry: one ``NcclAllReduce`` per device (``nccl_ops.all_sum``), GPUs only."""
+
+    name = "nccl"
+    collective = True
+
+    def bind(self, devices):
+        others = [d for d in devices if not is_gpu(d)]
+        if others:
+            raise ValueError(
+                f"NCCL runs only on GPUs, but devices {others} are not GPUs: use "
+                f"algorithm='collective', 'flat' or 'hierarchical' there")
+        return self
+
+    def reduce(self, buffers, ctx):
+        num_towers = len(ctx.devices)
+        columns = []  # M x K
+        for m in range(len(buffers[0])):
             placed = []
-            for k, (g, d) in enumerate(zip(column, devs)):
+            for k, d in enumerate(ctx.devices):
                 with tf.device(d):
-                    if average:
+                    g = buffers[k][m]
+                    if ctx.average:
+                        # NCCL sums in the input dtype: prescale (Horovod's
+                        # prescale), so a float16 sum cannot overflow.
                         g = scale_by_reciprocal(g, num_towers)
                     placed.append(tf.identity(g, name=f"entry{m}_dev{k}_in"))
-            out.append(list(_tf_nccl.all_sum(placed)))
-        return out
-
-    return run_allreduce(all_grads, devices, average, reduce_dense, scope="allreduce_nccl",
-                         pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense,
-                         check_devices=_require_gpus)
-
-
-class CollectiveKeys:
-    """Group and instance keys of TF collective ops, owned by the caller.
-
-    Every collective op carries a group key (which devices take part) and an
-    instance key (which of the group's reductions this is); the K ops of one
-    reduction share both. TF's runtime remembers each instance key's shape
-    and dtype for the life of the process, and two reductions with one key in
-    the same step would meet each other, so a program that builds several
-    collective reductions passes one ``CollectiveKeys`` to all of them (a
-    trainer owns one) and gets keys unique for the process. Group keys are
-    derived from the device list, so the same devices always get the same
-    group.
-
-    Args:
-      first_instance_key: int >= 1, the first instance key handed out.
-    """
-
-    def __init__(self, first_instance_key=1):
-        if first_instance_key < 1:
-            raise ValueError(f"first_instance_key must be >= 1, got {first_instance_key}")
-        self._next = first_instance_key
-
-    @staticmethod
-    def group_key(devices):
-        """A positive int32 key determined by the ordered device list."""
-        return zlib.crc32("|".join(devices).encode()) & 0x3FFFFFFF or 1
-
-    @classmethod
-    def for_call(cls, text):
-        """Keys for one call made without a ``CollectiveKeys``.
-
-        The first key is a hash of ``text`` (graph, scope, devices and entry
-        shapes), so the same program builds the same keys on every worker,
-        and calls that differ in any of those draw their keys from unrelated
-        places in a 2**30 range (two calls of M keys collide with probability
-        about 2M / 2**30).
-        """
-        return cls(first_instance_key=(zlib.crc32(text.encode()) & 0x3FFFFFFF) + 1)
-
-    def instance_key(self):
-        """A new instance key."""
-        key = self._next
-        self._next += 1
-        return key
+            columns.append(_tf_nccl.all_sum(placed))
+        return [list(row) for row in zip(*columns)]  # K x M
 
 
 def allreduce_grads_collective(all_grads, devices=None, average=False, communication="auto",
@@ -147,11 +105,10 @@ def allreduce_grads_collective(all_grads, devices=None, average=False, communica
     The K ops of a reduction wait for each other, so the whole group must run
     together. A ``tf.function`` runs every collective it holds; in a
     ``tf.compat.v1.Session``, fetch or depend on all K outputs of a call,
-    never some of them, or the step waits until ``timeout`` and fails. On each device the reductions are
-    chained with control dependencies in one fixed order (and, in a
-    ``tf.function``, through one ordering token per device), so all devices
-    launch them in the same order and hundreds of them cannot deadlock on a
-    few CPU threads.
+    never some of them, or the step waits until ``timeout`` and fails. On
+    each device the reductions are chained in one fixed order
+    (``collective.CollectiveChain``), so hundreds of them cannot deadlock on
+    a few CPU threads.
 
     K x N contract, K=2, N=2, sum::
 
@@ -170,8 +127,9 @@ def allreduce_grads_collective(all_grads, devices=None, average=False, communica
       sparse_as_dense: bool; reduce IndexedSlices densely.
       keys: CollectiveKeys or None (``CollectiveKeys.for_call`` of this
         call's graph, scope, devices and shapes).
-      timeout: float seconds or None (wait forever) before a reduction whose
-        peers do not arrive fails with DeadlineExceededError.
+      timeout: float seconds > 0 before a reduction whose peers do not
+        arrive fails with DeadlineExceededError, or None to wait forever
+        (``collective.check_timeout``: 0 is refused).
 
     Returns:
       list[list[tf.Tensor]], K x N; ``out[k][n]`` on ``devices[k]``.
@@ -179,68 +137,58 @@ def allreduce_grads_collective(all_grads, devices=None, average=False, communica
       reduction (twice the bytes, one rounding) and back after.
 
     Raises:
-      ValueError: unknown communication, negative timeout, or bad input (see
-        ``contract.validate_grads``).
+      ValueError: unknown communication, a timeout that is neither None nor
+        > 0, or bad input (see ``contract.validate_grads``).
     """
-    if communication not in COMMUNICATIONS:
-        raise ValueError(
-            f"communication must be one of {COMMUNICATIONS}, got {communication!r}")
-    if timeout is not None and timeout < 0:
-        raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
-
-    def build():
-        return run_allreduce(
-            all_grads, devices, average,
-            lambda columns, devs: _collective_columns(columns, devs, average, communication,
-                                                      keys, timeout),
-            scope="allreduce_collective", pack_bytes=pack_bytes,
-            sparse_as_dense=sparse_as_dense)
-
-    if tf.executing_eagerly():
-        # Eagerly the op on device 0 would block before device 1's is issued.
-        return tf.function(build, autograph=False)()
-    return build()
+    # The options are checked before the input, as the stage is built first.
+    return run_stage(CollectiveStage(communication, keys, timeout), all_grads, devices,
+                     average, pack_bytes, sparse_as_dense)
 
 
-def _collective_columns(columns, devices, average, communication, keys, timeout):
-    num_towers = len(devices)
-    if keys is None:
-        # tf.function graphs have names; a v1 Graph (one Session) has none.
-        graph = getattr(tf.compat.v1.get_default_graph(), "name", "")
-        scope = tf.compat.v1.get_default_graph().get_name_scope()
-        layout = [(c[0].dtype.name, str(c[0].shape)) for c in columns]
-        keys = CollectiveKeys.for_call(f"{graph}|{scope}|{devices}|{layout}")
-    group_key = keys.group_key(devices)
-    tokens = []
-    for k, d in enumerate(devices):
-        with tf.device(d):
-            # A resource handle per device: in a tf.function, automatic control
-            # dependencies then order the collectives per device, not across
-            # devices (which would serialise the group and deadlock).
-            tokens.append(tf.raw_ops.VarHandleOp(
-                dtype=tf.float32, shape=[], shared_name=f"tfreduce_order_{group_key}_{k}",
-                name=f"dev{k}_order"))
-    previous = [None] * num_towers
-    out = []
-    for m, column in enumerate(columns):
-        instance_key = keys.instance_key()
-        dtype = column[0].dtype
-        acc = accumulation_dtype(dtype)
-        result = []
-        for k, (g, d) in enumerate(zip(column, devices)):
-            deps = [] if previous[k] is None else [previous[k]]
-            with tf.device(d), tf.control_dependencies(deps):
-                x = tf.cast(g, acc) if acc != dtype else tf.identity(g)
-                r = tf.raw_ops.CollectiveReduceV2(
-                    input=x, group_size=num_towers, group_key=group_key,
-                    instance_key=instance_key, ordering_token=[tokens[k]],
-                    merge_op="Add", final_op="Id",
-                    communication_hint=communication, timeout_seconds=timeout or 0,
-                    name=f"entry{m}_dev{k}_allreduce")
-                previous[k] = r
-                if average:
-                    r = scale_by_reciprocal(r, num_towers)
-                result.append(tf.identity(tf.cast(r, dtype) if acc != dtype else r,
-                                          name=f"entry{m}_dev{k}_out"))
-        out.append(result)
-    return out
+class CollectiveStage(Stage):
+    """Per entry: one ``CollectiveReduceV2`` per device, chained per device.
+
+    Args:
+      communication: "auto", "ring" or "nccl", TF's communication hint.
+      keys: CollectiveKeys, or None for ``CollectiveKeys.for_call`` of the
+        call's graph, scope, devices and entry shapes.
+      timeout: float seconds > 0, or None to wait forever.
+
+    Raises:
+      ValueError: unknown communication, or a timeout that is not None or > 0.
+    """
+
+    name = "collective"
+    collective = True
+    needs_function = True
+
+    def __init__(self, communication="auto", keys=None, timeout=None):
+        self.options = CollectiveOptions(communication, timeout)
+        self.keys = keys
+
+    def reduce(self, buffers, ctx):
+        devices = ctx.devices
+        num_towers = len(devices)
+        keys = self.keys
+        if keys is None:
+            # tf.function graphs have names; a v1 Graph (one Session) has none.
+            graph = tf.compat.v1.get_default_graph()
+            layout = [(t.dtype.name, str(t.shape)) for t in buffers[0]]
+            keys = CollectiveKeys.for_call(
+                f"{getattr(graph, 'name', '')}|{graph.get_name_scope()}|{devices}|{layout}")
+        group_key = keys.group_key(devices)
+        chain = CollectiveChain(self.options)
+        for k, d in enumerate(devices):
+            chain.token(d, f"tfreduce_order_{group_key}_{k}", f"dev{k}_order")
+        out = [[None] * len(buffers[0]) for _ in range(num_towers)]  # K x M
+        for m in range(len(buffers[0])):
+            instance_key = keys.instance_key()  # one per entry, shared by its K ops
+            for k, d in enumerate(devices):
+                g = buffers[k][m]
+                acc = accumulation_dtype(g.dtype)
+                with chain.after_previous(d):
+                    x = tf.cast(g, acc) if acc != g.dtype else tf.identity(g)
+                    r = chain.all_reduce(x, d, num_towers, group_key, instance_key,
+                                         name=f"entry{m}_dev{k}_allreduce")
+                out[k][m] = ctx.finish(r, m, num_towers, d, name=f"entry{m}_dev{k}_out")
+        return out

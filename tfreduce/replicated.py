@@ -16,12 +16,32 @@ the copies have drifted apart.
 
 import tensorflow as tf
 
-from tfreduce.driver import run_allreduce
-from tfreduce.packing import DEFAULT_PACK_BYTES
 from tfreduce.contract import check_variables, nbytes
-from tfreduce.primitives import RootBalancer, broadcast, finish_sum, reduce_to, sum_order
+from tfreduce.frame import Stage, run_stage
+from tfreduce.packing import DEFAULT_PACK_BYTES
+from tfreduce.primitives import RootBalancer, broadcast, reduce_to, sum_order
 
-__all__ = ["allreduce_grads_flat", "broadcast_variables", "max_replica_difference"]
+__all__ = ["FlatStage", "allreduce_grads_flat", "broadcast_variables", "max_replica_difference"]
+
+
+class FlatStage(Stage):
+    """Per entry: ``add_n`` on a root (least-loaded by bytes), ``identity`` to every device."""
+
+    name = "flat"
+
+    def reduce(self, buffers, ctx):
+        devices = ctx.devices
+        num_towers = len(devices)
+        balancer = RootBalancer(num_towers)
+        sizes = [nbytes(t) for t in buffers[0]]
+        out = [[None] * len(sizes) for _ in range(num_towers)]  # K x M
+        for m in sum_order(sizes):
+            root = balancer.pick(range(num_towers), sizes[m])
+            total = reduce_to([row[m] for row in buffers], devices[root], name=f"entry{m}_sum")
+            total = ctx.finish(total, m, num_towers, devices[root], name=f"entry{m}_total")
+            for k, t in enumerate(broadcast(total, devices, name_fmt=f"entry{m}_dev{{}}_out")):
+                out[k][m] = t
+        return out
 
 
 def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=DEFAULT_PACK_BYTES,
@@ -60,25 +80,7 @@ def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=DEFA
     Raises:
       TypeError, ValueError: bad input, see ``contract.validate_grads``.
     """
-    return run_allreduce(
-        all_grads, devices, average,
-        lambda columns, devs: _flat_columns(columns, devs, average),
-        scope="allreduce_flat", pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense)
-
-
-def _flat_columns(columns, devices, average):
-    num_towers = len(devices)
-    balancer = RootBalancer(num_towers)
-    sizes = [nbytes(c[0]) for c in columns]
-    out = [None] * len(columns)
-    for m in sum_order(sizes):
-        column = columns[m]
-        root = balancer.pick(range(num_towers), sizes[m])
-        total = reduce_to(column, devices[root], name=f"entry{m}_sum")
-        total = finish_sum(total, column[0].dtype, num_towers, average, devices[root],
-                           name=f"entry{m}_total")
-        out[m] = broadcast(total, devices, name_fmt=f"entry{m}_dev{{}}_out")
-    return out
+    return run_stage(FlatStage(), all_grads, devices, average, pack_bytes, sparse_as_dense)
 
 
 def broadcast_variables(all_vars, root=0):

@@ -22,12 +22,12 @@ links between devices are the bottleneck.
 
 import tensorflow as tf
 
-from tfreduce.driver import run_allreduce
-from tfreduce.packing import DEFAULT_PACK_BYTES
 from tfreduce.contract import shard_sizes
-from tfreduce.primitives import finish_sum, ring_all_gather, ring_reduce_scatter
+from tfreduce.frame import Stage, run_stage
+from tfreduce.packing import DEFAULT_PACK_BYTES
+from tfreduce.primitives import ring_all_gather, ring_reduce_scatter
 
-__all__ = ["allreduce_grads_ring"]
+__all__ = ["RingStage", "allreduce_grads_ring"]
 
 
 def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=DEFAULT_PACK_BYTES,
@@ -85,16 +85,24 @@ def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=DEFA
     Raises:
       TypeError, ValueError: bad input, see ``contract.validate_grads``.
     """
-    return run_allreduce(
-        all_grads, devices, average,
-        lambda columns, devs: [_ring_column(c, devs, average, m)
-                               for m, c in enumerate(columns)],
-        scope="allreduce_ring", pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense)
+    return run_stage(RingStage(), all_grads, devices, average, pack_bytes, sparse_as_dense)
 
 
-def _ring_column(column, devices, average, m):
+class RingStage(Stage):
+    """Per entry: K chunks, ring reduce-scatter, one finish per chunk, ring all-gather."""
+
+    name = "ring"
+
+    def reduce(self, buffers, ctx):
+        columns = [_ring_entry([row[m] for row in buffers], ctx, m)  # M x K
+                   for m in range(len(buffers[0]))]
+        return [list(row) for row in zip(*columns)]  # K x M
+
+
+def _ring_entry(column, ctx, m):
+    # column: the K towers' copies of entry m; returns the K results.
+    devices = ctx.devices
     num_devices = len(devices)
-    dtype = column[0].dtype
     name = f"entry{m}"
     static = column[0].shape.is_fully_defined()
     if static:
@@ -129,7 +137,7 @@ def _ring_column(column, devices, average, m):
 
     totals = ring_reduce_scatter(pieces, devices, name)
     for c in owners:
-        totals[c] = finish_sum(totals[c], dtype, num_devices, average, devices[c],
+        totals[c] = ctx.finish(totals[c], m, num_devices, devices[c],
                                name=f"{name}_chunk{c}_total")
     gathered = ring_all_gather(totals, devices, name)
 

@@ -1,0 +1,137 @@
+"""The layout: one validation per call, layers that import downwards, small modules."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+import tfreduce
+from helpers import GPU_DEVICES, placeholders
+from tfreduce import contract
+from tfreduce.cluster import Cluster
+
+PACKAGE = pathlib.Path(tfreduce.__file__).parent
+
+# Each module's layer (DESIGN.md): a module imports only modules of a
+# smaller layer, or of its own layer where the pair is listed below.
+LAYERS = {
+    "tf_config": 0,
+    "contract": 1, "packing": 2, "devices": 2,
+    "primitives": 3, "collective": 3,
+    "frame": 4, "replicated": 4, "hierarchical": 4, "ring": 4, "nccl_ops": 4,
+    "allreduce": 4, "failures": 4, "cluster": 4, "multiworker": 4,
+    "models": 5, "trainer": 5,
+    "traffic": 6, "launch": 6, "bench": 6,
+}
+# Same-layer imports that are part of the design: the algorithms build on
+# the frame, the dispatcher registers the algorithms, the cluster uses the
+# failure probes, the multi-worker composition uses all of them, the
+# benchmark reports traffic.
+SAME_LAYER = {
+    ("replicated", "frame"), ("hierarchical", "frame"), ("ring", "frame"),
+    ("nccl_ops", "frame"), ("allreduce", "frame"), ("allreduce", "replicated"),
+    ("allreduce", "hierarchical"), ("allreduce", "ring"), ("allreduce", "nccl_ops"),
+    ("cluster", "failures"), ("multiworker", "frame"), ("multiworker", "allreduce"),
+    ("multiworker", "cluster"), ("bench", "traffic"),
+}
+
+
+def sources():
+    return sorted(p for p in PACKAGE.rglob("*.py"))
+
+
+def top_module(path):
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return parts[0]
+
+
+def tfreduce_imports(path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
+                "tfreduce."):
+            yield node.module.split(".")[1]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("tfreduce."):
+                    yield alias.name.split(".")[1]
+
+
+def test_every_module_has_a_layer():
+    assert {top_module(p) for p in sources()} - {"__init__"} == set(LAYERS)
+
+
+@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_go_down_the_layers(path):
+    module = top_module(path)
+    if module == "__init__":
+        return
+    for imported in tfreduce_imports(path):
+        if imported == module:
+            continue  # inside a package (trainer/, bench/)
+        assert (LAYERS[imported] < LAYERS[module]
+                or (module, imported) in SAME_LAYER), f"{module} imports {imported}"
+
+
+def test_tf_config_and_launcher_need_no_tensorflow():
+    code = ("import sys, tfreduce.tf_config, tfreduce.launch; "
+            "assert 'tensorflow' not in sys.modules, 'tensorflow imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    help_run = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "tfreduce.launch", "--help"],
+        capture_output=True, text=True, timeout=60)
+    assert help_run.returncode == 0 and "--workers" in help_run.stdout
+    assert "tensorflow" not in help_run.stderr  # -X importtime lists every import
+
+
+@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_modules_and_functions_stay_small(path):
+    text = path.read_text()
+    assert len(text.splitlines()) <= 450, f"{path.name}: over 450 lines"
+    for node in ast.walk(ast.parse(text)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if node.name == "parse_args":
+            continue  # argparse set-up
+        body = node.body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring does not count
+        lines = body[-1].end_lineno - body[0].lineno + 1 if body else 0
+        assert lines <= 60, f"{path.name}: {node.name} has {lines} lines of code"
+
+
+@pytest.fixture
+def count_validations(monkeypatch):
+    """Counts the K x N validations (each builds one contract.Gradients)."""
+    calls = []
+    init = contract.Gradients.__init__
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(contract.Gradients, "__init__", counting)
+    return calls
+
+
+@pytest.mark.parametrize("call", [
+    lambda grads, devices: tfreduce.allreduce_grads(grads, devices),  # "auto"
+    lambda grads, devices: tfreduce.allreduce_grads(grads, devices, algorithm="hierarchical"),
+    lambda grads, devices: tfreduce.allreduce_grads_ring(grads, devices),
+    lambda grads, devices: tfreduce.allreduce_grads_multiworker(
+        grads, devices, cluster=Cluster({"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
+                                        "worker", 1), local_algorithm="auto"),
+    lambda grads, devices: tfreduce.allreduce_grads_multiworker(
+        grads, devices, cluster=Cluster({"worker": ["127.0.0.1:2222"]}, "worker", 0),
+        local_algorithm="collective"),
+], ids=["auto", "hierarchical", "ring", "multiworker-auto", "multiworker-collective"])
+def test_one_call_validates_its_input_once(call, count_validations):
+    devices = GPU_DEVICES[:4]
+    with tf.Graph().as_default():
+        grads = placeholders(devices, [(3,), (2, 2), (5,)])
+        out = call(grads, devices)
+    assert len(out) == 4 and all(len(row) == 3 for row in out)
+    assert len(count_validations) == 1

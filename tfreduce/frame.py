@@ -1,0 +1,242 @@
+"""The frame every reduction runs in, and the contract of its stages.
+
+One public call builds one reduction:
+
+    validate the K x N input (the caller, once) -> bind the stages to the K
+    devices -> densify what must be dense -> pack into M entries (K x M) ->
+    run the stages on the dense entries, gather the sparse ones -> unpack
+    to K x N
+
+An algorithm is a ``Stage``: it only reduces packed dense buffers. Every
+check, the packing, the sparse path and the errors users see are shared, so
+all algorithms behave the same. A reduction of several stages (the
+multi-worker one: local stage -> cross-worker stage) is a list of stages run
+by the same frame: every stage but the last forms plain sums in the
+accumulation dtype; the last scales once and casts back once.
+
+The stage contract, tower-major like the public API::
+
+    buffers[k][m]   entry m as tower k holds it: a dense tf.Tensor on
+                    devices[k]; an entry has one shape and dtype on every tower
+    out = stage.reduce(buffers, ctx)
+    out[k][m]       the sum (or mean) of entry m over the stage's towers,
+                    placed on devices[k], of dtype ctx.dtypes[m]
+"""
+
+import tensorflow as tf
+
+from tfreduce.collective import in_function
+from tfreduce.contract import nbytes, validate_grads
+from tfreduce.packing import PackPlan
+from tfreduce.primitives import (RootBalancer, accumulation_dtype, broadcast_slices,
+                                 check_average_dtype, finish_sum, gather_slices, sum_order)
+
+__all__ = ["Stage", "ReduceContext", "run_stages", "run_stage"]
+
+
+class Stage:
+    """One reduction algorithm over packed dense buffers (see the module docstring).
+
+    Subclasses set their options once, in the constructor (which checks
+    them), and implement ``reduce``.
+
+    Attributes:
+      name: str, the algorithm's name; ``allreduce_<name>`` is its name scope.
+      collective: bool, the K ops of one entry wait for each other (NCCL, TF
+        collective ops): every one of them must run.
+      needs_function: bool, eagerly the frame builds and runs the whole call
+        in one tf.function (TF collective ops).
+    """
+
+    name = None
+    collective = False
+    needs_function = False
+
+    def bind(self, devices):
+        """Checks the options against the K canonical devices, before any op is built.
+
+        Returns:
+          Stage, the one to run (self, or a copy with options resolved for K).
+
+        Raises:
+          ValueError: devices this stage cannot use, or options that do not
+            fit K.
+        """
+        return self
+
+    def reduce(self, buffers, ctx):
+        """Reduces K x M dense buffers.
+
+        Args:
+          buffers: list of K lists of M tf.Tensor, ``buffers[k][m]`` on
+            ``ctx.devices[k]``.
+          ctx: ReduceContext.
+
+        Returns:
+          list of K lists of M tf.Tensor, ``out[k][m]`` on ``ctx.devices[k]``.
+        """
+        raise NotImplementedError
+
+
+class ReduceContext:
+    """What a stage needs to know of the call it is part of.
+
+    Args:
+      devices: list of K canonical device strings.
+      average: bool, the stage scales the sum by 1/T where it completes it.
+      dtypes: list of M tf.DType, the dtype each entry's result must have.
+      upstream_collective: bool, the input comes from a collective stage: a
+        stage that reads only some towers' copies must still make the others
+        run (see ``Stage.collective``).
+    """
+
+    def __init__(self, devices, average, dtypes, upstream_collective=False):
+        self.devices = devices
+        self.average = average
+        self.dtypes = dtypes
+        self.upstream_collective = upstream_collective
+
+    def finish(self, total, m, num_replicas, device, name):
+        """Scales a completed sum of entry m by 1/T (if averaging) and casts it back.
+
+        Args:
+          total: tf.Tensor, the sum over T = ``num_replicas`` towers, in the
+            accumulation dtype, on ``device``.
+          m: int, the entry.
+          num_replicas: int T.
+          device: str.
+          name: str, the result op's name.
+
+        Returns:
+          tf.Tensor of ``dtypes[m]`` on ``device``.
+        """
+        return finish_sum(total, self.dtypes[m], num_replicas, self.average, device, name)
+
+
+def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_dense=False):
+    """Packs, reduces with the stages and unpacks a validated K x N gradient list.
+
+    Args:
+      grads: contract.Gradients, validated once by the public call.
+      stages: list of Stage, run in order on the dense entries.
+      average: bool, mean instead of sum.
+      scope: str, the name scope of this call; default ``allreduce_<name>``
+        of the only stage.
+      pack_bytes: int or None, see packing.PackPlan.
+      sparse_as_dense: bool, reduce ``tf.IndexedSlices`` as dense tensors
+        (always, with more than one stage).
+
+    Returns:
+      list of K lists of N, ``out[k][n]`` on ``grads.devices[k]``.
+
+    Raises:
+      TypeError: average=True on integer gradients; a bad pack_bytes.
+      ValueError: devices or options a stage cannot use; a bad pack_bytes.
+    """
+    stages = [stage.bind(grads.devices) for stage in stages]
+    for n in grads.reduced:
+        check_average_dtype(_values(grads.grads[0][n]).dtype, n, average)
+    scope = scope or f"allreduce_{stages[0].name}"
+
+    def build():
+        with tf.name_scope(scope):
+            _densify(grads, sparse_as_dense or len(stages) > 1)
+            plan = PackPlan(grads, pack_bytes)
+            packed = plan.pack()  # K x M
+            return plan.unpack(_reduce_entries(packed, grads.devices, average, stages))
+
+    if any(stage.needs_function for stage in stages):
+        return in_function(build)
+    return build()
+
+
+def run_stage(stage, all_grads, devices, average, pack_bytes, sparse_as_dense):
+    """One public algorithm call: validates the K x N input once and runs one stage.
+
+    Args:
+      stage: Stage.
+      all_grads, devices, average, pack_bytes, sparse_as_dense: the public
+        call's arguments (see ``allreduce_grads``).
+
+    Returns:
+      list of K lists of N, ``out[k][n]`` on ``devices[k]``.
+    """
+    return run_stages(validate_grads(all_grads, devices), [stage], average,
+                      pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense)
+
+
+def _values(g):
+    return g.values if isinstance(g, tf.IndexedSlices) else g
+
+
+def _densify(grads, sparse_as_dense):
+    # A variable that is sparse on some towers and dense on others is reduced
+    # densely: its sum is dense anyway.
+    for n in grads.reduced:
+        column = grads.column(n)
+        sparse = [isinstance(g, tf.IndexedSlices) for g in column]
+        if any(sparse) and (sparse_as_dense or not all(sparse)):
+            for k, g in enumerate(column):
+                if isinstance(g, tf.IndexedSlices):
+                    with tf.device(grads.devices[k]):
+                        grads.grads[k][n] = tf.convert_to_tensor(g)
+
+
+def _reduce_entries(packed, devices, average, stages):
+    # packed: K x M; dense entries go through the stages, sparse ones are
+    # gathered on a root and broadcast.
+    num_towers, num_entries = len(packed), len(packed[0])
+    out = [[None] * num_entries for _ in range(num_towers)]
+    sparse = [m for m in range(num_entries) if isinstance(packed[0][m], tf.IndexedSlices)]
+    dense = sorted(set(range(num_entries)) - set(sparse))
+    if dense:
+        buffers = [[row[m] for m in dense] for row in packed]  # K x M'
+        for k, row in enumerate(_run_pipeline(buffers, devices, average, stages)):
+            for m, t in zip(dense, row):
+                out[k][m] = t
+    balancer = RootBalancer(num_towers)
+    sizes = [nbytes(packed[0][m]) for m in sparse]
+    for i in sum_order(sizes):
+        m = sparse[i]
+        root = balancer.pick(range(num_towers), sizes[i])
+        gathered = gather_slices([packed[k][m] for k in range(num_towers)],
+                                 devices[root], num_towers, average, name=f"entry{m}_gather")
+        for k, s in enumerate(broadcast_slices(gathered, devices,
+                                               name_fmt=f"entry{m}_dev{{}}_out")):
+            out[k][m] = s
+    return out
+
+
+def _run_pipeline(buffers, devices, average, stages):
+    # buffers: K x M dense. One stage reduces and finishes. Several: the
+    # inputs go up to the accumulation dtype first, every stage but the last
+    # sums in it inside its own name scope, and the last one finishes.
+    dtypes = [t.dtype for t in buffers[0]]
+    if len(stages) == 1:
+        return stages[0].reduce(buffers, ReduceContext(devices, average, dtypes))
+    buffers = _to_accumulation(buffers, devices)  # K x M
+    partial = [t.dtype for t in buffers[0]]
+    upstream_collective = False
+    for stage in stages[:-1]:
+        with tf.name_scope(f"allreduce_{stage.name}"):
+            buffers = stage.reduce(buffers, ReduceContext(devices, False, partial,
+                                                          upstream_collective))
+        upstream_collective = stage.collective
+    return stages[-1].reduce(buffers, ReduceContext(devices, average, dtypes,
+                                                    upstream_collective))
+
+
+def _to_accumulation(buffers, devices):
+    # Half types go up to float32 on each tower, before the first sum, so
+    # that every sum of the pipeline is float32 and the result rounds once.
+    out = []
+    for k, (row, device) in enumerate(zip(buffers, devices)):
+        cast_row = []
+        for m, g in enumerate(row):
+            acc = accumulation_dtype(g.dtype)
+            if acc != g.dtype:
+                with tf.device(device):
+                    g = tf.cast(g, acc, name=f"entry{m}_dev{k}_to_{acc.name}")
+            cast_row.append(g)
+        out.append(cast_row)
+    return out

@@ -1,0 +1,210 @@
+"""TF_CONFIG: the cluster description every worker of a multi-worker run reads.
+
+The standard ``TF_CONFIG`` environment variable, the one
+MultiWorkerMirroredStrategy reads, names every task of the cluster and this
+process's task::
+
+    TF_CONFIG='{"cluster": {"worker": ["host0:2222", "host1:2222"]},
+                "task": {"type": "worker", "index": 1}}'
+
+This module parses and checks it (``parse_tf_config``) and writes it
+(``worker_tf_config``, what the launcher gives each worker). It uses the
+standard library only, so that ``python -m tfreduce.launch`` starts without
+importing TensorFlow.
+"""
+
+import json
+import os
+import re
+import socket
+
+__all__ = ["JOBS", "parse_address", "check_cluster_spec", "parse_tf_config",
+           "worker_tf_config", "check_port"]
+
+# TF_CONFIG jobs that take part in the all-reduce, in rank order: a chief,
+# when there is one, is rank 0, as in MultiWorkerMirroredStrategy.
+JOBS = ("chief", "worker")
+
+_HOSTNAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
+
+
+def parse_address(address, where):
+    """Checks one ``host:port`` (or ``[v6]:port``) address; returns (host, port)."""
+    if not isinstance(address, str):
+        raise TypeError(
+            f"{where} must be a 'host:port' string, got {type(address).__name__} "
+            f"{address!r}")
+    hint = "give 'host:port', e.g. '10.0.0.1:2222' or 'localhost:2222'"
+    if "://" in address:
+        raise ValueError(f"{where} {address!r} has a scheme: {hint} (no 'grpc://')")
+    if address.startswith("["):
+        host, sep, port = address[1:].partition("]:")
+        valid_host = bool(host) and ":" in host and all(
+            c in "0123456789abcdefABCDEF:." for c in host)
+    else:
+        host, sep, port = address.rpartition(":")
+        valid_host = bool(_HOSTNAME.match(host))
+    if not sep:
+        raise ValueError(f"{where} {address!r} has no port: {hint}")
+    if not valid_host:
+        raise ValueError(f"{where} {address!r} has no valid host name or IP before "
+                         f"the port: {hint}")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{where} {address!r}: port {port!r} is not a number in "
+                         f"1..65535: {hint}")
+    return host, int(port)
+
+
+def check_cluster_spec(spec):
+    """Validates the ``cluster`` part of TF_CONFIG; returns a clean copy."""
+    if not isinstance(spec, dict):
+        raise TypeError(
+            f"TF_CONFIG 'cluster' must map job names to lists of 'host:port' "
+            f"addresses, e.g. {{\"worker\": [\"host0:2222\", \"host1:2222\"]}}, got "
+            f"{type(spec).__name__} {spec!r}")
+    others = sorted(set(spec) - set(JOBS))
+    if others:
+        raise ValueError(
+            f"TF_CONFIG cluster has jobs {others}; tfreduce's synchronous "
+            f"all-reduce runs among 'worker' tasks (and at most one 'chief'), "
+            f"so remove them (parameter servers and evaluators take no part)")
+    clean = {}
+    seen = {}
+    for job in JOBS:
+        if job not in spec:
+            continue
+        addresses = spec[job]
+        if isinstance(addresses, str) or not isinstance(addresses, (list, tuple)):
+            raise TypeError(
+                f"TF_CONFIG cluster[{job!r}] must be a list of 'host:port' "
+                f"addresses, got {type(addresses).__name__} {addresses!r}")
+        if not addresses:
+            raise ValueError(f"TF_CONFIG cluster[{job!r}] is empty: list one "
+                             f"address per {job} task or leave the job out")
+        if job == "chief" and len(addresses) != 1:
+            raise ValueError(
+                f"TF_CONFIG cluster['chief'] lists {len(addresses)} addresses "
+                f"{list(addresses)!r}; a cluster has at most one chief")
+        for i, address in enumerate(addresses):
+            where = f"TF_CONFIG cluster[{job!r}][{i}]"
+            host, port = parse_address(address, where)
+            key = (host.lower(), port)
+            if key in seen:
+                raise ValueError(
+                    f"{where} {address!r} is the address of {seen[key]} too: "
+                    f"every task needs its own host:port")
+            seen[key] = f"{job} {i}"
+        clean[job] = list(addresses)
+    if not clean:
+        raise ValueError(
+            "TF_CONFIG cluster lists no 'worker' (or 'chief') tasks: give e.g. "
+            "{\"worker\": [\"host0:2222\", \"host1:2222\"]}")
+    return clean
+
+
+def parse_tf_config(tf_config=None):
+    """Parses and checks a TF_CONFIG, before anything is started.
+
+    Args:
+      tf_config: the TF_CONFIG as a JSON string or a dict; None reads the
+        ``TF_CONFIG`` environment variable.
+
+    Returns:
+      (cluster_spec, task_type, task_index): a dict mapping "worker" (and
+      "chief", if present) to lists of "host:port" strings, the str job of
+      this task and its int index in that job.
+
+    Raises:
+      ValueError: TF_CONFIG unset or not JSON; no "cluster" or "task"; a job
+        other than "worker" and "chief"; more than one chief; an empty job; a
+        malformed or repeated address; a task type not in the cluster or an
+        index out of range; an "rpc_layer" other than "grpc".
+      TypeError: a part of TF_CONFIG has the wrong JSON type (the task index
+        must be an int, the addresses strings).
+    """
+    if tf_config is None:
+        tf_config = os.environ.get("TF_CONFIG", "")
+        if not tf_config.strip():
+            raise ValueError(
+                "TF_CONFIG is not set: on each host set it to the cluster and this "
+                "host's task, e.g. TF_CONFIG='{\"cluster\": {\"worker\": "
+                "[\"host0:2222\", \"host1:2222\"]}, \"task\": {\"type\": \"worker\", "
+                "\"index\": 0}}', or try it on one machine with "
+                "'python -m tfreduce.launch --workers 2 -- python your_script.py'")
+    if isinstance(tf_config, str):
+        try:
+            tf_config = json.loads(tf_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"TF_CONFIG is not valid JSON ({e.msg} at line {e.lineno} column "
+                f"{e.colno}): {tf_config[:200]!r}") from None
+    if not isinstance(tf_config, dict):
+        raise TypeError(f"TF_CONFIG must be a JSON object with 'cluster' and 'task', "
+                        f"got {type(tf_config).__name__} {tf_config!r}")
+    if "cluster" not in tf_config:
+        raise ValueError(f"TF_CONFIG has no 'cluster' (keys: {sorted(tf_config)}): "
+                         f"give the addresses of all workers")
+    spec = check_cluster_spec(tf_config["cluster"])
+    rpc_layer = tf_config.get("rpc_layer", "grpc") or "grpc"
+    if rpc_layer != "grpc":
+        raise ValueError(f"TF_CONFIG rpc_layer {rpc_layer!r} is not supported; "
+                         f"TF's collectives run over 'grpc'")
+    task = tf_config.get("task")
+    if task is None:
+        raise ValueError(
+            f"TF_CONFIG has no 'task': say which of the cluster's tasks this process "
+            f"is, e.g. \"task\": {{\"type\": \"worker\", \"index\": 0}} (the cluster "
+            f"is {spec})")
+    if not isinstance(task, dict):
+        raise TypeError(f"TF_CONFIG 'task' must be an object like {{\"type\": "
+                        f"\"worker\", \"index\": 0}}, got {task!r}")
+    for field in ("type", "index"):
+        if field not in task:
+            raise ValueError(f"TF_CONFIG task {task!r} has no {field!r}: give e.g. "
+                             f"{{\"type\": \"worker\", \"index\": 0}}")
+    task_type, index = task["type"], task["index"]
+    if task_type not in spec:
+        raise ValueError(f"TF_CONFIG task type {task_type!r} is not a job of the "
+                         f"cluster, which has {sorted(spec)}")
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TypeError(f"TF_CONFIG task index must be an int, got "
+                        f"{type(index).__name__} {index!r}")
+    count = len(spec[task_type])
+    if not 0 <= index < count:
+        raise ValueError(
+            f"TF_CONFIG task index {index} is out of range: the cluster has {count} "
+            f"{task_type} task{'s' if count != 1 else ''} (indices 0..{count - 1})")
+    return spec, task_type, index
+
+
+def worker_tf_config(addresses, index):
+    """The TF_CONFIG JSON of worker ``index`` in a cluster of ``addresses``."""
+    return json.dumps({"cluster": {"worker": list(addresses)},
+                       "task": {"type": "worker", "index": index}})
+
+
+def check_port(address, task):
+    """Checks that the port of this task's ``address`` can be opened here.
+
+    TF's gRPC server listens on 0.0.0.0:port whatever the host, and reports
+    a taken port only as "Could not start gRPC server".
+
+    Args:
+      address: str, this task's "host:port" in TF_CONFIG.
+      task: str, the task as messages name it, e.g. "worker 1 (h:2222)".
+
+    Raises:
+      ValueError: another process holds the port.
+    """
+    port = parse_address(address, "address")[1]
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # As gRPC does: a port whose last connections linger in TIME_WAIT is free.
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        probe.bind(("0.0.0.0", port))
+    except OSError as e:
+        raise ValueError(
+            f"{task}: port {port} cannot be opened on this host ({e.strerror}): another "
+            f"process holds it; free it or give this task another port in TF_CONFIG") from None
+    finally:
+        probe.close()
