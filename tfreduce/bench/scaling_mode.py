@@ -110,12 +110,7 @@ def _measure(args, algorithm, pack_bytes, num_devices, num_tensors, elements):
 
 
 def print_result(result, out=None):
-    """Prints the scaling result to ``out`` (a file; None: stdout); /KN: per K*N.
-
-    Args:
-      result: dict returned by ``run`` (config, one result row per cell).
-      out: a text file, or None for stdout.
-    """
+    """Prints one line per (algorithm, K, N) cell of ``run``'s result; /KN: per K*N."""
     cfg = result["config"]
     title = (f"K devices x N tensors of {format_bytes(cfg['tensor_bytes'])}, {cfg['reduce']}, "
              f"median of {cfg['steps']} steps; +pack = pack_bytes {cfg['pack_bytes']}")

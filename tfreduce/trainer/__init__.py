@@ -10,7 +10,7 @@ SyncMultiGPUTrainerReplicated, written for TF2 `tf.function` and Keras 3.
 
 Modules: replicated_trainer (the public class), towers (the replicas),
 step (one step's graphs), losses, batching, loop (fit, evaluate, predict)
-and checkpoints. Only replicated_trainer imports the others.
+and checkpoints; replicated_trainer imports the others, and none imports it.
 """
 
 from tfreduce.trainer.replicated_trainer import ReplicatedTrainer
