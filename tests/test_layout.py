@@ -18,13 +18,12 @@ PACKAGE = pathlib.Path(tfreduce.__file__).parent
 # Each module's layer (DESIGN.md): a module imports only modules of a
 # smaller layer, or of its own layer where the pair is listed below.
 LAYERS = {
-    "tf_config": 0,
-    "contract": 1, "packing": 2, "devices": 2,
-    "primitives": 3, "collective": 3,
-    "frame": 4, "replicated": 4, "hierarchical": 4, "ring": 4, "nccl_ops": 4,
-    "allreduce": 4, "failures": 4, "cluster": 4, "multiworker": 4,
-    "models": 5, "trainer": 5,
-    "traffic": 6, "launch": 6, "bench": 6,
+    "tf_config": 0, "devices": 1, "contract": 2, "packing": 3,
+    "primitives": 4, "collective": 4,
+    "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5,
+    "allreduce": 5, "failures": 5, "cluster": 5, "multiworker": 5,
+    "models": 6, "trainer": 6,
+    "traffic": 7, "launch": 7, "bench": 7,
 }
 # Same-layer imports that are part of the design: the algorithms build on
 # the frame, the dispatcher registers the algorithms, the cluster uses the

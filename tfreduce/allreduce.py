@@ -8,7 +8,8 @@ a signature.
 
 import inspect
 
-from tfreduce.contract import is_gpu, validate_grads
+from tfreduce.contract import validate_grads
+from tfreduce.devices import is_gpu
 from tfreduce.frame import run_stages
 from tfreduce.hierarchical import HierarchicalStage
 from tfreduce.nccl_ops import CollectiveStage, NcclStage

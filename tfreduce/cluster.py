@@ -28,10 +28,11 @@ import tensorflow as tf
 # there is no public way to give the eager context a server.
 from tensorflow.python.eager import context
 
-from tfreduce.contract import normalize_device, shard_sizes
-from tfreduce.failures import COLLECTIVE_FAILURES, lost_worker_message, unreachable_workers
 from tfreduce.collective import (CollectiveKeys, CollectiveOptions, all_reduce,
                                  check_timeout, in_function)
+from tfreduce.contract import shard_sizes
+from tfreduce.devices import normalize_device
+from tfreduce.failures import COLLECTIVE_FAILURES, lost_worker_message, unreachable_workers
 from tfreduce.tf_config import JOBS, check_port, parse_tf_config
 
 __all__ = ["Cluster", "WorkerLostError", "parse_tf_config", "DEFAULT_TIMEOUT"]

@@ -1,4 +1,4 @@
-"""The K x N contract: validation, device normalisation, (grad, var) lists.
+"""The K x N contract: validation (gradients, groups, variables), (grad, var) lists, shard sizes.
 
 Every public reduction in tfreduce takes ``all_grads``, a list of K lists of N
 gradients (``all_grads[k][n]`` is the gradient of variable n on tower k), and
@@ -10,93 +10,18 @@ surfacing later as a shape error deep inside a graph.
 
 import tensorflow as tf
 
+from tfreduce.devices import normalize_devices
+
 __all__ = [
     "Gradients",
-    "normalize_device",
-    "normalize_devices",
     "validate_grads",
     "validate_groups",
     "split_grad_list",
     "merge_grad_list",
-    "is_gpu",
     "nbytes",
     "shard_sizes",
     "check_variables",
 ]
-
-
-def normalize_device(device, where="device"):
-    """Returns the canonical form of one device string.
-
-    ``"/gpu:1"``, ``"GPU:1"`` and ``"/device:GPU:1"`` all become
-    ``"/device:GPU:1"``, so that duplicates and placements compare equal.
-
-    Args:
-      device: str, a TensorFlow device string naming one device.
-      where: str, how to name this device in an error message.
-
-    Returns:
-      str, ``tf.DeviceSpec.from_string(device).to_string()``.
-
-    Raises:
-      TypeError: if ``device`` is not a string.
-      ValueError: if it cannot be parsed, or does not name one device (no
-        device type or index, or a wildcard index).
-    """
-    if isinstance(device, tf.DeviceSpec):
-        device = device.to_string()
-    if not isinstance(device, str):
-        raise TypeError(
-            f"{where} must be a device string such as '/gpu:0', "
-            f"got {type(device).__name__} {device!r}")
-    try:
-        spec = tf.DeviceSpec.from_string(device)
-    except ValueError as e:
-        raise ValueError(
-            f"{where} {device!r} is not a valid device string "
-            f"(expected e.g. '/gpu:0' or '/device:CPU:1'): {e}") from None
-    if spec.device_type is None or spec.device_index is None:
-        raise ValueError(
-            f"{where} {device!r} does not name one device: give a type and an "
-            f"index, e.g. '/gpu:0'")
-    return spec.to_string()
-
-
-def normalize_devices(devices, num_towers=None):
-    """Normalises a list of K distinct device strings.
-
-    Args:
-      devices: sequence of K device strings.
-      num_towers: int or None; if given, the K that ``devices`` must have.
-
-    Returns:
-      list[str] of K canonical device strings.
-
-    Raises:
-      TypeError: if ``devices`` is not a list or tuple of strings.
-      ValueError: if it is empty, its length differs from ``num_towers``, a
-        string is malformed, or two entries name the same device.
-    """
-    if isinstance(devices, (str, bytes)) or not isinstance(devices, (list, tuple)):
-        raise TypeError(
-            f"devices must be a list of device strings, one per tower, "
-            f"got {type(devices).__name__} {devices!r}")
-    if not devices:
-        raise ValueError("devices is empty: give one device per tower")
-    if num_towers is not None and len(devices) != num_towers:
-        raise ValueError(
-            f"all_grads has {num_towers} towers but {len(devices)} devices were "
-            f"given ({list(devices)!r}): give exactly one device per tower")
-    out = [normalize_device(d, where=f"devices[{k}]") for k, d in enumerate(devices)]
-    seen = {}
-    for k, d in enumerate(out):
-        if d in seen:
-            raise ValueError(
-                f"devices[{seen[d]}] ({devices[seen[d]]!r}) and devices[{k}] "
-                f"({devices[k]!r}) are the same device {d!r}: each tower needs "
-                f"its own device")
-        seen[d] = k
-    return out
 
 
 def nbytes(tensor):
@@ -138,11 +63,6 @@ def shard_sizes(total, num_shards):
         return base + tf.cast(tf.range(num_shards) < extra, total.dtype)
     base, extra = divmod(total, num_shards)
     return [base + (1 if c < extra else 0) for c in range(num_shards)]
-
-
-def is_gpu(device):
-    """True if the canonical device string names a GPU."""
-    return (tf.DeviceSpec.from_string(device).device_type or "").upper() == "GPU"
 
 
 def validate_groups(groups, num_devices):

@@ -1,4 +1,8 @@
-"""This process's devices: making K logical CPU devices, checking tower devices.
+"""Device names and this process's devices.
+
+Device strings are normalised on entry (``"/gpu:1"``, ``"GPU:1"`` and
+``"/device:GPU:1"`` all become ``"/device:GPU:1"``) so that placements and
+duplicates compare equal.
 
 Without GPUs, K logical CPU devices stand in for K GPUs (the example, the
 benchmark and the tests all run that way). They can only be made before
@@ -9,13 +13,91 @@ given against what this process has.
 
 import tensorflow as tf
 
-from tfreduce.contract import normalize_devices
-
-__all__ = ["logical_devices", "tower_devices", "DEFAULT_CPU_DEVICES"]
+__all__ = ["normalize_device", "normalize_devices", "is_gpu", "logical_devices",
+           "tower_devices", "DEFAULT_CPU_DEVICES"]
 
 #: K when no GPU exists and no count is given: two towers, the smallest
 #: data-parallel run.
 DEFAULT_CPU_DEVICES = 2
+
+
+def normalize_device(device, where="device"):
+    """Returns the canonical form of one device string.
+
+    ``"/gpu:1"``, ``"GPU:1"`` and ``"/device:GPU:1"`` all become
+    ``"/device:GPU:1"``, so that duplicates and placements compare equal.
+
+    Args:
+      device: str, a TensorFlow device string naming one device.
+      where: str, how to name this device in an error message.
+
+    Returns:
+      str, ``tf.DeviceSpec.from_string(device).to_string()``.
+
+    Raises:
+      TypeError: if ``device`` is not a string.
+      ValueError: if it cannot be parsed, or does not name one device (no
+        device type or index, or a wildcard index).
+    """
+    if isinstance(device, tf.DeviceSpec):
+        device = device.to_string()
+    if not isinstance(device, str):
+        raise TypeError(
+            f"{where} must be a device string such as '/gpu:0', "
+            f"got {type(device).__name__} {device!r}")
+    try:
+        spec = tf.DeviceSpec.from_string(device)
+    except ValueError as e:
+        raise ValueError(
+            f"{where} {device!r} is not a valid device string "
+            f"(expected e.g. '/gpu:0' or '/device:CPU:1'): {e}") from None
+    if spec.device_type is None or spec.device_index is None:
+        raise ValueError(
+            f"{where} {device!r} does not name one device: give a type and an "
+            f"index, e.g. '/gpu:0'")
+    return spec.to_string()
+
+
+def normalize_devices(devices, num_towers=None):
+    """Normalises a list of K distinct device strings.
+
+    Args:
+      devices: sequence of K device strings.
+      num_towers: int or None; if given, the K that ``devices`` must have.
+
+    Returns:
+      list[str] of K canonical device strings.
+
+    Raises:
+      TypeError: if ``devices`` is not a list or tuple of strings.
+      ValueError: if it is empty, its length differs from ``num_towers``, a
+        string is malformed, or two entries name the same device.
+    """
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, (list, tuple)):
+        raise TypeError(
+            f"devices must be a list of device strings, one per tower, "
+            f"got {type(devices).__name__} {devices!r}")
+    if not devices:
+        raise ValueError("devices is empty: give one device per tower")
+    if num_towers is not None and len(devices) != num_towers:
+        raise ValueError(
+            f"all_grads has {num_towers} towers but {len(devices)} devices were "
+            f"given ({list(devices)!r}): give exactly one device per tower")
+    out = [normalize_device(d, where=f"devices[{k}]") for k, d in enumerate(devices)]
+    seen = {}
+    for k, d in enumerate(out):
+        if d in seen:
+            raise ValueError(
+                f"devices[{seen[d]}] ({devices[seen[d]]!r}) and devices[{k}] "
+                f"({devices[k]!r}) are the same device {d!r}: each tower needs "
+                f"its own device")
+        seen[d] = k
+    return out
+
+
+def is_gpu(device):
+    """True if the canonical device string names a GPU."""
+    return (tf.DeviceSpec.from_string(device).device_type or "").upper() == "GPU"
 
 
 def _local_key(spec):

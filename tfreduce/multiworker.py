@@ -32,7 +32,8 @@ from tfreduce.allreduce import ALGORITHMS, choose_algorithm, make_stage
 from tfreduce.cluster import Cluster
 from tfreduce.collective import (CollectiveChain, CollectiveKeys, CollectiveOptions,
                                  broadcast_recv, broadcast_send, in_function)
-from tfreduce.contract import check_variables, nbytes, normalize_devices, validate_grads
+from tfreduce.contract import check_variables, nbytes, validate_grads
+from tfreduce.devices import normalize_devices
 from tfreduce.frame import Stage, run_stages
 from tfreduce.primitives import RootBalancer, broadcast, sum_order
 

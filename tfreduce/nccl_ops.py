@@ -16,7 +16,7 @@ import tensorflow as tf
 from tensorflow.python.ops import nccl_ops as _tf_nccl
 
 from tfreduce.collective import CollectiveChain, CollectiveKeys, CollectiveOptions
-from tfreduce.contract import is_gpu
+from tfreduce.devices import is_gpu
 from tfreduce.frame import Stage, run_stage
 from tfreduce.packing import DEFAULT_PACK_BYTES
 from tfreduce.primitives import accumulation_dtype, scale_by_reciprocal
