@@ -126,9 +126,9 @@ class CollectiveKeys:
     def for_call(cls, text):
         """Keys for one call made without a ``CollectiveKeys``.
 
-        The first key is a hash of ``text`` (graph, scope, devices and entry
-        shapes), so the same program builds the same keys on every worker,
-        and calls that differ in any of those draw their keys from unrelated
+        The first key is a hash of ``text`` (the graph, scope, devices and
+        entry shapes of a call whose members are all in this process), so
+        calls that differ in any of those draw their keys from unrelated
         places in a 2**30 range (two calls of M keys collide with probability
         about 2M / 2**30).
         """
@@ -229,11 +229,27 @@ class CollectiveChain:
         """A sum all-reduce member on ``device``, chained after the previous one.
 
         Call it inside ``after_previous(device)``, after ``token(device, ...)``;
-        the arguments are those of ``all_reduce``.
+        the arguments are those of ``all_reduce``. Empty tensors never reach
+        TF's kernel (it crashes on them): a statically empty x is its own
+        sum, and x of a shape known only at run time is reduced with one
+        element appended and removed.
 
         Returns:
           tf.Tensor, the sum over the group.
         """
+        size = x.shape.num_elements()
+        if size == 0:
+            # TF's collective kernels crash the process on an empty tensor
+            # (SIGSEGV): the sum of empty tensors is the empty tensor.
+            return tf.identity(x, name=name)
+        if size is None:
+            # Possibly empty when the graph runs: one extra element keeps the
+            # kernel's input non-empty, and is cut off again.
+            padded = tf.concat([tf.reshape(x, [-1]), tf.zeros([1], x.dtype)], axis=0)
+            out = all_reduce(padded, group_size, group_key, instance_key, self.options,
+                             ordering_token=self._tokens[device], name=name)
+            self._previous[device] = out
+            return tf.reshape(out[:-1], tf.shape(x))
         out = all_reduce(x, group_size, group_key, instance_key, self.options,
                          ordering_token=self._tokens[device], name=name)
         self._previous[device] = out

@@ -8,6 +8,7 @@ is reported with the tower, the variable and the values involved instead of
 surfacing later as a shape error deep inside a graph.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from tfreduce.devices import normalize_devices
@@ -21,6 +22,8 @@ __all__ = [
     "nbytes",
     "shard_sizes",
     "check_variables",
+    "check_flag",
+    "dense_shape",
 ]
 
 
@@ -139,6 +142,10 @@ class Gradients:
         """The K gradients of variable n, tower order."""
         return [self.grads[k][n] for k in range(self.num_towers)]
 
+    def static(self, n):
+        """True if variable n's shape is fully known on every tower (then one shape)."""
+        return all(dense_shape(g).is_fully_defined() for g in self.column(n))
+
     def empty_output(self):
         """A K x N list of None to fill in."""
         return [[None] * self.num_vars for _ in range(self.num_towers)]
@@ -231,24 +238,54 @@ def _check_variable(grads, n):
     if missing:
         return
     ref = _values(column[0])
+    if not (ref.dtype.is_floating or ref.dtype.is_integer):
+        raise TypeError(
+            f"variable {n}: gradients of dtype {ref.dtype.name} cannot be all-reduced; "
+            f"tfreduce sums floating-point and integer gradients")
+    ref_shape = dense_shape(column[0])
     for k, g in enumerate(column[1:], start=1):
         v = _values(g)
         if v.dtype != ref.dtype:
             raise ValueError(
                 f"variable {n}: tower {k} has dtype {v.dtype.name}, tower 0 has "
                 f"{ref.dtype.name}")
-        if isinstance(g, tf.IndexedSlices) != isinstance(column[0], tf.IndexedSlices):
-            # Mixed dense / sparse is reduced densely; compare dense shapes.
-            continue
-        if isinstance(g, tf.IndexedSlices):
-            # Row counts differ between towers; only the row shape must agree.
-            a, b = v.shape[1:], ref.shape[1:]
-        else:
-            a, b = v.shape, ref.shape
-        if not a.is_compatible_with(b):
+        # Dense and sparse towers compare as what they sum to: the dense value.
+        shape = dense_shape(g)
+        if not shape.is_compatible_with(ref_shape):
             raise ValueError(
-                f"variable {n}: tower {k} has shape {v.shape}, tower 0 has "
-                f"{ref.shape}")
+                f"variable {n}: tower {k} has shape {shape}, tower 0 has {ref_shape}")
+
+
+def dense_shape(g):
+    """The static shape of a gradient's dense value.
+
+    A ``tf.Tensor``'s shape; for ``tf.IndexedSlices`` its ``dense_shape`` when
+    that is a constant, else (rows unknown) x the values' row shape.
+
+    Args:
+      g: tf.Tensor or tf.IndexedSlices.
+
+    Returns:
+      tf.TensorShape, possibly partly unknown.
+    """
+    if not isinstance(g, tf.IndexedSlices):
+        return g.shape
+    rows = tf.TensorShape([None]).concatenate(g.values.shape[1:])
+    known = None if g.dense_shape is None else tf.get_static_value(g.dense_shape)
+    if known is None:
+        return rows
+    dense = tf.TensorShape([int(d) for d in known])
+    return dense.merge_with(rows) if dense.is_compatible_with(rows) else dense
+
+
+def check_flag(value, name):
+    """Checks a boolean option: only True or False (NumPy's too), not truthy values.
+
+    Raises:
+      TypeError: ``value`` is not a bool, e.g. ``average="no"`` or ``[0]``.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
 
 
 def split_grad_list(grad_list):

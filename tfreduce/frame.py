@@ -26,7 +26,7 @@ The stage contract, tower-major like the public API::
 import tensorflow as tf
 
 from tfreduce.collective import in_function
-from tfreduce.contract import nbytes, validate_grads
+from tfreduce.contract import check_flag, nbytes, validate_grads
 from tfreduce.packing import PackPlan
 from tfreduce.primitives import (RootBalancer, accumulation_dtype, broadcast_slices,
                                  check_average_dtype, finish_sum, gather_slices, sum_order)
@@ -51,6 +51,10 @@ class Stage:
     name = None
     collective = False
     needs_function = False
+
+    #: dtypes the stage's engine can sum, or None for every floating-point
+    #: and integer dtype (add_n's).
+    dtypes = None
 
     def bind(self, devices):
         """Checks the options against the K canonical devices, before any op is built.
@@ -130,24 +134,43 @@ def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_de
       list of K lists of N, ``out[k][n]`` on ``grads.devices[k]``.
 
     Raises:
-      TypeError: average=True on integer gradients; a bad pack_bytes.
+      TypeError: average or sparse_as_dense not a bool; average=True on
+        integer gradients; a dtype a stage cannot reduce; a bad pack_bytes.
       ValueError: devices or options a stage cannot use; a bad pack_bytes.
+      tf.errors.InvalidArgumentError: when the graph runs, a variable whose
+        shape is known only then differs between towers (the message names
+        the tower and the variable).
     """
+    check_flag(average, "average")
+    check_flag(sparse_as_dense, "sparse_as_dense")
     stages = [stage.bind(grads.devices) for stage in stages]
     for n in grads.reduced:
-        check_average_dtype(_values(grads.grads[0][n]).dtype, n, average)
+        dtype = _values(grads.grads[0][n]).dtype
+        check_average_dtype(dtype, n, average)
+        for stage in stages:
+            if stage.dtypes is not None and dtype not in stage.dtypes:
+                raise TypeError(
+                    f"variable {n}: algorithm {stage.name!r} cannot reduce {dtype.name} "
+                    f"gradients (it takes {', '.join(sorted(d.name for d in stage.dtypes))}); "
+                    f"choose another algorithm or cast the gradients")
     scope = scope or f"allreduce_{stages[0].name}"
 
     def build():
         with tf.name_scope(scope):
+            _check_shapes_at_run_time(grads)
             _densify(grads, sparse_as_dense or len(stages) > 1)
             plan = PackPlan(grads, pack_bytes)
             packed = plan.pack()  # K x M
             return plan.unpack(_reduce_entries(packed, grads.devices, average, stages))
 
-    if any(stage.needs_function for stage in stages):
-        return in_function(build)
-    return build()
+    if not any(stage.needs_function for stage in stages):
+        return build()
+    out = in_function(build)
+    if tf.executing_eagerly():
+        # A tf.function hands its results back on the host: copy each to its
+        # tower, so that eagerly too out[k][n] is on devices[k].
+        out = [[_identity(g, device) for g in row] for row, device in zip(out, grads.devices)]
+    return out
 
 
 def run_stage(stage, all_grads, devices, average, pack_bytes, sparse_as_dense):
@@ -165,8 +188,77 @@ def run_stage(stage, all_grads, devices, average, pack_bytes, sparse_as_dense):
                       pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense)
 
 
+def _identity(g, device):
+    # g (None, a tensor or IndexedSlices) copied to device.
+    if g is None:
+        return None
+    with tf.device(device):
+        if isinstance(g, tf.IndexedSlices):
+            shape = None if g.dense_shape is None else tf.identity(g.dense_shape)
+            return tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), shape)
+        return tf.identity(g)
+
+
 def _values(g):
     return g.values if isinstance(g, tf.IndexedSlices) else g
+
+
+def _check_shapes_at_run_time(grads):
+    # Shapes known only when the graph runs are compared with tower 0's then:
+    # a mismatch fails naming tower and variable, where a sum would fail in
+    # a kernel without saying which, or a ring or packing reshape silently.
+    for n in grads.reduced:
+        if grads.static(n):
+            continue
+        column = grads.column(n)
+        full = all(not isinstance(g, tf.IndexedSlices) or g.dense_shape is not None
+                   for g in column)
+        with tf.device(grads.devices[0]):
+            ref = _shape_text(column[0], full)
+        same = []
+        for k in range(1, grads.num_towers):
+            with tf.device(grads.devices[k]):
+                same.append(tf.equal(_shape_text(column[k], full), ref))
+                grads.grads[k][n] = _checked(
+                    column[k], same[-1], f"variable {n}: tower {k} has another shape than tower 0")
+        if same:
+            # Tower 0 waits too, so that no tower starts a collective (which
+            # a failed peer would leave aborted for the whole process).
+            other = "tower 1" if len(same) == 1 else "a tower"
+            with tf.device(grads.devices[0]):
+                grads.grads[0][n] = _checked(column[0], tf.reduce_all(tf.stack(same)),
+                                             f"variable {n}: {other} has another shape than tower 0")
+
+
+def _shape_text(g, full):
+    # The dense shape as text, e.g. "3,2" (so that two ranks compare too);
+    # without the first axis (rows) when some tower's IndexedSlices carry no
+    # dense_shape.
+    if isinstance(g, tf.IndexedSlices):
+        shape = g.dense_shape if full else tf.shape(g.values)[1:]
+    else:
+        shape = tf.shape(g) if full else tf.shape(g)[1:]
+    return tf.strings.reduce_join(tf.strings.as_string(shape), separator=",")
+
+
+def _checked(g, ok, message):
+    # g again, by a path Grappler cannot shortcut: a copy opaque to its shape
+    # inference (serialised and parsed back), times a one that exists only if
+    # ``ok`` (1 / ok goes through a CheckNumerics that fails with ``message``
+    # on the infinity). Every reader of g then waits for the check. Simpler
+    # forms fail: an Assert on a control dependency, a reshape or a product
+    # with g itself all let Grappler, which assumes the sum downstream is
+    # valid and so that the shapes agree, fold the check away and run the
+    # sum first, which then fails without the message. x * 1 is exact. Only
+    # gradients whose shape is not static pay for the copy.
+    values = g.values if isinstance(g, tf.IndexedSlices) else g
+    one = tf.raw_ops.CheckNumerics(tensor=1.0 / tf.cast(ok, tf.float64), message=message)
+    opaque = tf.io.parse_tensor(tf.io.serialize_tensor(values), values.dtype)
+    opaque.set_shape(values.shape)
+    values = opaque * tf.cast(one, values.dtype)
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(values, g.indices, g.dense_shape)
+    return values
 
 
 def _densify(grads, sparse_as_dense):

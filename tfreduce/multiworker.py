@@ -38,7 +38,7 @@ from tfreduce.frame import Stage, run_stages
 from tfreduce.primitives import RootBalancer, broadcast, sum_order
 
 __all__ = ["CrossWorkerStage", "allreduce_grads_multiworker",
-           "broadcast_variables_multiworker", "CROSS_WORKER_PACK_BYTES"]
+           "broadcast_variables_multiworker", "check_local_options", "CROSS_WORKER_PACK_BYTES"]
 
 #: Default buffer size for packing before the cross-worker all-reduce. Each
 #: collective between hosts pays a network round trip or more, so small
@@ -47,6 +47,21 @@ CROSS_WORKER_PACK_BYTES = 4 * 1024 * 1024
 
 # Options of the local algorithm that this function decides itself.
 _OWN_OPTIONS = ("pack_bytes", "sparse_as_dense", "devices", "average")
+
+
+def check_local_options(local_options):
+    """A copy of the local algorithm's options, without those set here.
+
+    Raises:
+      ValueError: an option ``allreduce_grads_multiworker`` sets itself.
+    """
+    local_options = dict(local_options or {})
+    own = sorted(set(local_options) & set(_OWN_OPTIONS))
+    if own:
+        raise ValueError(
+            f"local_options {own} are set by allreduce_grads_multiworker itself; "
+            f"pass pack_bytes to it directly")
+    return local_options
 
 
 def _check_cluster(cluster):
@@ -202,12 +217,7 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
     if local_algorithm not in ALGORITHMS:
         raise ValueError(f"local_algorithm must be one of {ALGORITHMS}, got "
                          f"{local_algorithm!r}")
-    local_options = dict(local_options or {})
-    own = sorted(set(local_options) & set(_OWN_OPTIONS))
-    if own:
-        raise ValueError(
-            f"local_options {own} are set by allreduce_grads_multiworker itself; "
-            f"pass pack_bytes to it directly")
+    local_options = check_local_options(local_options)
     options, keys = _cross_worker_options(cluster, communication, timeout, keys)
     grads = validate_grads(all_grads, devices)
     # Full names: the ops stay on this worker, and a local collective

@@ -66,6 +66,8 @@ class NcclStage(Stage):
 
     name = "nccl"
     collective = True
+    # NcclAllReduce's kernels; it sums in the input dtype, so no bfloat16.
+    dtypes = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
     def bind(self, devices):
         others = [d for d in devices if not is_gpu(d)]
@@ -156,14 +158,20 @@ class CollectiveStage(Stage):
 
     Raises:
       ValueError: unknown communication, or a timeout that is not None or > 0.
+      TypeError: keys that are not a CollectiveKeys.
     """
 
     name = "collective"
     collective = True
     needs_function = True
+    # CollectiveReduceV2's kernels, after half types go up to float32.
+    dtypes = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
 
     def __init__(self, communication="auto", keys=None, timeout=None):
         self.options = CollectiveOptions(communication, timeout)
+        if keys is not None and not isinstance(keys, CollectiveKeys):
+            raise TypeError(f"keys must be a tfreduce.CollectiveKeys or None, got "
+                            f"{type(keys).__name__} {keys!r}")
         self.keys = keys
 
     def reduce(self, buffers, ctx):
@@ -171,11 +179,16 @@ class CollectiveStage(Stage):
         num_towers = len(devices)
         keys = self.keys
         if keys is None:
-            # tf.function graphs have names; a v1 Graph (one Session) has none.
+            # The graph object too: two tf.functions of one name, scope and
+            # layout (unknown shapes print alike) must not share keys, since
+            # TF remembers each key's shape for the life of the process. The
+            # K members of this group are all in this process, so keys need
+            # not agree with any other process.
             graph = tf.compat.v1.get_default_graph()
             layout = [(t.dtype.name, str(t.shape)) for t in buffers[0]]
             keys = CollectiveKeys.for_call(
-                f"{getattr(graph, 'name', '')}|{graph.get_name_scope()}|{devices}|{layout}")
+                f"{getattr(graph, 'name', '')}|{id(graph)}|{graph.get_name_scope()}|"
+                f"{devices}|{layout}")
         group_key = keys.group_key(devices)
         chain = CollectiveChain(self.options)
         for k, d in enumerate(devices):

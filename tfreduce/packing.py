@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tfreduce.contract import nbytes
 
-__all__ = ["DEFAULT_PACK_BYTES", "PackPlan"]
+__all__ = ["DEFAULT_PACK_BYTES", "PackPlan", "check_pack_bytes"]
 
 #: The recommended ``pack_bytes``: gradients under 64 KiB are fused. Chosen
 #: with ``tfreduce-bench --pack-bytes 16KiB,64KiB,256KiB,1MiB,4MiB`` (K=8
@@ -31,6 +31,21 @@ __all__ = ["DEFAULT_PACK_BYTES", "PackPlan"]
 #: unpacked. The ring, whose op count grows as K^2 per buffer, and links
 #: between GPUs favour larger buffers: pass ``pack_bytes=`` to choose.
 DEFAULT_PACK_BYTES = 64 * 2**10
+
+
+def check_pack_bytes(pack_bytes):
+    """Checks a ``pack_bytes`` option: an int number of bytes >= 0, or None.
+
+    Raises:
+      TypeError: if pack_bytes is not an int (bools included) or None.
+      ValueError: if pack_bytes is negative.
+    """
+    if pack_bytes is not None and (isinstance(pack_bytes, bool)
+                                   or not isinstance(pack_bytes, int)):
+        raise TypeError(f"pack_bytes must be an int number of bytes or None, "
+                        f"got {pack_bytes!r}")
+    if pack_bytes is not None and pack_bytes < 0:
+        raise ValueError(f"pack_bytes must be >= 0 bytes, got {pack_bytes}")
 
 
 class PackPlan:
@@ -50,20 +65,17 @@ class PackPlan:
     """
 
     def __init__(self, grads, pack_bytes):
-        if pack_bytes is not None and (isinstance(pack_bytes, bool)
-                                       or not isinstance(pack_bytes, int)):
-            raise TypeError(f"pack_bytes must be an int number of bytes or None, "
-                            f"got {pack_bytes!r}")
-        if pack_bytes is not None and pack_bytes < 0:
-            raise ValueError(f"pack_bytes must be >= 0 bytes, got {pack_bytes}")
+        check_pack_bytes(pack_bytes)
         self._grads = grads
         self.entries = []
         open_buffers = {}  # dtype -> (entry index, bytes so far)
         for n in grads.reduced:
             g = grads.grads[0][n]
             size = nbytes(g)
-            packable = (pack_bytes and isinstance(g, tf.Tensor)
-                        and g.shape.is_fully_defined() and size < pack_bytes)
+            # Only shapes known on every tower: a flat buffer cut at tower 0's
+            # static sizes would silently reshape another tower's gradient.
+            packable = (pack_bytes and isinstance(g, tf.Tensor) and grads.static(n)
+                        and size < pack_bytes)
             if not packable:
                 self.entries.append([n])
                 continue

@@ -104,7 +104,7 @@ def _ring_entry(column, ctx, m):
     devices = ctx.devices
     num_devices = len(devices)
     name = f"entry{m}"
-    static = column[0].shape.is_fully_defined()
+    static = all(t.shape.is_fully_defined() for t in column)
     if static:
         sizes = shard_sizes(column[0].shape.num_elements(), num_devices)
         if not any(sizes):
