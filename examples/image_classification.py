@@ -33,12 +33,12 @@ import sys
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 import tfreduce
 from tfreduce.devices import logical_devices
 from tfreduce.models import image_cnn
 from tfreduce.trainer import ReplicatedTrainer
+from tfreduce.trainer.signals import Terminated
 
 IMAGE_EXTENSIONS = (".bmp", ".gif", ".jpeg", ".jpg", ".png")
 
@@ -189,6 +189,35 @@ def load_folder(path, image_size, batch_size, num_devices, seed, limit):
     return train, test, num_classes
 
 
+def has_checkpoint(checkpoint_dir):
+    """True if checkpoint_dir holds a checkpoint (restore picks the newest intact one)."""
+    return os.path.isdir(checkpoint_dir) and any(
+        name.endswith(".index") for name in os.listdir(checkpoint_dir))
+
+
+def write_atomically(path, text):
+    """Writes text to path through a temporary file and a rename: never half-written."""
+    temporary = f"{path}.tmp"
+    with open(temporary, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+def read_history(path):
+    """The per-epoch logs of history.json, or [] (with a warning) if it is unreadable."""
+    if not os.path.exists(path):
+        return []
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as error:
+        print(f"warning: {path} is unreadable ({error}); the curves start afresh",
+              file=sys.stderr)
+        return []
+
+
 def plot_curves(history, path):
     """Writes a PNG of loss and accuracy per epoch (train and test)."""
     from matplotlib.figure import Figure
@@ -208,7 +237,7 @@ def plot_curves(history, path):
 
 
 def main(argv=None):
-    """Trains and evaluates; returns the exit status (130 after Ctrl-C).
+    """Trains and evaluates; returns the exit status (130 after Ctrl-C, 143 after SIGTERM).
 
     Args:
       argv: list of command-line arguments, None for sys.argv[1:].
@@ -283,17 +312,19 @@ def main(argv=None):
     checkpoint_dir = os.path.join(args.logdir, "checkpoints")
     history_path = os.path.join(args.logdir, "history.json")
     history = []
-    if args.resume:
+    # tfreduce-launch --restarts N sets TFREDUCE_RESTART_COUNT > 0 on a restart:
+    # continue from the checkpoint the failed run left, if it left one.
+    restarted = int(os.environ.get("TFREDUCE_RESTART_COUNT", "0")) > 0
+    if args.resume or (restarted and has_checkpoint(checkpoint_dir)):
         # Only worker 0 reads the checkpoint; the others receive its values.
-        if trainer.is_chief and tf.train.latest_checkpoint(checkpoint_dir) is None:
+        if trainer.is_chief and not has_checkpoint(checkpoint_dir):
             parser.error(
                 f"--resume: no checkpoint in {checkpoint_dir!r}; run once without --resume first"
             )
         restored = trainer.restore(checkpoint_dir)
         print(f"resumed from {restored or 'worker 0'} at step {trainer.step}")
-        if trainer.is_chief and os.path.exists(history_path):
-            with open(history_path) as f:
-                history = json.load(f)
+        if trainer.is_chief:
+            history = read_history(history_path)
     if trainer.is_chief:
         os.makedirs(args.logdir, exist_ok=True)
 
@@ -301,8 +332,7 @@ def main(argv=None):
         # The history file lets the curves of a resumed run cover every epoch.
         history[:] = [h for h in history if h["epoch"] < epoch] + [logs]
         if trainer.is_chief:
-            with open(history_path, "w") as f:
-                json.dump(history, f, indent=1)
+            write_atomically(history_path, json.dumps(history, indent=1))
 
     fit_args = dict(
         epochs=args.epochs,
@@ -318,9 +348,12 @@ def main(argv=None):
             run = trainer.fit(train[0], train[1], batch_size=args.batch_size, **fit_args)
         else:
             run = trainer.fit(train, **fit_args)
-    except KeyboardInterrupt:
-        print(f"interrupted; continue with --resume --logdir {args.logdir}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        # Ctrl-C, or SIGTERM (Terminated): the checkpoint is written.
+        what = "terminated" if isinstance(stop, Terminated) else "interrupted"
+        print(f"{what}; continue with --resume --logdir {args.logdir} --epochs {args.epochs}",
+              file=sys.stderr)
+        return 143 if isinstance(stop, Terminated) else 130
 
     results = trainer.evaluate(*test) if isinstance(test, tuple) else trainer.evaluate(test)
     rates = run.get("images_per_sec", [])

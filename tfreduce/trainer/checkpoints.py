@@ -1,13 +1,23 @@
 """Checkpoints of a replicated run: tower 0's state and the step counter.
 
 Tower 0's model and optimizer describe the whole run, since the replicas are
-equal; the step counter tells `fit` where to continue. Saves never overwrite
-the files the index names, so a crash during a save leaves the previous
-checkpoint as the latest.
+equal; the step counter tells `fit` where to continue. A checkpoint is never
+half-written, never non-finite and never trusted unread:
+
+- saves never overwrite the files the index names, so a crash during a save
+  leaves the previous checkpoint as the latest, and the temporary folders a
+  killed save leaves behind are removed by the next one;
+- a save of NaN or Inf weights is refused, so a diverged run cannot rotate
+  the good checkpoints out;
+- a restore reads every tensor of a checkpoint before loading it, and falls
+  back to the newest intact one when the latest is damaged (truncated, a
+  shard missing, an index naming nothing).
 """
 
 import os
 import re
+import shutil
+import sys
 
 import tensorflow as tf
 
@@ -22,18 +32,20 @@ class TrainerCheckpoint:
       model: keras.Model, tower 0's replica, built.
       optimizer: tower 0's Keras optimizer, built.
       step: the int64 step counter tf.Variable.
+      epoch_totals: the float64 [3] tf.Variable of the epoch's running totals.
     """
 
-    def __init__(self, model, optimizer, step):
+    def __init__(self, model, optimizer, step, epoch_totals):
         # The explicit variable list adds what Keras does not track for
         # checkpoints (the random state of Dropout layers), which an exact
         # resume needs.
-        self._checkpoint = tf.train.Checkpoint(
-            model=model,
-            optimizer=optimizer,
-            model_variables=list(model.variables),
-            step=step,
-        )
+        parts = dict(model=model, optimizer=optimizer, model_variables=list(model.variables),
+                     step=step)
+        self._checkpoint = tf.train.Checkpoint(**parts, epoch_totals=epoch_totals)
+        # Checkpoints written before epoch_totals existed restore without it.
+        self._without_totals = tf.train.Checkpoint(**parts)
+        self._epoch_totals = epoch_totals
+        self._variables = list(model.variables) + list(optimizer.variables)
 
     def save(self, path):
         """Writes checkpoint `ckpt-<n>` under `path` with a fresh n; returns its prefix.
@@ -44,19 +56,29 @@ class TrainerCheckpoint:
 
         Args:
           path: str, checkpoint directory (created if missing).
+
+        Raises:
+          FloatingPointError: a model or optimizer variable holds NaN or Inf;
+            nothing is written and the checkpoints in `path` stay.
         """
+        bad = _first_non_finite(self._variables)
+        if bad is not None:
+            raise FloatingPointError(
+                f"save: {bad} holds NaN or Inf values, so no checkpoint is written and the "
+                f"ones in {path!r} stay; the run diverged: resume from the last checkpoint "
+                f"with a lower learning rate")
         os.makedirs(path, exist_ok=True)
+        for name in os.listdir(path):
+            # A save killed midway leaves its temporary shard folder behind.
+            if re.fullmatch(rf"{_CHECKPOINT_NAME}-\d+_temp", name):
+                shutil.rmtree(os.path.join(path, name), ignore_errors=True)
         manager = tf.train.CheckpointManager(
             self._checkpoint,
             path,
             max_to_keep=_CHECKPOINTS_KEPT,
             checkpoint_name=_CHECKPOINT_NAME,
         )
-        used = [
-            int(match.group(1))
-            for name in os.listdir(path)
-            if (match := re.fullmatch(rf"{_CHECKPOINT_NAME}-(\d+)\.index", name))
-        ]
+        used = [n for n, _ in _numbered(path)]
         # A fresh number, so the files the index currently names are never
         # overwritten while it still names them.
         return manager.save(checkpoint_number=max(used, default=0) + 1)
@@ -67,7 +89,12 @@ class TrainerCheckpoint:
         Raises:
           ValueError: the checkpoint does not match the objects (another model).
         """
-        status = self._checkpoint.restore(prefix)
+        names = [name for name, _ in tf.train.list_variables(prefix)]
+        if any(name.startswith("epoch_totals/") for name in names):
+            status = self._checkpoint.restore(prefix)
+        else:
+            self._epoch_totals.assign(tf.zeros([3], tf.float64))
+            status = self._without_totals.restore(prefix)
         try:
             status.assert_existing_objects_matched()
         except AssertionError as error:
@@ -76,15 +103,77 @@ class TrainerCheckpoint:
             ) from None
 
 
+def _first_non_finite(variables):
+    """The path of the first floating-point variable with a NaN or Inf, or None."""
+    for v in variables:
+        value = tf.convert_to_tensor(v)
+        if value.dtype.is_floating and not bool(tf.reduce_all(tf.math.is_finite(value))):
+            return getattr(v, "path", None) or v.name
+    return None
+
+
+def _damage(prefix):
+    """What is wrong with a checkpoint, or None if every tensor of it reads back."""
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+        for name in reader.get_variable_to_shape_map():
+            reader.get_tensor(name)
+    except (tf.errors.OpError, ValueError, IndexError, OSError, RuntimeError) as error:
+        reason = str(error).strip().splitlines()
+        return f"{type(error).__name__}: {reason[0] if reason else ''}"
+    return None
+
+
+def _numbered(path):
+    """(n, prefix) of each checkpoint `ckpt-<n>` with an index file in `path`, by n."""
+    return sorted(
+        (int(m.group(1)), os.path.join(path, m.group(0)[: -len(".index")]))
+        for name in os.listdir(path)
+        if (m := re.fullmatch(rf"{_CHECKPOINT_NAME}-(\d+)\.index", name))
+    )
+
+
+def _candidates(path):
+    """The checkpoints of directory `path`, newest first: the index's, then the files'."""
+    try:
+        state = tf.train.get_checkpoint_state(path)
+    except (tf.errors.OpError, ValueError):
+        state = None  # a damaged index file: the files on disk still count
+    listed = list(reversed(state.all_model_checkpoint_paths)) if state else []
+    listed = [p if os.path.isabs(p) else os.path.join(path, p) for p in listed]
+    out = []
+    for prefix in listed + [p for _, p in reversed(_numbered(path))]:
+        if prefix not in out:
+            out.append(prefix)
+    return out
+
+
 def find_prefix(path):
-    """The prefix of the latest checkpoint in directory `path`, or `path` itself.
+    """The prefix of the newest intact checkpoint in directory `path`, or `path` itself.
+
+    Every tensor of a candidate is read before it is chosen, so a damaged
+    checkpoint is never loaded; each one passed over is reported on stderr.
 
     Raises:
       FileNotFoundError: there is no checkpoint at path.
+      ValueError: every checkpoint at path is damaged (each named with why).
     """
-    prefix = tf.train.latest_checkpoint(path) if os.path.isdir(path) else path
-    if prefix is None or not tf.io.gfile.exists(prefix + ".index"):
-        raise FileNotFoundError(
-            f"restore: no checkpoint at {path!r} (neither a checkpoint directory nor prefix)"
-        )
-    return prefix
+    if not os.path.isdir(path):
+        if not tf.io.gfile.exists(path + ".index"):
+            raise FileNotFoundError(
+                f"restore: no checkpoint at {path!r} (neither a checkpoint directory nor prefix)"
+            )
+        candidates = [path]
+    else:
+        candidates = _candidates(path)
+        if not candidates:
+            raise FileNotFoundError(f"restore: no checkpoint at {path!r} (an empty directory)")
+    damaged = []
+    for prefix in candidates:
+        why = _damage(prefix)
+        if why is None:
+            if damaged:
+                print(f"restore: {'; '.join(damaged)}; using {prefix}", file=sys.stderr)
+            return prefix
+        damaged.append(f"{prefix} is damaged ({why})")
+    raise ValueError(f"restore: no intact checkpoint at {path!r}: {'; '.join(damaged)}")

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tfreduce.trainer.batching import check_batch, fit_data, is_dataset, numpy_batches
 from tfreduce.trainer.losses import regularization
+from tfreduce.trainer.signals import Terminated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,26 +86,12 @@ def fit_loop(
         x, y, epochs, batch_size, shuffle, seed, steps_per_epoch, total_towers, writer, verbose
     )
     history = {}
+    trainer._stopping = False
     try:
-        first_epoch, skip = divmod(trainer.step, steps_per_epoch)
-        for epoch in range(first_epoch, epochs):
-            logs = fit_epoch(trainer, run, epoch, skip)
-            skip = 0
-            logs = _end_epoch(trainer, run, logs, validation_data)
-            logs = {"epoch": epoch + 1, **logs}
-            for name, value in logs.items():
-                history.setdefault(name, []).append(value)
-            if checkpoint_dir is not None:
-                trainer.save(checkpoint_dir)
-            for callback in callbacks:
-                callback(epoch + 1, logs)
-    except KeyboardInterrupt:
-        if checkpoint_dir is not None:
-            path = trainer.save(checkpoint_dir)
-            print(
-                f"\ninterrupted at step {trainer.step}; checkpoint written to {path}",
-                file=sys.stderr,
-            )
+        with trainer._stop.handling():
+            _fit_epochs(trainer, run, validation_data, checkpoint_dir, callbacks, history)
+    except KeyboardInterrupt as stop:
+        _save_on_interrupt(trainer, checkpoint_dir, stop)
         raise
     finally:
         if writer is not None:
@@ -114,6 +101,39 @@ def fit_loop(
         # a finally: after a failure the peers may never get here.
         trainer.cluster.finish()
     return history
+
+
+def _fit_epochs(trainer, run, validation_data, checkpoint_dir, callbacks, history):
+    """The epochs of fit from the trainer's step on; adds each epoch's logs to history."""
+    first_epoch, skip = divmod(trainer.step, run.steps_per_epoch)
+    for epoch in range(first_epoch, run.epochs):
+        logs = fit_epoch(trainer, run, epoch, skip)
+        skip = 0
+        stop = Terminated(trainer._stop.signum, trainer.step) if trainer._stopping else None
+        if stop is not None and trainer.step % run.steps_per_epoch:
+            raise stop  # mid-epoch: the resume finishes this epoch
+        logs = _end_epoch(trainer, run, logs, validation_data)
+        logs = {"epoch": epoch + 1, **logs}
+        for name, value in logs.items():
+            history.setdefault(name, []).append(value)
+        if checkpoint_dir is not None:
+            trainer.save(checkpoint_dir)
+        for callback in callbacks:
+            callback(epoch + 1, logs)
+        if stop is not None:
+            raise stop
+
+
+def _save_on_interrupt(trainer, checkpoint_dir, stop):
+    """Ctrl-C or SIGTERM: writes a checkpoint (rank 0) and says where, before re-raising."""
+    if isinstance(stop, Terminated) and trainer.cluster is not None:
+        # Every worker stops after the same step: let all arrive first.
+        trainer.cluster.finish()
+    if checkpoint_dir is not None:
+        path = trainer.save(checkpoint_dir)
+        if path is not None:
+            what = stop if isinstance(stop, Terminated) else f"interrupted at step {trainer.step}"
+            print(f"\n{what}; checkpoint written to {path}", file=sys.stderr)
 
 
 def _end_epoch(trainer, run, logs, validation_data):
@@ -167,6 +187,10 @@ def fit_epoch(trainer, run, epoch, skip):
     if skip:
         progress.update(skip)
     loss_total, correct_total, seen, has_accuracy = 0.0, 0, 0, False
+    if skip:
+        # Resumed mid-epoch: the totals of the steps before the checkpoint.
+        totals = trainer._epoch_totals.numpy()
+        loss_total, correct_total, seen = float(totals[0]), int(totals[1]), int(totals[2])
     # Throughput is measured on the wall clock, so it counts batching,
     # logging and tracing too, not just the time inside the step.
     epoch_start = time.perf_counter()
@@ -185,6 +209,9 @@ def fit_epoch(trainer, run, epoch, skip):
             values.append(("accuracy", correct_total / seen))
         values.append(("images/s", seen / elapsed))
         progress.update(step_in_epoch, values)
+        trainer._epoch_totals.assign([loss_total, correct_total, seen])
+        if trainer._stopping:
+            break  # SIGTERM: the step is whole, the caller stops the run
         if run.writer is not None:
             with run.writer.as_default(step=trainer.step):
                 tf.summary.scalar("train/loss", loss)

@@ -3,11 +3,13 @@
 import tensorflow as tf
 
 from tfreduce.allreduce import ALGORITHMS
+from tfreduce.contract import check_flag
 from tfreduce.devices import tower_devices
 from tfreduce.trainer.batching import eval_batches, input_batches, worker_batch
 from tfreduce.trainer.checkpoints import TrainerCheckpoint, find_prefix
 from tfreduce.trainer.loop import evaluate_loop, fit_loop, predict_loop
 from tfreduce.trainer.losses import per_example_loss_fn
+from tfreduce.trainer.signals import StopRequest
 from tfreduce.trainer.step import HOST, StepFunctions, StepOptions
 from tfreduce.trainer.towers import (
     build_towers,
@@ -54,32 +56,16 @@ class ReplicatedTrainer:
     A model whose variables are created on first call (a Sequential without
     an Input) is built on the first batch the trainer sees.
 
-    Several workers (processes, usually one per machine, each with its own
-    K devices; see `tfreduce.cluster`): under TF_CONFIG, or with
-    `cluster=`, every worker runs the same program on the same global
-    batches. Each step then takes this worker's part of the global batch
-    (`Cluster.batch_slice`), so the T = W * K towers of all W workers get
-    the shards one process with T devices would give them, and both
-    all-reduces go through `tfreduce.allreduce_grads_multiworker` (this
-    worker's towers with `algorithm`, then across workers). The broadcasts
-    copy rank 0's tower 0, step counter included, to every tower of every
-    worker. Only rank 0 (`is_chief`) writes checkpoints and summaries and
-    shows progress; `restore` reads the checkpoint on rank 0 only. Every
-    worker evaluates and predicts on all the data it is given, so all get
-    the same results. A lost worker fails the step with
-    `tfreduce.cluster.WorkerLostError`.
+    Several workers (see `tfreduce.cluster` and the package docstring):
+    every worker runs the same program on the same global batches and
+    trains its part of each; only rank 0 (`is_chief`) writes checkpoints
+    and summaries. A lost worker fails the step with `WorkerLostError`.
 
-    Example:
+    Example (the README's "Training" section has more)::
 
-        trainer = tfreduce.ReplicatedTrainer(           # tfreduce:
-            model_fn=make_model,
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            optimizer_fn=lambda: keras.optimizers.Adam(1e-3),
-            devices=["/gpu:0", "/gpu:1"],
-            algorithm="hierarchical",
-        )
-        trainer.fit(x_train, y_train, epochs=5, batch_size=128,
-                    validation_data=(x_test, y_test), checkpoint_dir="ckpt")
+        trainer = tfreduce.ReplicatedTrainer(make_model, "mse",          # tfreduce:
+                                             lambda: keras.optimizers.Adam(1e-3))
+        trainer.fit(x_train, y_train, epochs=5, batch_size=128, checkpoint_dir="ckpt")
 
     Attributes:
       models: list of K `keras.Model`, the tower replicas; models[0] is tower 0.
@@ -137,10 +123,10 @@ class ReplicatedTrainer:
 
         Raises:
           TypeError: model_fn or optimizer_fn is not callable or returns the
-            wrong type, or loss is not a loss.
+            wrong type; loss is not a loss; cluster is not "auto", None or a
+            Cluster; average not a bool; an option the algorithm lacks.
           ValueError: unknown algorithm, bad or missing devices, a negative
-            bcast_period, or replicas that differ in their variables.
-          TypeError: cluster is not "auto", None or a Cluster.
+            bcast_period, a bad option value, or replicas that differ.
         """
         check_factories(model_fn, optimizer_fn)
         if algorithm not in ALGORITHMS:
@@ -152,6 +138,7 @@ class ReplicatedTrainer:
         self.cluster = resolve_cluster(cluster)
         self.devices = tower_devices(devices)
         workers = self.cluster.num_workers if self.cluster is not None else 1
+        check_flag(average, "average")
         self._options = StepOptions(
             loss_fn=per_example_loss_fn(loss),
             average=bool(average),
@@ -162,13 +149,20 @@ class ReplicatedTrainer:
             allreduce_options=dict(allreduce_options),
             cluster=self.cluster,
         )
+        self._options.check()  # a bad option fails here, not at the first step
         self._bcast_period = bcast_period
         self.models, self.optimizers = create_replicas(model_fn, optimizer_fn, self.devices)
         with tf.device(HOST):
             self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+            # The current epoch's loss sum, correct count and examples: a
+            # resume mid-epoch logs the same epoch means as a run in one go.
+            self._epoch_totals = tf.Variable(tf.zeros([3], tf.float64), trainable=False,
+                                             name="epoch_totals")
         self._steps = None  # StepFunctions, once the models are built
         self._checkpoint = None
         self._pending_restore = None
+        self._stop = StopRequest()  # SIGTERM while fit runs
+        self._stopping = False
         if all(model.built for model in self.models):
             self._build(None)
 
@@ -189,8 +183,9 @@ class ReplicatedTrainer:
           x: a batch to build unbuilt models with, or None when all are built.
         """
         built = build_towers(self.models, self.optimizers, self.devices, x)
-        self._checkpoint = TrainerCheckpoint(self.models[0], self.optimizers[0], self._step)
-        self._steps = StepFunctions(built, self._options, self._step)
+        self._checkpoint = TrainerCheckpoint(
+            self.models[0], self.optimizers[0], self._step, self._epoch_totals)
+        self._steps = StepFunctions(built, self._options, self._step, self._epoch_totals)
         if self._pending_restore is not None:
             prefix, self._pending_restore = self._pending_restore, None
             self._checkpoint.restore(prefix)
@@ -207,7 +202,10 @@ class ReplicatedTrainer:
         x, y, batch = worker_batch(
             x, y, self.cluster, len(self.devices), self._options.total_towers
         )
-        loss, correct = self._built_steps(x).train(x, y, batch)
+        loss, correct, stops = self._built_steps(x).train(x, y, batch, self._stop.requested)
+        # In a cluster only the sum over workers counts: all stop after the
+        # same step.
+        self._stopping = float(stops) > 0 if self.cluster else self._stop.requested
         if self._bcast_period and self.step % self._bcast_period == 0:
             self._steps.broadcast()
         # A negative count: accuracy is not defined for the model's outputs.
@@ -292,7 +290,9 @@ class ReplicatedTrainer:
         batches in every pass.
 
         Ctrl-C (KeyboardInterrupt) during fit writes a checkpoint to
-        `checkpoint_dir`, when given, and then re-raises.
+        `checkpoint_dir`, when given, and then re-raises. SIGTERM does the
+        same after the step in progress and raises `signals.Terminated`
+        (a KeyboardInterrupt); in a cluster all workers stop at one step.
 
         In a cluster every worker calls fit with the same data and
         arguments; batches are global (split over the T = W * K towers of all
@@ -403,6 +403,8 @@ class ReplicatedTrainer:
 
         Raises:
           ValueError: the models are not built yet (no batch seen).
+          FloatingPointError: a variable holds NaN or Inf: nothing is written,
+            so a diverged run cannot rotate the good checkpoints out.
         """
         if self._steps is None:
             raise ValueError("save: the models are not built yet; train on a batch first")
@@ -419,16 +421,17 @@ class ReplicatedTrainer:
         rank 0 needs to see `path`.
 
         Args:
-          path: str, a checkpoint directory (its latest checkpoint is used)
-            or the prefix of one checkpoint ("dir/ckpt-3").
+          path: str, a checkpoint directory (its newest intact checkpoint is
+            used: each is read whole first, and a damaged one is passed over
+            with a line on stderr) or the prefix of one ("dir/ckpt-3").
 
         Returns:
-          str, the prefix of the checkpoint restored; None on the other ranks
-          of a cluster.
+          str, the prefix restored; None on the other ranks of a cluster.
 
         Raises:
           FileNotFoundError: there is no checkpoint at path (rank 0).
-          ValueError: the checkpoint does not match this trainer's model.
+          ValueError: every checkpoint at path is damaged (each named), or
+            the checkpoint does not match this trainer's model.
         """
         if not self.is_chief:
             # Rank 0's values arrive with the broadcast, at build if the

@@ -18,9 +18,14 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from tfreduce.allreduce import allreduce_grads
-from tfreduce.contract import shard_sizes
-from tfreduce.multiworker import CROSS_WORKER_PACK_BYTES, allreduce_grads_multiworker
+from tfreduce.allreduce import allreduce_grads, choose_algorithm, make_stage
+from tfreduce.contract import check_flag, shard_sizes
+from tfreduce.multiworker import (
+    CROSS_WORKER_PACK_BYTES,
+    allreduce_grads_multiworker,
+    check_local_options,
+)
+from tfreduce.packing import check_pack_bytes
 from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
 from tfreduce.trainer.towers import collectives, sync_functions
 
@@ -57,6 +62,24 @@ class StepOptions:
     def multiworker(self):
         """bool: the all-reduces cross workers; loss and counts are then summed over all."""
         return self.cluster is not None
+
+    def check(self):
+        """Checks the all-reduce options now, as the first step would build them.
+
+        Raises:
+          TypeError, ValueError: an option the algorithm does not take, or a
+            bad value (pack_bytes, groups that do not fit K, NCCL on CPUs).
+        """
+        options = dict(self.allreduce_options)
+        check_pack_bytes(options.pop("pack_bytes", None))
+        if self.cluster is not None:
+            options = check_local_options(options)
+        else:
+            check_flag(options.pop("sparse_as_dense", False), "sparse_as_dense")
+        algorithm = self.algorithm
+        if algorithm == "auto":
+            algorithm = choose_algorithm(self.devices)
+        make_stage(algorithm, options).bind(self.devices)
 
     def allreduce(self, all_grads, average):
         """The trainer's all-reduce: within this process, or across the cluster.
@@ -136,7 +159,7 @@ def _tower_gradients(towers, options, x_shards, y_shards, batch):
     return all_grads, loss_sums, corrects, regs
 
 
-def train_graph(towers, options, step, x, y, batch):
+def train_graph(towers, options, step, x, y, batch, stop):
     """One synchronous step; traced once by tf.function.
 
     Args:
@@ -146,11 +169,13 @@ def train_graph(towers, options, step, x, y, batch):
       x, y: [b, ...], this worker's part of the global batch (all of it in a
         single process).
       batch: int32 scalar B, the size of the global batch.
+      stop: float64 scalar, 1 when this worker was asked to stop (SIGTERM).
 
     Returns:
       (float64 scalar, the mean loss over the global batch plus
       regularisation; int64 scalar, the correct predictions in the global
-      batch, -1 when accuracy is not defined).
+      batch, -1 when accuracy is not defined; float64 scalar, the workers
+      asked to stop, summed over the cluster).
     """
     num_towers = len(towers.devices)
     allreduce = options.allreduce
@@ -168,7 +193,8 @@ def train_graph(towers, options, step, x, y, batch):
     after = [g for g in reduced[0] if g is not None] if options.multiworker else []
     after = sync_moving(towers, sizes, batch, after, allreduce)
     if options.multiworker:
-        loss_sums, corrects = sum_metrics(towers.devices, loss_sums, corrects, after, allreduce)
+        loss_sums, corrects, stop = sum_metrics(
+            towers.devices, loss_sums, corrects, stop, after, allreduce)
     with tf.device(HOST):
         step.assign_add(1)
         dtype = loss_sums[0].dtype
@@ -176,34 +202,37 @@ def train_graph(towers, options, step, x, y, batch):
         correct = (
             tf.cast(tf.add_n(corrects), tf.int64) if has_accuracy else tf.constant(-1, tf.int64)
         )
-    return tf.cast(mean_loss, tf.float64), correct
+    return tf.cast(mean_loss, tf.float64), correct, stop
 
 
-def sum_metrics(devices, loss_sums, corrects, after, allreduce):
-    """Loss sums and correct counts summed over the towers of every worker.
+def sum_metrics(devices, loss_sums, corrects, stop, after, allreduce):
+    """Loss sums, correct counts and stop requests summed over every worker.
 
     Args:
       devices: list of K device names, this worker's towers.
       loss_sums: [K] scalar loss sums, loss_sums[k] of tower k's shard.
       corrects: [K] int64 scalar correct counts, or [K] None.
+      stop: float64 scalar, 1 when this worker was asked to stop; counted
+        once per worker (on its tower 0).
       after: tensors the reduction runs after (control dependencies).
       allreduce: fn(all_grads, average) -> K x N, the trainer's all-reduce.
 
     Returns:
-      ([loss sum], [correct count] or [None]) of the global batch, in float64
-      (exact for counts below 2**53).
+      ([loss sum], [correct count] or [None], workers asked to stop) of the
+      global batch, in float64 (exact for counts below 2**53).
     """
     has_accuracy = corrects[0] is not None
     values = []
     for k, device in enumerate(devices):
         with tf.device(device):
-            row = [tf.cast(loss_sums[k], tf.float64)]
+            row = [tf.cast(loss_sums[k], tf.float64),
+                   stop if k == 0 else tf.zeros([], tf.float64)]
             if has_accuracy:
                 row.append(tf.cast(corrects[k], tf.float64))
             values.append(row)
     with tf.control_dependencies(after), tf.name_scope("metrics"):
         summed = allreduce(values, average=False)[0]
-    return [summed[0]], [summed[1] if has_accuracy else None]
+    return [summed[0]], [summed[2] if has_accuracy else None], summed[1]
 
 
 def sync_moving(towers, sizes, batch, after, allreduce):
@@ -292,17 +321,20 @@ class StepFunctions:
       towers: Towers, this worker's K built replicas.
       options: StepOptions.
       step: the int64 step counter tf.Variable.
+      epoch_totals: the float64 [3] tf.Variable of the epoch's running loss
+        sum, correct count and examples (broadcast with the step).
 
     Attributes:
       difference: tf.function () -> float64 scalar, the largest absolute
         difference between any tower's variable and tower 0's.
     """
 
-    def __init__(self, towers, options, step):
+    def __init__(self, towers, options, step, epoch_totals):
         self._towers = towers
         self._options = options
         self._step = step
-        self._broadcast_fn, self.difference = sync_functions(towers, options.cluster, step)
+        self._broadcast_fn, self.difference = sync_functions(
+            towers, options.cluster, [step, epoch_totals])
         self._train_fn = None
         self._eval_fn = None
         self._predict_fn = None
@@ -312,20 +344,23 @@ class StepFunctions:
         with collectives(self._options.cluster):
             self._broadcast_fn()
 
-    def train(self, x, y, batch):
+    def train(self, x, y, batch, stop=False):
         """Runs train_graph on this worker's part x, y of a global batch of int size `batch`.
 
         Returns:
           (float64 scalar mean loss, int64 scalar correct count, -1 when
-          accuracy is not defined), as eager tensors.
+          accuracy is not defined, float64 scalar workers asked to `stop`),
+          as eager tensors.
         """
         if self._train_fn is None:
             self._train_fn = tf.function(
                 functools.partial(train_graph, self._towers, self._options, self._step),
-                input_signature=[signature(x), signature(y), tf.TensorSpec([], tf.int32)],
+                input_signature=[signature(x), signature(y), tf.TensorSpec([], tf.int32),
+                                 tf.TensorSpec([], tf.float64)],
             )
         with collectives(self._options.cluster):
-            return self._train_fn(x, y, tf.constant(batch, tf.int32))
+            return self._train_fn(x, y, tf.constant(batch, tf.int32),
+                                  tf.constant(float(stop), tf.float64))
 
     def evaluate(self, x, y):
         """Runs eval_graph on the global batch x, y."""

@@ -181,14 +181,15 @@ def _check_match(all_vars):
                 )
 
 
-def sync_functions(towers, cluster, step):
+def sync_functions(towers, cluster, counters):
     """The tf.functions that broadcast tower 0 and measure the towers' difference.
 
     Args:
       towers: Towers, built.
       cluster: the started tfreduce.Cluster, or None in a single process.
-      step: the int64 step counter tf.Variable; in a cluster rank 0's value
-        is broadcast with the variables.
+      counters: the host tf.Variables of the run (the step counter, the
+        epoch's running totals); in a cluster rank 0's values are broadcast
+        with the variables.
 
     Returns:
       (broadcast, difference): broadcast() copies tower 0's variables (rank
@@ -204,12 +205,12 @@ def sync_functions(towers, cluster, step):
         broadcast_variables(raw, root=0)
 
     def broadcast_cluster():
-        # Rank 0's step counter travels too: only rank 0 reads
-        # checkpoints, and every worker must continue from its step.
-        # Second, after the variables: collectives are issued in order.
+        # Rank 0's counters travel too: only rank 0 reads checkpoints, and
+        # every worker must continue from its step. Second, after the
+        # variables: collectives are issued in order.
         ops = broadcast_variables_multiworker(raw, cluster)
         with tf.control_dependencies(ops):
-            ops = broadcast_variables_multiworker([[step]], cluster)
+            ops = broadcast_variables_multiworker([list(counters)], cluster)
         with tf.control_dependencies(ops):
             return tf.constant(0)
 

@@ -1,0 +1,132 @@
+"""Checkpoints that cannot lose the user's work: no NaN saves, damaged ones detected, no orphans."""
+
+import os
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from helpers import CPU_DEVICES
+from tfreduce.trainer import ReplicatedTrainer
+
+
+def model():
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="ones")])
+
+
+def trainer(lr=0.01):
+    return ReplicatedTrainer(model, "mse", lambda: keras.optimizers.SGD(lr),
+                             devices=CPU_DEVICES[:2], cluster=None)
+
+
+def data(count=16, scale=1.0):
+    rng = np.random.default_rng(0)
+    return (scale * rng.normal(size=(count, 4))).astype(np.float32), rng.normal(
+        size=(count, 3)).astype(np.float32)
+
+
+def kernel(t):
+    return t.models[0].layers[-1].kernel.numpy()
+
+
+@pytest.fixture
+def three_checkpoints(tmp_path):
+    """A trainer saved after steps 1, 2 and 3: (trainer, dir, kernels by step)."""
+    t = trainer()
+    x, y = data()
+    kernels = {}
+    for step in (1, 2, 3):
+        t.train_step(x, y)
+        t.save(str(tmp_path))
+        kernels[step] = kernel(t)
+    return t, str(tmp_path), kernels
+
+
+def restored(path):
+    t = trainer()
+    t.train_step(*data())  # builds the models; the restore overwrites them
+    prefix = t.restore(path)
+    return t, prefix
+
+
+def test_non_finite_weights_are_never_saved(three_checkpoints):
+    t, path, _ = three_checkpoints
+    before = sorted(os.listdir(path))
+    t.models[0].layers[-1].kernel.assign(np.full((4, 3), np.nan, np.float32))
+    with pytest.raises(FloatingPointError, match=re.escape(
+            f"holds NaN or Inf values, so no checkpoint is written and the ones in {path!r} "
+            f"stay")):
+        t.save(path)
+    assert sorted(os.listdir(path)) == before
+    assert tf.train.latest_checkpoint(path).endswith("ckpt-3")
+
+
+def test_a_diverging_fit_stops_before_its_checkpoints_are_rotated_out(tmp_path):
+    t = trainer(lr=1e6)  # SGD at this rate overflows to Inf, then NaN
+    x, y = data(scale=1e3)
+    with pytest.raises(FloatingPointError):
+        t.fit(x, y, epochs=20, batch_size=4, verbose=0, checkpoint_dir=str(tmp_path))
+    prefix = tf.train.latest_checkpoint(str(tmp_path))
+    if prefix is not None:  # every checkpoint written is finite
+        reader = tf.train.load_checkpoint(prefix)
+        for name in reader.get_variable_to_shape_map():
+            value = reader.get_tensor(name)
+            if np.issubdtype(np.asarray(value).dtype, np.floating):
+                assert np.isfinite(value).all(), name
+
+
+@pytest.mark.parametrize("damage", ["truncated", "shard missing", "index names nothing"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(
+        three_checkpoints, damage, capsys):
+    _, path, kernels = three_checkpoints
+    data_file = os.path.join(path, "ckpt-3.data-00000-of-00001")
+    if damage == "truncated":
+        with open(data_file, "r+b") as f:
+            f.truncate(os.path.getsize(data_file) // 2)
+    elif damage == "shard missing":
+        os.remove(data_file)
+    else:
+        with open(os.path.join(path, "checkpoint"), "w") as f:
+            f.write('model_checkpoint_path: "ckpt-9"\nall_model_checkpoint_paths: "ckpt-9"\n')
+    t, prefix = restored(path)
+    if damage == "index names nothing":
+        # The index names a checkpoint that does not exist: the files count.
+        assert prefix.endswith("ckpt-3") and t.step == 3
+        np.testing.assert_array_equal(kernel(t), kernels[3])
+        return
+    assert prefix.endswith("ckpt-2") and t.step == 2
+    np.testing.assert_array_equal(kernel(t), kernels[2])
+    assert re.search(r"restore: .*ckpt-3 is damaged \(.+\); using .*ckpt-2",
+                     capsys.readouterr().err)
+
+
+def test_every_checkpoint_damaged_is_an_error_naming_each(three_checkpoints):
+    _, path, _ = three_checkpoints
+    for n in (1, 2, 3):
+        os.remove(os.path.join(path, f"ckpt-{n}.data-00000-of-00001"))
+    with pytest.raises(ValueError, match=r"restore: no intact checkpoint at .*: .*ckpt-3 is "
+                                         r"damaged .*ckpt-2 is damaged .*ckpt-1 is damaged"):
+        restored(path)
+
+
+def test_a_damaged_named_checkpoint_is_an_error(three_checkpoints):
+    _, path, _ = three_checkpoints
+    prefix = os.path.join(path, "ckpt-2")
+    with open(prefix + ".data-00000-of-00001", "r+b") as f:
+        f.truncate(3)
+    with pytest.raises(ValueError, match=re.escape(f"{prefix} is damaged")):
+        restored(prefix)
+
+
+def test_orphans_of_a_killed_save_are_removed_by_the_next(three_checkpoints):
+    t, path, _ = three_checkpoints
+    orphan = os.path.join(path, "ckpt-4_temp")
+    os.makedirs(orphan)
+    with open(os.path.join(orphan, "part-00000-of-00001.data-00000-of-00001"), "wb") as f:
+        f.write(b"half")
+    assert t.save(path).endswith("ckpt-4")
+    assert not os.path.exists(orphan)
+    assert sorted(n for n in os.listdir(path) if n.endswith(".index")) == [
+        "ckpt-2.index", "ckpt-3.index", "ckpt-4.index"]
