@@ -177,3 +177,137 @@ def test_free_ports_and_tf_config():
     assert len(set(ports)) == 4 and all(0 < p < 65536 for p in ports)
     assert json.loads(launch.tf_config(["h:1", "h:2"], 1)) == {
         "cluster": {"worker": ["h:1", "h:2"]}, "task": {"type": "worker", "index": 1}}
+
+
+# Each worker prints "start <TFREDUCE_RESTART_COUNT> <TF_CONFIG>" first.
+START = ('print("start", os.environ["TFREDUCE_RESTART_COUNT"], os.environ["TF_CONFIG"], '
+         'flush=True)\n')
+
+
+def starts(out):
+    """{restart count: {worker index: its TF_CONFIG}} from the workers' "start" lines."""
+    configs = {}
+    for line in out.splitlines():
+        match = re.fullmatch(r"\[worker (\d)\] start (\d+) (.*)", line)
+        if match:
+            config = json.loads(match.group(3))
+            configs.setdefault(int(match.group(2)), {})[int(match.group(1))] = config
+    return configs
+
+
+def test_a_failed_start_restarts_every_worker_on_new_ports(pids):
+    # The marker stands for a checkpoint: the restarted worker resumes from it.
+    code, out, err, seconds = run(pids, START + textwrap.dedent("""\
+        marker = os.path.join(os.path.dirname(pid_dir), "checkpoint")
+        count = int(os.environ["TFREDUCE_RESTART_COUNT"])
+        if count == 0:
+            if index == 1:
+                open(marker, "w").close()
+                os.kill(os.getpid(), 9)
+            time.sleep(60)
+        assert count == 1 and os.path.exists(marker), (count, os.path.exists(marker))
+        print("resumed", flush=True)
+        """), "--workers", "2", "--restarts", "2", "--grace", "0.5")
+    assert code == 0, err
+    assert re.search(r"^\[launch\] restart 1 of 2: worker 1 was killed by SIGKILL after "
+                     r"[\d.]+s$", err, re.MULTILINE), err
+    assert "restart 2 of 2" not in err
+    assert re.search(r"\[launch\] all workers finished after [\d.]+s \(1 restart\)", err)
+    assert out.count("] resumed") == 2
+    configs = starts(out)
+    assert sorted(configs) == [0, 1] and all(sorted(c) == [0, 1] for c in configs.values())
+    clusters = []
+    for by_index in configs.values():
+        workers = by_index[0]["cluster"]["worker"]
+        assert len(set(workers)) == 2
+        assert all(re.fullmatch(r"127\.0\.0\.1:\d+", a) for a in workers), workers
+        for i, c in by_index.items():
+            assert c == {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
+        clusters.append(workers)
+    assert clusters[0] != clusters[1]  # a new cluster, on newly picked ports
+    assert seconds < 30
+    assert len(recorded(pids)) == 4
+
+
+def test_a_worker_that_always_fails_uses_up_every_restart(pids):
+    code, out, err, seconds = run(pids, START + textwrap.dedent("""\
+        if index == 1:
+            sys.exit(3)
+        time.sleep(60)
+        """), "--workers", "2", "--restarts", "2", "--grace", "0")
+    assert code == 3
+    assert re.findall(r"\[launch\] restart (\d) of 2: worker 1 exited with code 3", err) == [
+        "1", "2"]
+    assert re.search(r"\[launch\] exit code 3 after [\d.]+s \(2 restarts\)", err), err
+    assert {count: sorted(c) for count, c in starts(out).items()} == {
+        0: [0, 1], 1: [0, 1], 2: [0, 1]}
+    assert seconds < 30
+    assert len(recorded(pids)) == 6  # 3 starts of 2 workers, all gone
+
+
+def test_timeout_bounds_the_restarts_too(pids):
+    code, _, err, seconds = run(pids, """\
+        time.sleep(0.5)
+        sys.exit(index)
+        """, "--workers", "2", "--restarts", "1000", "--grace", "0", "--timeout", "3")
+    assert code == 124
+    assert re.search(r"\[launch\] --timeout 3s reached: (stopping every worker|no restart)",
+                     err), err
+    assert "restart 1000 of 1000" not in err
+    assert seconds < 20
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("failing", [False, True], ids=["running", "after-a-failure"])
+def test_a_signal_to_the_launcher_never_restarts(pids, tmp_path, signum, failing):
+    # Worker 1 either runs on or fails: then the signal comes in the grace period.
+    failed = tmp_path / "failed"
+    script = PRELUDE + textwrap.dedent(f"""\
+        if {failing} and index == 1:
+            with open({str(failed)!r}, "w") as f:
+                f.write(str(os.getpid()))
+            sys.exit(3)
+        time.sleep(60)
+        """)
+    proc = subprocess.Popen(LAUNCH + ["--workers", "2", "--restarts", "3", "--grace", "2",
+                                      "--", sys.executable, "-c", script, str(pids)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while len(recorded(pids)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if failing:
+            while not (failed.exists() and failed.read_text()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            while alive(int(failed.read_text())) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # the launcher notices the failure within its 0.1 s poll
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == (130 if signum == signal.SIGINT else 143), err
+    assert not re.search(r"restart \d+ of", err), err
+    assert f"[launch] {signum.name}: {'no restart' if failing else 'stopping every worker'}" in err
+    assert len(recorded(pids)) == 2
+
+
+@pytest.mark.parametrize("value,message", [
+    ("-1", "--restarts must be >= 0, got -1"),
+    ("x", "argument --restarts: invalid int value: 'x'"),
+])
+def test_restarts_usage_errors(capsys, value, message):
+    with pytest.raises(SystemExit) as info:
+        launch.main(["--workers", "2", "--restarts", value, "--", "true"])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_documents_restarts_and_the_restart_count(capsys):
+    with pytest.raises(SystemExit) as info:
+        launch.main(["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--restarts N" in text and "TFREDUCE_RESTART_COUNT=0" in text
+    assert "TFREDUCE_RESTART_COUNT" in launch.__doc__

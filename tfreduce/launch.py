@@ -11,6 +11,16 @@ SIGKILL, to each worker's whole process group) and the launcher exits with
 the first failure's code (128 + signal number for a signal). Ctrl-C stops
 every worker. ``--timeout`` bounds the whole run.
 
+With ``--restarts N`` a failure ends the run only when N restarts have
+failed too: once every worker is stopped, all of them start again as a new
+cluster (new free ports, a fresh TF_CONFIG), after a line such as
+``[launch] restart 1 of 2: worker 1 was killed by SIGKILL after 12.3s``.
+Each worker gets ``TFREDUCE_RESTART_COUNT`` in its environment: 0 at the
+first start, 1 after the first restart, and so on (torchrun's
+TORCHELASTIC_RESTART_COUNT), so a training script resumes from its latest
+checkpoint when it is > 0. Ctrl-C, SIGTERM and ``--timeout`` (which counts
+the restarts too) never restart.
+
 Security: TF's gRPC server has no authentication. The cluster addresses are
 on loopback, but TensorFlow's server listens on every interface of the
 machine, so run this only on a machine whose ports are not reachable from an
@@ -33,6 +43,9 @@ __all__ = ["main", "free_ports", "tf_config"]
 _POLL_SECONDS = 0.1
 # After SIGTERM, how long a worker may take to exit before SIGKILL.
 _TERM_SECONDS = 5.0
+# Tells a restarted worker to resume from its checkpoint (torchrun's
+# TORCHELASTIC_RESTART_COUNT).
+_RESTART_COUNT = "TFREDUCE_RESTART_COUNT"
 
 
 def free_ports(count, host="127.0.0.1"):
@@ -98,15 +111,20 @@ class _Prefixer(threading.Thread):
 
 
 class _Workers:
-    """The N child processes, each the leader of its own process group."""
+    """The N child processes of one start, each the leader of its own process group.
 
-    def __init__(self, command, addresses, log):
+    ``restart`` (0 at the first start) reaches each worker as
+    TFREDUCE_RESTART_COUNT.
+    """
+
+    def __init__(self, command, addresses, restart, log):
         self._log = log
         self.procs = []
         self.threads = []
         lock = threading.Lock()
         for i in range(len(addresses)):
             env = dict(os.environ, TF_CONFIG=tf_config(addresses, i), PYTHONUNBUFFERED="1")
+            env[_RESTART_COUNT] = str(restart)
             try:
                 proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -183,7 +201,15 @@ def parse_args(argv):
                         help="seconds the other workers get to fail on their own "
                              "after one fails, before they are stopped")
     parser.add_argument("--timeout", type=float, default=None, metavar="S",
-                        help="stop every worker and exit 124 after S seconds")
+                        help="stop every worker and exit 124 after S seconds "
+                             "(restarts included)")
+    parser.add_argument("--restarts", type=int, default=0, metavar="N",
+                        help=f"after a worker fails, stop every worker and start "
+                             f"them all again, up to N times, as a new cluster (new "
+                             f"ports); each worker gets {_RESTART_COUNT}=0 at the "
+                             f"first start, 1 after the first restart, ...: resume "
+                             f"from the latest checkpoint when it is > 0. Ctrl-C, "
+                             f"SIGTERM and --timeout never restart")
     if "--" in argv:
         cut = argv.index("--")
         options, command = argv[:cut], argv[cut + 1:]
@@ -199,41 +225,93 @@ def parse_args(argv):
         parser.error(f"--grace must be >= 0 seconds, got {args.grace}")
     if args.timeout is not None and args.timeout <= 0:
         parser.error(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.restarts < 0:
+        parser.error(f"--restarts must be >= 0, got {args.restarts}")
     args.command = command
     return args
 
 
-def _supervise(workers, args, interrupted, start, log):
+def _stop_request(args, interrupted, run_start):
+    """Whether a signal to the launcher or --timeout ends the run now.
+
+    Returns:
+      (int exit code, str reason) if the run must end, else None.
+    """
+    if interrupted:
+        return (130 if interrupted[0] == signal.SIGINT else 143,
+                signal.Signals(interrupted[0]).name)
+    if args.timeout is not None and time.monotonic() - run_start > args.timeout:
+        return 124, f"--timeout {args.timeout:g}s reached"
+    return None
+
+
+def _supervise(workers, args, interrupted, run_start, log):
     """Waits for the workers; stops them all on a failure, a signal or --timeout.
 
     Returns:
-      int, the exit code so far (0 while nothing went wrong).
+      (code, failure): the int exit code (0 when every worker exited with 0),
+      and, when a worker's failure ended the run, a str that says which and
+      how, e.g. "worker 1 was killed by SIGKILL after 12.3s" (else None).
     """
-    code = 0
-    while workers.running():
-        failed = [(i, p.returncode) for i, p in enumerate(workers.procs)
-                  if p.returncode not in (None, 0)]
-        if failed:
-            i, returncode = failed[0]
-            log(f"worker {i} {_describe(returncode)} after "
-                f"{time.monotonic() - start:.1f}s; the others get {args.grace:g}s "
-                f"to finish")
-            code = _exit_code(returncode)
-            workers.stop(args.grace)
+    started = time.monotonic()
+    try:
+        while True:
+            running = workers.running()  # polls, so every returncode is current
+            failed = [(i, p.returncode) for i, p in enumerate(workers.procs)
+                      if p.returncode not in (None, 0)]
+            if failed:
+                i, returncode = failed[0]
+                failure = (f"worker {i} {_describe(returncode)} after "
+                           f"{time.monotonic() - started:.1f}s")
+                log(f"{failure}; the others get {args.grace:g}s to finish" if running
+                    else failure)
+                workers.stop(args.grace)
+                return _exit_code(returncode), failure
+            if not running:
+                return 0, None
+            stop = _stop_request(args, interrupted, run_start)
+            if stop:
+                log(f"{stop[1]}: stopping every worker")
+                if interrupted:
+                    workers.signal_all(interrupted[0])
+                workers.stop(0.0)
+                return stop[0], None
+            time.sleep(_POLL_SECONDS)
+    finally:
+        # Whatever happened, nothing of any worker may outlive this start.
+        workers.stop(0.0)
+
+
+def _run(args, interrupted, log):
+    """Starts every worker, and again after each failure while restarts remain.
+
+    Returns:
+      int, the launcher's exit code (see ``main``).
+    """
+    run_start = time.monotonic()
+    for restart in range(args.restarts + 1):
+        addresses = [f"{args.host}:{p}" if ":" not in args.host else f"[{args.host}]:{p}"
+                     for p in free_ports(args.workers, args.host)]
+        log(f"{args.workers} worker{'s' if args.workers > 1 else ''} at "
+            f"{', '.join(addresses)}: {' '.join(args.command)}")
+        try:
+            workers = _Workers(args.command, addresses, restart, log)
+        except OSError as e:
+            log(f"cannot start {args.command[0]!r}: {e.strerror}")
+            return 127
+        code, failure = _supervise(workers, args, interrupted, run_start, log)
+        if failure is None or restart == args.restarts:
             break
-        if interrupted:
-            log(f"{signal.Signals(interrupted[0]).name}: stopping every worker")
-            code = 130 if interrupted[0] == signal.SIGINT else 143
-            workers.signal_all(interrupted[0])
-            workers.stop(0.0)
+        # A signal or --timeout that came during the grace period ends the run.
+        stop = _stop_request(args, interrupted, run_start)
+        if stop:
+            log(f"{stop[1]}: no restart")
+            code = stop[0]
             break
-        if args.timeout is not None and time.monotonic() - start > args.timeout:
-            log(f"--timeout {args.timeout:g}s reached: stopping every worker")
-            code = 124
-            workers.stop(0.0)
-            break
-        time.sleep(_POLL_SECONDS)
-    workers.stop(0.0)
+        log(f"restart {restart + 1} of {args.restarts}: {failure}")
+    restarts = f" ({restart} restart{'s' if restart > 1 else ''})" if restart else ""
+    log(f"{'all workers finished' if code == 0 else f'exit code {code}'} after "
+        f"{time.monotonic() - run_start:.1f}s{restarts}")
     return code
 
 
@@ -245,9 +323,12 @@ def main(argv=None):
         ``sys.argv[1:]``).
 
     Returns:
-      int: 0 when every worker exits with 0; the first failure's code
-      (128 + signal for a killed worker); 124 after ``--timeout``; 130 after
-      Ctrl-C.
+      int: 0 when every worker exits with 0 (at the first start or after a
+      restart); the code of the failure that used up the last restart (128 +
+      signal for a killed worker); 124 after ``--timeout``; 130 after Ctrl-C,
+      143 after SIGTERM (also when they come while workers are being stopped
+      after a failure, which then is not restarted); 127 when the command
+      cannot be started.
     """
     args = parse_args(argv)
 
@@ -255,11 +336,6 @@ def main(argv=None):
         sys.stderr.write(f"[launch] {message}\n")
         sys.stderr.flush()
 
-    addresses = [f"{args.host}:{p}" if ":" not in args.host else f"[{args.host}]:{p}"
-                 for p in free_ports(args.workers, args.host)]
-    log(f"{args.workers} worker{'s' if args.workers > 1 else ''} at "
-        f"{', '.join(addresses)}: {' '.join(args.command)}")
-    start = time.monotonic()
     interrupted = []
     previous = {}
 
@@ -269,26 +345,10 @@ def main(argv=None):
     for signum in (signal.SIGINT, signal.SIGTERM):
         previous[signum] = signal.signal(signum, on_signal)
     try:
-        workers = _Workers(args.command, addresses, log)
-    except OSError as e:
-        log(f"cannot start {args.command[0]!r}: {e.strerror}")
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        return 127
-    try:
-        code = _supervise(workers, args, interrupted, start, log)
+        return _run(args, interrupted, log)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    if code == 0:
-        failed = [(i, p.returncode) for i, p in enumerate(workers.procs) if p.returncode]
-        if failed:
-            i, returncode = failed[0]
-            log(f"worker {i} {_describe(returncode)}")
-            code = _exit_code(returncode)
-    log(f"{'all workers finished' if code == 0 else f'exit code {code}'} after "
-        f"{time.monotonic() - start:.1f}s")
-    return code
 
 
 if __name__ == "__main__":
