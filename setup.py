@@ -18,7 +18,8 @@ setup(
         ],
     },
     extras_require={
-        "test": ["pytest", "tensorpack", "scikit-learn", "mlxtend", "matplotlib", "tqdm"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "tensorpack", "scikit-learn",
+                 "mlxtend", "matplotlib", "tqdm"],
         "tensorpack": ["tensorpack"],
         "examples": ["scikit-learn", "mlxtend", "matplotlib", "tqdm"],
     },
