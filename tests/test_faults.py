@@ -167,3 +167,24 @@ def test_a_dtype_the_engine_cannot_sum_is_named(algorithm, dtype):
         with pytest.raises(TypeError, match=re.escape(
                 f"variable 1: algorithm {algorithm!r} cannot reduce {dtype.name} gradients")):
             tfreduce.allreduce_grads(grads, devices, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"epochs": 0}, "fit: epochs must be an int >= 1"),
+    ({"epochs": -1}, "fit: epochs must be an int >= 1"),
+    ({"validation_data": np.zeros((4, 3))}, "fit: validation_data must be (x, y) arrays"),
+    ({"validation_data": (np.zeros((4, 3)), np.zeros((3, 2)))},
+     "fit: validation_data: x has 4 examples but y has 3"),
+    ({"checkpoint_dir": "FILE/ckpt"}, "fit: checkpoint_dir"),
+])
+def test_fit_refuses_bad_arguments_before_the_first_step(tmp_path, kwargs, message):
+    blocker = tmp_path / "file"
+    blocker.write_text("in the way")
+    if kwargs.get("checkpoint_dir") == "FILE/ckpt":
+        kwargs = {"checkpoint_dir": str(blocker / "ckpt")}
+    trainer = tfreduce.ReplicatedTrainer(make_model, "mse", lambda: keras.optimizers.SGD(0.1),
+                                         devices=CPU_DEVICES[:2], cluster=None)
+    x, y = np.zeros((8, 3), np.float32), np.zeros((8, 2), np.float32)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        trainer.fit(x, y, batch_size=4, verbose=0, **kwargs)
+    assert trainer.step == 0

@@ -430,3 +430,24 @@ def test_trainer_resume_reads_rank_0_checkpoint_and_only_rank_0_writes(trainer_r
     assert sorted(os.listdir(logdir)) == ["rank0"]
     assert tf.train.latest_checkpoint(logdir / "rank0" / "ckpt").endswith("ckpt-2")
     assert any(n.startswith("events.out.tfevents") for n in os.listdir(logdir / "rank0"))
+
+
+@pytest.mark.parametrize("mistake, message", [
+    (["--rank1-devices", "3"],
+     r"the workers do not run the same training: their numbers of towers \(devices\) differ: "
+     r"worker 0 \(127\.0\.0\.1:\d+\) has 2, worker 1 \(127\.0\.0\.1:\d+\) has 3"),
+    (["--rank1-hidden", "17"],
+     r"the workers do not run the same training: variable 0 differs: worker 0 "
+     r"\(127\.0\.0\.1:\d+\) has \S+ \(8, 16\) float32; worker 1 \(127\.0\.0\.1:\d+\) has "
+     r"\S+ \(8, 17\) float32"),
+])
+def test_workers_that_differ_fail_fast_on_every_worker(tmp_path, mistake, message):
+    # Once: workers with other device counts trained to different weights
+    # with rc 0, and a different model made rank 0 wait out its timeout.
+    code, out, err, seconds = launch_workers("trainer_worker.py", "--out", tmp_path, *mistake)
+    assert code != 0
+    for rank in range(2):
+        assert re.search(rf"\[worker {rank}\] ValueError: worker {rank} \(127\.0\.0\.1:\d+\): "
+                         + message, err), err[-3000:]
+    assert "WorkerLostError" not in err
+    assert seconds < 60

@@ -11,7 +11,8 @@ Everything tfreduce builds from them goes through this module:
 - ``CollectiveKeys``: group and instance keys, owned by the caller;
 - ``CollectiveChain``: all-reduces chained per device, in build order, with
   one ordering token per device;
-- ``all_reduce``, ``broadcast_send``, ``broadcast_recv``: one op each;
+- ``all_reduce``, ``all_gather``, ``broadcast_send``, ``broadcast_recv``:
+  one op each;
 - ``in_function``: eagerly, the group is built and run in one tf.function.
 
 The K ops of a collective wait for each other, so the whole group must run:
@@ -26,7 +27,8 @@ import zlib
 import tensorflow as tf
 
 __all__ = ["COMMUNICATIONS", "CollectiveOptions", "CollectiveKeys", "CollectiveChain",
-           "check_timeout", "all_reduce", "broadcast_send", "broadcast_recv", "in_function"]
+           "check_timeout", "all_reduce", "all_gather", "broadcast_send", "broadcast_recv",
+           "in_function"]
 
 #: TF's communication hints for collective ops.
 COMMUNICATIONS = ("auto", "ring", "nccl")
@@ -162,6 +164,19 @@ def all_reduce(x, group_size, group_key, instance_key, options, ordering_token=N
         input=x, group_size=group_size, group_key=group_key, instance_key=instance_key,
         ordering_token=[] if ordering_token is None else [ordering_token],
         merge_op="Add", final_op="Id", communication_hint=options.communication,
+        timeout_seconds=options.timeout_seconds, name=name)
+
+
+def all_gather(x, group_size, group_key, instance_key, options, name="all_gather"):
+    """One member of an all-gather (``CollectiveGatherV2``), on the current device.
+
+    Returns:
+      tf.Tensor, the members' x concatenated along axis 0, in group order
+      (rank order for a group of one device per worker).
+    """
+    return tf.raw_ops.CollectiveGatherV2(
+        input=x, group_size=group_size, group_key=group_key, instance_key=instance_key,
+        ordering_token=[], communication_hint=options.communication,
         timeout_seconds=options.timeout_seconds, name=name)
 
 

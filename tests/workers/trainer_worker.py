@@ -35,13 +35,13 @@ def data():
     return x, (x[:, 0] + x[:, 1] > 0).astype(np.int32) + (x[:, 2] > 1).astype(np.int32)
 
 
-def make_model(seed):
+def make_model(seed, hidden=HIDDEN):
     """A dense classifier with BatchNormalization, weights drawn from `seed`."""
     return keras.Sequential(
         [
             keras.Input((FEATURES,)),
             keras.layers.Dense(
-                HIDDEN,
+                hidden,
                 activation="relu",
                 kernel_initializer=keras.initializers.GlorotUniform(seed=seed),
                 bias_initializer=keras.initializers.RandomNormal(seed=seed + 1),
@@ -54,11 +54,11 @@ def make_model(seed):
     )
 
 
-def make_trainer(devices, seed, cluster, **options):
+def make_trainer(devices, seed, cluster, hidden=HIDDEN, **options):
     from tfreduce.trainer import ReplicatedTrainer
 
     return ReplicatedTrainer(
-        lambda: make_model(seed),
+        lambda: make_model(seed, hidden),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         lambda: keras.optimizers.SGD(0.1, momentum=0.9),
         devices=devices,
@@ -110,17 +110,23 @@ def main(argv=None):
     parser.add_argument("--logdir", default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--out", required=True, help="directory for rank<r>.npz")
+    parser.add_argument("--rank1-devices", type=int, default=None,
+                        help="rank 1 uses this many devices instead (a mistake to detect)")
+    parser.add_argument("--rank1-hidden", type=int, default=HIDDEN,
+                        help="rank 1's hidden layer size (a mistake to detect)")
     args = parser.parse_args(argv)
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * args.devices
-    )
     from tfreduce.cluster import Cluster
 
     rank = Cluster.from_tf_config().rank
-    devices = [f"/cpu:{k}" for k in range(args.devices)]
+    num_devices = args.rank1_devices if rank == 1 and args.rank1_devices else args.devices
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices
+    )
+    devices = [f"/cpu:{k}" for k in range(num_devices)]
+    hidden = args.rank1_hidden if rank == 1 else HIDDEN
     # Every rank starts from other weights: only the broadcast makes them agree.
-    trainer = make_trainer(devices, rank, "auto", algorithm="flat")
+    trainer = make_trainer(devices, rank, "auto", hidden=hidden, algorithm="flat")
     assert trainer.cluster.rank == rank and trainer.is_chief == (rank == 0)
     logdir = None if args.logdir is None else os.path.join(args.logdir, f"rank{rank}")
     if args.resume:

@@ -7,6 +7,8 @@ and keeps its own part (tfreduce.Cluster.batch_slice), which its K towers
 split again by the same rule (tfreduce.contract.shard_sizes).
 """
 
+import os
+
 import numpy as np
 import tensorflow as tf
 
@@ -149,6 +151,31 @@ def fit_data(x, y, batch_size, total_towers):
             "training data"
         )
     return x, y, steps
+
+
+def check_fit_arguments(epochs, validation_data, checkpoint_dir):
+    """Checks what fit would otherwise find wrong only after an epoch of work.
+
+    Raises:
+      ValueError: epochs is not an int >= 1; validation_data is neither a
+        dataset nor (x, y) arrays of one nonzero length; checkpoint_dir
+        cannot be created (e.g. a file is in the way).
+    """
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"fit: epochs must be an int >= 1 (the epoch to train up to, "
+                         f"counting restored ones), got {epochs!r}")
+    if validation_data is not None and not is_dataset(validation_data):
+        if not isinstance(validation_data, (tuple, list)) or len(validation_data) != 2:
+            raise ValueError("fit: validation_data must be (x, y) arrays or a "
+                             "tf.data.Dataset of (x, y) batches, got "
+                             f"{type(validation_data).__name__}")
+        check_arrays(*validation_data, "fit: validation_data")
+    if checkpoint_dir is not None:
+        try:
+            os.makedirs(checkpoint_dir, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"fit: checkpoint_dir {checkpoint_dir!r} cannot be created: "
+                             f"{error.strerror or error}") from None
 
 
 def eval_batches(x, y, batch_size, what):

@@ -16,7 +16,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfreduce.trainer.batching import check_batch, fit_data, is_dataset, numpy_batches
+from tfreduce.trainer.batching import (
+    check_batch,
+    check_fit_arguments,
+    fit_data,
+    is_dataset,
+    numpy_batches,
+)
 from tfreduce.trainer.losses import regularization
 from tfreduce.trainer.signals import Terminated
 
@@ -81,6 +87,7 @@ def fit_loop(
     if not trainer.is_chief:
         # Rank 0 writes and reports for the whole cluster.
         logdir, checkpoint_dir, verbose = None, None, 0
+    check_fit_arguments(epochs, validation_data, checkpoint_dir)
     writer = tf.summary.create_file_writer(logdir) if logdir else None
     run = Epochs(
         x, y, epochs, batch_size, shuffle, seed, steps_per_epoch, total_towers, writer, verbose

@@ -1,8 +1,7 @@
 """The public ReplicatedTrainer: checks, replicas, and one delegating method per action."""
 
-import tensorflow as tf
-
 from tfreduce.allreduce import ALGORITHMS
+from tfreduce.consistency import check_workers_agree
 from tfreduce.contract import check_flag
 from tfreduce.devices import tower_devices
 from tfreduce.trainer.batching import eval_batches, input_batches, worker_batch
@@ -10,9 +9,10 @@ from tfreduce.trainer.checkpoints import TrainerCheckpoint, find_prefix
 from tfreduce.trainer.loop import evaluate_loop, fit_loop, predict_loop
 from tfreduce.trainer.losses import per_example_loss_fn
 from tfreduce.trainer.signals import StopRequest
-from tfreduce.trainer.step import HOST, StepFunctions, StepOptions
+from tfreduce.trainer.step import StepFunctions, StepOptions, make_counters
 from tfreduce.trainer.towers import (
     build_towers,
+    describe_variables,
     check_factories,
     create_replicas,
     resolve_cluster,
@@ -152,12 +152,7 @@ class ReplicatedTrainer:
         self._options.check()  # a bad option fails here, not at the first step
         self._bcast_period = bcast_period
         self.models, self.optimizers = create_replicas(model_fn, optimizer_fn, self.devices)
-        with tf.device(HOST):
-            self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
-            # The current epoch's loss sum, correct count and examples: a
-            # resume mid-epoch logs the same epoch means as a run in one go.
-            self._epoch_totals = tf.Variable(tf.zeros([3], tf.float64), trainable=False,
-                                             name="epoch_totals")
+        self._step, self._epoch_totals = make_counters()
         self._steps = None  # StepFunctions, once the models are built
         self._checkpoint = None
         self._pending_restore = None
@@ -183,6 +178,10 @@ class ReplicatedTrainer:
           x: a batch to build unbuilt models with, or None when all are built.
         """
         built = build_towers(self.models, self.optimizers, self.devices, x)
+        if self.cluster is not None:
+            # Before the first collective: a worker that differs fails now, on all.
+            check_workers_agree(self.cluster, len(self.devices), self._options.describe(),
+                                describe_variables(built.variables[0]))
         self._checkpoint = TrainerCheckpoint(
             self.models[0], self.optimizers[0], self._step, self._epoch_totals)
         self._steps = StepFunctions(built, self._options, self._step, self._epoch_totals)

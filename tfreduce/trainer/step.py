@@ -63,6 +63,14 @@ class StepOptions:
         """bool: the all-reduces cross workers; loss and counts are then summed over all."""
         return self.cluster is not None
 
+    def describe(self):
+        """The settings that shape the collectives, as text the workers compare."""
+        options = ", ".join(
+            f"{name}={value!r}" if isinstance(value, (bool, int, float, str, list, tuple))
+            or value is None else f"{name}={type(value).__name__}"
+            for name, value in sorted(self.allreduce_options.items()))
+        return f"algorithm={self.algorithm}, average={self.average}, options: {options}"
+
     def check(self):
         """Checks the all-reduce options now, as the first step would build them.
 
@@ -110,6 +118,19 @@ class StepOptions:
             local_options=local_options,
             pack_bytes=pack_bytes,
         )
+
+
+def make_counters():
+    """The run's variables on the host: (step counter, epoch totals).
+
+    The int64 step counter, and the float64 [3] loss sum, correct count and
+    examples of the current epoch, with which a resume mid-epoch logs the
+    same epoch means as a run in one go.
+    """
+    with tf.device(HOST):
+        step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+        totals = tf.Variable(tf.zeros([3], tf.float64), trainable=False, name="epoch_totals")
+    return step, totals
 
 
 def signature(t):

@@ -1,0 +1,100 @@
+"""Before the first step: do all workers run the same thing?
+
+Workers with different device counts, variables or all-reduce settings
+would build collectives that never meet: one worker fails on a shape
+mismatch while another waits out the whole cluster timeout and then blames
+a "lost" worker that is alive. DDP verifies the model across ranks before
+its first step (``_verify_model_across_ranks``) for the same reason.
+
+``check_workers_agree`` all-gathers a fingerprint of each worker's facts
+over one device per worker: the numbers themselves (towers, variables) and
+a 63-bit hash of each fact. When the rows differ, the first differing
+variable (or the differing settings) is gathered in full as text, so every
+worker raises the same ValueError naming the workers and the difference,
+within seconds.
+"""
+
+import hashlib
+
+import numpy as np
+import tensorflow as tf
+
+from tfreduce.collective import CollectiveOptions, all_gather, in_function
+
+__all__ = ["check_workers_agree"]
+
+# Bytes of one fact's text sent when it differs (longer texts are cut).
+_TEXT_BYTES = 240
+_DEVICE = "/device:CPU:0"
+
+
+def _hash(text):
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
+def _gather(cluster, values):
+    """Every worker's int64 vector `values` (one length on all), as a W x L array."""
+    values = np.asarray(values, np.int64)
+    group_key = cluster.group_key([_DEVICE])
+    options = CollectiveOptions(timeout=cluster.timeout)
+    instance_key = cluster.keys.instance_key()
+
+    def build():
+        with tf.name_scope("workers_agree"), tf.device(cluster.task_name() + _DEVICE):
+            return all_gather(tf.constant(values), cluster.num_workers, group_key,
+                              instance_key, options, name="gather")
+
+    with cluster.detect_lost_workers():
+        gathered = in_function(build)
+    return np.asarray(gathered).reshape(cluster.num_workers, len(values))
+
+
+def _gather_text(cluster, text):
+    """Every worker's `text` (cut to _TEXT_BYTES bytes), in rank order."""
+    data = text.encode()[:_TEXT_BYTES]
+    rows = _gather(cluster, list(data) + [0] * (_TEXT_BYTES - len(data)))
+    return [bytes(int(b) for b in row if b).decode(errors="replace") for row in rows]
+
+
+def check_workers_agree(cluster, towers, settings, variables):
+    """Raises on every worker unless all workers have the same towers, settings, variables.
+
+    Every worker of the cluster must call it at the same point (it runs
+    collectives), before the first collective of training.
+
+    Args:
+      cluster: tfreduce.Cluster, started.
+      towers: int K, this worker's towers.
+      settings: str, everything else that shapes the collectives (the
+        algorithm and its options, average), the same text on every worker
+        that runs the same program.
+      variables: list of (name, description) pairs, one per variable in
+        order; the descriptions (shape and dtype) are compared, the names
+        (which Keras numbers per process) only shown.
+
+    Raises:
+      ValueError: the workers differ; the message names the workers and the
+        first difference (tower counts, variable counts, the settings, or
+        the first variable that differs, with each worker's version).
+      WorkerLostError: a worker is lost or does not arrive in time.
+    """
+    described = [description for _, description in variables]
+    row = [towers, len(variables), _hash(settings), _hash("\n".join(described))]
+    rows = _gather(cluster, row)
+    if (rows == rows[0]).all():
+        return
+    names = [cluster.describe(r) for r in range(cluster.num_workers)]
+    here = f"{names[cluster.rank]}: the workers do not run the same training"
+    for column, what in ((0, "towers (devices)"), (1, "variables")):
+        if len(set(rows[:, column])) > 1:
+            counts = ", ".join(f"{names[r]} has {rows[r, column]}" for r in range(len(rows)))
+            raise ValueError(f"{here}: their numbers of {what} differ: {counts}")
+    if len(set(rows[:, 2])) > 1:
+        texts = _gather_text(cluster, settings)
+        raise ValueError(f"{here}: their all-reduce settings differ: " + "; ".join(
+            f"{name}: {text}" for name, text in zip(names, texts)))
+    hashes = _gather(cluster, [_hash(d) for d in described])
+    first = int(np.argmax((hashes != hashes[0]).any(axis=0)))
+    texts = _gather_text(cluster, " ".join(variables[first]))
+    raise ValueError(f"{here}: variable {first} differs: " + "; ".join(
+        f"{name} has {text}" for name, text in zip(names, texts)))
