@@ -120,3 +120,17 @@ def test_bad_arguments_exit_with_a_usage_error(argv, message, capsys):
         bench.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_soak_mode_traces_once_and_keeps_memory_flat(tmp_path, capsys):
+    # A short soak: epochs whose last batch is smaller and uneven over the
+    # towers must not retrace the step function (the full one, 2,000 steps
+    # at K=4, is in the README).
+    result = run(tmp_path, "--mode", "soak", "--devices", "2", "--soak-steps", "90",
+                 "--batch-size", "15", "--image-size", "8")
+    summary = result["summary"]
+    assert result["config"]["steps"] == 90 and result["config"]["last_batch"] == 8
+    assert summary["traces"] == {"train": 1, "evaluate": 1, "predict": 0}
+    assert all(s["traces"]["train"] == 1 for s in result["samples"])
+    assert abs(summary["growth_mb_after_first_epoch"]) < 50
+    assert "resident MB" in capsys.readouterr().out

@@ -300,6 +300,8 @@ def test_two_workers_reduce_like_numpy(tmp_path, mode):
                     assert got.dtype == want.dtype, (case, n)
                     np.testing.assert_array_equal(got, want, err_msg=f"{case} rank {r} tower {k}")
                     assert devices[k][n] == f"/job:worker/replica:0/task:{r}/device:CPU:{k}"
+                    # IndexedSlices are gathered across workers, not densified.
+                    assert bool(res[f"{case}/sparse/{k}/{n}"]) == (shape == "slices")
                     checked += 1
     assert checked == 4 * 12
     for r, res in enumerate(results):  # rank 0 tower 0 made 1.0 and 1

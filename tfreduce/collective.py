@@ -167,8 +167,12 @@ def all_reduce(x, group_size, group_key, instance_key, options, ordering_token=N
         timeout_seconds=options.timeout_seconds, name=name)
 
 
-def all_gather(x, group_size, group_key, instance_key, options, name="all_gather"):
+def all_gather(x, group_size, group_key, instance_key, options, ordering_token=None,
+               name="all_gather"):
     """One member of an all-gather (``CollectiveGatherV2``), on the current device.
+
+    Every member's x must have one shape (see ``CollectiveChain.all_gather_rows``
+    for row counts that differ).
 
     Returns:
       tf.Tensor, the members' x concatenated along axis 0, in group order
@@ -176,7 +180,8 @@ def all_gather(x, group_size, group_key, instance_key, options, name="all_gather
     """
     return tf.raw_ops.CollectiveGatherV2(
         input=x, group_size=group_size, group_key=group_key, instance_key=instance_key,
-        ordering_token=[], communication_hint=options.communication,
+        ordering_token=[] if ordering_token is None else [ordering_token],
+        communication_hint=options.communication,
         timeout_seconds=options.timeout_seconds, name=name)
 
 
@@ -240,6 +245,36 @@ class CollectiveChain:
         with tf.device(device), tf.control_dependencies(deps):
             yield
 
+    def all_gather(self, x, device, group_size, group_key, instance_key, name):
+        """An all-gather member on ``device`` (one shape on every member), chained.
+
+        Call it inside ``after_previous(device)``, after ``token(device, ...)``.
+        """
+        out = all_gather(x, group_size, group_key, instance_key, self.options,
+                         ordering_token=self._tokens[device], name=name)
+        self._previous[device] = out
+        return out
+
+    def all_gather_rows(self, x, device, group_size, group_key, keys, name):
+        """All-gathers x [rows, ...] whose row count differs between members.
+
+        Three collectives, chained: the row counts, then x padded to the
+        largest count, whose padding is then dropped (TF's gather needs one
+        shape on every member; MultiWorkerMirroredStrategy gathers
+        IndexedSlices the same way).
+
+        Args:
+          x: tf.Tensor [rows, ...] of rank >= 1; the same trailing shape on
+            every member.
+          device, group_size, group_key: as ``all_reduce``.
+          keys: CollectiveKeys, the source of the two instance keys.
+          name: str, prefix of the op names.
+
+        Returns:
+          tf.Tensor [sum of rows, ...], every member's rows in group order.
+        """
+        return _gather_rows(self, x, device, group_size, group_key, keys, name)
+
     def all_reduce(self, x, device, group_size, group_key, instance_key, name):
         """A sum all-reduce member on ``device``, chained after the previous one.
 
@@ -269,6 +304,20 @@ class CollectiveChain:
                          ordering_token=self._tokens[device], name=name)
         self._previous[device] = out
         return out
+
+
+def _gather_rows(chain, x, device, group_size, group_key, keys, name):
+    # Members' row counts differ: gather the counts, pad every x to the
+    # largest (at least one row: an empty tensor crashes TF's kernels),
+    # gather, and keep each member's real rows.
+    rows = tf.shape(x)[:1]
+    counts = chain.all_gather(rows, device, group_size, group_key, keys.instance_key(),
+                              name=f"{name}_rows")
+    longest = tf.maximum(tf.reduce_max(counts), 1)
+    padding = [[0, longest - rows[0]]] + [[0, 0]] * (x.shape.rank - 1)
+    gathered = chain.all_gather(tf.pad(x, padding), device, group_size, group_key,
+                                keys.instance_key(), name=name)
+    return tf.boolean_mask(gathered, tf.reshape(tf.sequence_mask(counts, longest), [-1]))
 
 
 def in_function(build):

@@ -68,6 +68,24 @@ class Stage:
         """
         return self
 
+    def gather(self, slices, device, average, m):
+        """The later stage of a composition: gathers a ``tf.IndexedSlices`` further.
+
+        The frame gathers the K towers' rows of a sparse entry on one device;
+        a later stage (across workers) gathers those further and scales them.
+
+        Args:
+          slices: tf.IndexedSlices on ``device``, the rows of this stage's
+            members gathered so far.
+          device: str.
+          average: bool, scale the values by 1/T of all towers.
+          m: int, the entry, for op names.
+
+        Returns:
+          tf.IndexedSlices on ``device``.
+        """
+        raise NotImplementedError(f"stage {self.name!r} cannot follow another stage")
+
     def reduce(self, buffers, ctx):
         """Reduces K x M dense buffers.
 
@@ -128,7 +146,7 @@ def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_de
         of the only stage.
       pack_bytes: int or None, see packing.PackPlan.
       sparse_as_dense: bool, reduce ``tf.IndexedSlices`` as dense tensors
-        (always, with more than one stage).
+        (else gathered: on one device, then by the later stages).
 
     Returns:
       list of K lists of N, ``out[k][n]`` on ``grads.devices[k]``.
@@ -158,7 +176,7 @@ def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_de
     def build():
         with tf.name_scope(scope):
             _check_shapes_at_run_time(grads)
-            _densify(grads, sparse_as_dense or len(stages) > 1)
+            _densify(grads, sparse_as_dense)
             plan = PackPlan(grads, pack_bytes)
             packed = plan.pack()  # K x M
             return plan.unpack(_reduce_entries(packed, grads.devices, average, stages))
@@ -291,8 +309,12 @@ def _reduce_entries(packed, devices, average, stages):
     for i in sum_order(sizes):
         m = sparse[i]
         root = balancer.pick(range(num_towers), sizes[i])
-        gathered = gather_slices([packed[k][m] for k in range(num_towers)],
-                                 devices[root], num_towers, average, name=f"entry{m}_gather")
+        # Several stages: the later ones gather further and scale once.
+        gathered = gather_slices([packed[k][m] for k in range(num_towers)], devices[root],
+                                 num_towers, average and len(stages) == 1,
+                                 name=f"entry{m}_gather")
+        for stage in stages[1:]:
+            gathered = stage.gather(gathered, devices[root], average, m)
         for k, s in enumerate(broadcast_slices(gathered, devices,
                                                name_fmt=f"entry{m}_dev{{}}_out")):
             out[k][m] = s

@@ -35,7 +35,8 @@ from tfreduce.collective import (CollectiveChain, CollectiveKeys, CollectiveOpti
 from tfreduce.contract import check_variables, nbytes, validate_grads
 from tfreduce.devices import normalize_devices
 from tfreduce.frame import Stage, run_stages
-from tfreduce.primitives import RootBalancer, broadcast, sum_order
+from tfreduce.primitives import (RootBalancer, accumulation_dtype, broadcast,
+                                 scale_by_reciprocal, sum_order)
 
 __all__ = ["CrossWorkerStage", "allreduce_grads_multiworker",
            "broadcast_variables_multiworker", "check_local_options", "CROSS_WORKER_PACK_BYTES"]
@@ -113,19 +114,54 @@ class CrossWorkerStage(Stage):
         self.cluster = cluster
         self.options = options
         self.keys = keys
+        self._chain = None
+        self._towers = None
+
+    def bind(self, devices):
+        # A fresh chain for each call, shared by its dense and sparse entries.
+        bound = CrossWorkerStage(self.cluster, self.options, self.keys)
+        bound._chain = CollectiveChain(self.options)
+        bound._towers = self.cluster.num_workers * len(devices)  # T
+        return bound
+
+    def _ordered(self, device):
+        group_key = self.cluster.group_key([_local_name(device)])
+        self._chain.token(device, f"tfreduce_cross_order_{group_key}", "cross_worker_order")
+        return group_key
+
+    def gather(self, slices, device, average, m):
+        """All-gathers a worker's gathered rows from every worker (rows counts differ)."""
+        chain, num_workers = self._chain, self.cluster.num_workers
+        group_key = self._ordered(device)
+        values = slices.values
+        with chain.after_previous(device):
+            indices = chain.all_gather_rows(slices.indices, device, num_workers, group_key,
+                                            self.keys, name=f"entry{m}_cross_indices")
+            if values.shape[1:].num_elements() == 0:
+                # Rows of no elements: nothing to send (TF's kernels crash on it).
+                values = tf.zeros(tf.concat([tf.shape(indices), tf.shape(values)[1:]], 0),
+                                  values.dtype)
+            else:
+                values = chain.all_gather_rows(values, device, num_workers, group_key,
+                                               self.keys, name=f"entry{m}_cross_values")
+            if average:
+                # The frame gathered without scaling: 1/T once, here.
+                acc = accumulation_dtype(values.dtype)
+                values = tf.cast(scale_by_reciprocal(tf.cast(values, acc), self._towers),
+                                 values.dtype)
+        return tf.IndexedSlices(values, indices, slices.dense_shape)
 
     def reduce(self, buffers, ctx):
         devices, num_workers = ctx.devices, self.cluster.num_workers
         num_local = len(devices)
         group_keys = [self.cluster.group_key([_local_name(d)]) for d in devices]
-        chain = CollectiveChain(self.options)
+        chain = self._chain
         balancer = RootBalancer(num_local)
         sizes = [nbytes(t) for t in buffers[0]]
         out = [[None] * len(sizes) for _ in range(num_local)]  # K x M
         for m in sum_order(sizes):
             r = balancer.pick(range(num_local), sizes[m])
-            chain.token(devices[r], f"tfreduce_cross_order_{group_keys[r]}",
-                        "cross_worker_order")
+            self._ordered(devices[r])
             # Only device r's copy is read, but the K ops of a collective
             # local stage wait for each other: all K must run, or a
             # tf.compat.v1 session hangs.
@@ -161,8 +197,10 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
     multiplication by 1/T and cast back; ``entry{m}_dev{k}_out``, the copy to
     device k. float16/bfloat16 are cast to float32 on each tower first, so
     the local and cross-worker sums are both float32 and the result is
-    rounded once. ``tf.IndexedSlices`` are reduced densely: the cross-worker
-    stage has no sparse form.
+    rounded once. ``tf.IndexedSlices`` stay IndexedSlices: each worker
+    gathers its towers' rows on one device, those rows are all-gathered
+    across workers (``CollectiveGatherV2``, padded to the longest), scaled
+    once by 1/T and copied to the worker's devices.
 
     K x N contract on each worker; here W=2 workers of K=2 towers, N=2, sum::
 
@@ -203,7 +241,7 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
     Returns:
       list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``
       (named in full, with this worker's job and task), with the shape and
-      dtype of ``all_grads[k][n]`` (dense for IndexedSlices); None where
+      dtype of ``all_grads[k][n]`` (IndexedSlices stay IndexedSlices); None where
       every tower's gradient is None.
 
     Raises:
@@ -230,7 +268,7 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
     stages = [make_stage(local_algorithm, local_options),
               CrossWorkerStage(cluster, options, keys)]
     return run_stages(grads, stages, average, scope="allreduce_multiworker",
-                      pack_bytes=pack_bytes, sparse_as_dense=True)
+                      pack_bytes=pack_bytes)
 
 
 def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,

@@ -84,6 +84,16 @@ def make_vars(cluster, devices):
     return all_vars
 
 
+def to_numpy(v):
+    """(dense array, was it IndexedSlices) of a result, eager or from a session."""
+    if hasattr(v, "indices"):
+        values = np.asarray(v.values)
+        dense = np.zeros(np.asarray(v.dense_shape), values.dtype)
+        np.add.at(dense, np.asarray(v.indices), values)
+        return dense, True
+    return np.asarray(v), False
+
+
 def record(results, case, arrays, values, devices):
     for k, row in enumerate(arrays):
         for n, a in enumerate(row):
@@ -94,7 +104,8 @@ def record(results, case, arrays, values, devices):
     for k, row in enumerate(values):
         for n, v in enumerate(row):
             if v is not None:
-                results[f"{case}/out/{k}/{n}"] = np.asarray(v)
+                results[f"{case}/out/{k}/{n}"], sparse = to_numpy(v)
+                results[f"{case}/sparse/{k}/{n}"] = np.array(sparse)
     results[f"{case}/devices"] = np.array(json.dumps(devices))
 
 
@@ -113,7 +124,7 @@ def run_function(cluster, num_devices, results):
 
         with cluster.detect_lost_workers():
             values = step()
-        values = [[None if v is None else v.numpy() for v in row] for row in values]
+
         record(results, case, placed["arrays"], values, placed["devices"])
     all_vars = make_vars(cluster, devices)
     with cluster.detect_lost_workers():

@@ -9,6 +9,7 @@ import tensorflow as tf
 import tfreduce
 import tfreduce.bench.allreduce_mode as allreduce_mode
 import tfreduce.bench.scaling_mode as scaling_mode
+import tfreduce.bench.soak_mode as soak_mode
 import tfreduce.bench.train_mode as train_mode
 from tfreduce.bench.contenders import FAMILIES
 from tfreduce.bench.units import format_bytes, parse_bytes
@@ -19,7 +20,8 @@ from tfreduce.packing import DEFAULT_PACK_BYTES
 __all__ = ["MODES", "main", "parse_args"]
 
 # --mode -> the module that runs it (run, print_result).
-_MODES = {"allreduce": allreduce_mode, "train": train_mode, "scaling": scaling_mode}
+_MODES = {"allreduce": allreduce_mode, "train": train_mode, "scaling": scaling_mode,
+          "soak": soak_mode}
 MODES = tuple(_MODES)
 
 
@@ -62,7 +64,8 @@ def parse_args(argv):
     parser.add_argument("--mode", choices=MODES, default="allreduce",
                         help="allreduce (default): reductions of model gradients; train: "
                              "ReplicatedTrainer vs MirroredStrategy model.fit; scaling: "
-                             "cost over a grid of K and N")
+                             "cost over a grid of K and N; soak: --soak-steps of fit, "
+                             "watching retracing and memory")
     parser.add_argument("--devices", type=_positive_int, default=8, metavar="K",
                         help="number of devices (towers); default %(default)s")
     parser.add_argument("--device-type", choices=("cpu", "gpu"), default="cpu",
@@ -114,6 +117,9 @@ def parse_args(argv):
     parser.add_argument("--image-size", type=_positive_int, default=28,
                         help="train mode: side of the square one-channel images; default "
                              "%(default)s")
+    parser.add_argument("--soak-steps", type=_positive_int, default=2000,
+                        help="soak mode: training steps (rounded up to whole epochs); "
+                             "default %(default)s")
     parser.add_argument("--rounds", type=_positive_int, default=5,
                         help="train mode: timed rounds per contender; default %(default)s")
     parser.add_argument("--no-check", dest="check", action="store_false",
@@ -166,10 +172,12 @@ def main(argv=None):
         if not args.quiet:
             print(message, file=sys.stderr, flush=True)
 
-    if args.mode == "train" and args.grid_devices and len(args.grid_devices) == 1:
+    in_process = {"train": args.grid_devices[0] if args.grid_devices
+                  and len(args.grid_devices) == 1 else None, "soak": args.devices}
+    if in_process.get(args.mode):
         # In this process, before anything else touches TensorFlow's runtime.
         try:
-            logical_devices(args.grid_devices[0], args.device_type)
+            logical_devices(in_process[args.mode], args.device_type)
         except ValueError as error:
             parser.error(str(error))
     if args.mode == "allreduce" and args.model != "synthetic":

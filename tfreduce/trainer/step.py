@@ -383,6 +383,16 @@ class StepFunctions:
             return self._train_fn(x, y, tf.constant(batch, tf.int32),
                                   tf.constant(float(stop), tf.float64))
 
+    def tracing_counts(self):
+        """{"train", "evaluate", "predict"} -> times each was traced (0: never run).
+
+        Each is traced once for the shapes and dtypes of its first batch; a
+        count above 1 means retracing (another dtype or rank of input).
+        """
+        return {name: 0 if fn is None else fn.experimental_get_tracing_count()
+                for name, fn in (("train", self._train_fn), ("evaluate", self._eval_fn),
+                                 ("predict", self._predict_fn))}
+
     def evaluate(self, x, y):
         """Runs eval_graph on the global batch x, y."""
         if self._eval_fn is None:
