@@ -233,7 +233,9 @@ def plot_curves(history, path):
         axis.set_title(metric)
         axis.grid(alpha=0.3)
         axis.legend()
-    figure.savefig(path, dpi=100)
+    # Through a temporary file: a kill mid-write never leaves a broken PNG.
+    figure.savefig(f"{path}.tmp", dpi=100, format="png")
+    os.replace(f"{path}.tmp", path)
 
 
 def main(argv=None):

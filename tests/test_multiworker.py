@@ -237,7 +237,7 @@ def test_broadcast_errors(graph):
 LAUNCH_TIMEOUT = 150  # the launcher's own limit; the hard limit below is larger
 
 
-def launch_workers(script, *args, pid_dir=None, workers=2):
+def launch_workers(script, *args, pid_dir=None, workers=2, launcher=()):
     """Runs ``python script args`` on 2 workers under the launcher.
 
     Returns (exit code, stdout, stderr, seconds). If the launcher itself
@@ -245,7 +245,7 @@ def launch_workers(script, *args, pid_dir=None, workers=2):
     SIGKILL, and the test fails.
     """
     command = [sys.executable, "-m", "tfreduce.launch", "--workers", str(workers),
-               "--timeout", str(LAUNCH_TIMEOUT), "--",
+               "--timeout", str(LAUNCH_TIMEOUT), *launcher, "--",
                sys.executable, str(WORKERS / script)] + [str(a) for a in args]
     start = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -453,3 +453,19 @@ def test_workers_that_differ_fail_fast_on_every_worker(tmp_path, mistake, messag
                          + message, err), err[-3000:]
     assert "WorkerLostError" not in err
     assert seconds < 60
+
+
+def test_a_worker_that_dies_once_is_restarted_and_ends_like_an_undisturbed_run(trained, tmp_path):
+    # The launcher restarts both workers (--restarts 1); the restarted ones
+    # resume from rank 0's checkpoint and finish the same 5 steps.
+    code, out, err, _ = launch_workers(
+        "train_worker.py", "--steps", 5, "--ckpt", tmp_path / "ckpt", "--die-at", 3,
+        "--die-once", "--out", tmp_path, launcher=["--restarts", "1", "--grace", "2"])
+    assert code == 0, err[-3000:]
+    assert "[worker 1] rank 1: killing myself at step 3" in out
+    assert re.search(r"\[launch\] restart 1 of 1: worker 1 was killed by SIGKILL", err), err
+    assert re.search(r"\[worker 0\] rank 0: restored .*ckpt-3 at step 3", out), out
+    for r in range(2):
+        got = np.load(tmp_path / f"rank{r}.npz")
+        for key in got.files:
+            np.testing.assert_array_equal(got[key], trained[r][key], err_msg=key)

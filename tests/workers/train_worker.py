@@ -9,8 +9,10 @@ W*K towers of one process with a hierarchical all-reduce over the same
 groups, the result multi-worker training must reproduce.
 
 Faults: ``--die-at S --die-rank R`` makes rank R kill itself (SIGKILL) at step
-S; ``--ckpt DIR`` makes rank 0 write a checkpoint after every step and
-``--resume`` restores the newest one on rank 0, then broadcasts it.
+S (with ``--die-once``, only at the first start: the launcher's restarts set
+TFREDUCE_RESTART_COUNT); ``--ckpt DIR`` makes rank 0 write a checkpoint after
+every step and ``--resume`` restores the newest one on rank 0, then
+broadcasts it, as a restart does when a checkpoint exists.
 """
 
 import argparse
@@ -162,6 +164,7 @@ def main(argv=None):
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--die-at", type=int, default=-1)
     parser.add_argument("--die-rank", type=int, default=1)
+    parser.add_argument("--die-once", action="store_true")
     parser.add_argument("--step-seconds", type=float, default=0.0)
     parser.add_argument("--pid-dir", default=None, help="write <pid-dir>/<pid> at start")
     args = parser.parse_args(argv)
@@ -172,8 +175,12 @@ def main(argv=None):
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * args.devices)
     cluster.start()
-    towers = train(cluster, args.devices, args.steps, args.ckpt, args.resume,
-                   args.die_at, args.die_rank, args.step_seconds)
+    restart = int(os.environ.get("TFREDUCE_RESTART_COUNT", "0"))
+    resume = args.resume or (restart > 0 and args.ckpt is not None
+                             and tf.train.latest_checkpoint(args.ckpt) is not None)
+    die_at = -1 if args.die_once and restart > 0 else args.die_at
+    towers = train(cluster, args.devices, args.steps, args.ckpt, resume,
+                   die_at, args.die_rank, args.step_seconds)
     if args.out:
         np.savez(os.path.join(args.out, f"rank{cluster.rank}.npz"), **{f"{k}/{n}": v.numpy() for k, tower in enumerate(towers)
                               for n, v in enumerate(tower)})
