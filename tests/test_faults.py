@@ -188,3 +188,21 @@ def test_fit_refuses_bad_arguments_before_the_first_step(tmp_path, kwargs, messa
     with pytest.raises(ValueError, match=re.escape(message)):
         trainer.fit(x, y, batch_size=4, verbose=0, **kwargs)
     assert trainer.step == 0
+
+
+def classifier():
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
+
+
+def test_fractional_labels_for_class_indices_are_refused_and_whole_ones_count():
+    # Once: a sparse loss truncated 0.5 to class 0 and accuracy vanished.
+    trainer = tfreduce.ReplicatedTrainer(
+        classifier, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        lambda: keras.optimizers.SGD(0.1), devices=CPU_DEVICES[:2], cluster=None)
+    x = np.ones((4, 3), np.float32)
+    with pytest.raises(ValueError, match=re.escape(
+            "train_step: the loss takes class indices, but y holds 0.5")):
+        trainer.train_step(x, np.array([0.0, 0.5, 1.0, 2.0], np.float32))
+    history = trainer.fit(x, np.array([0.0, 1.0, 3.0, 2.0], np.float32), batch_size=4,
+                          verbose=0)
+    assert 0.0 <= history["accuracy"][0] <= 1.0

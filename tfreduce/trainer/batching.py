@@ -33,7 +33,7 @@ def check_batch(x, y, what):
     return x, y
 
 
-def worker_batch(x, y, cluster, num_devices, total_towers):
+def worker_batch(x, y, cluster, num_devices, total_towers, class_indices=False):
     """This worker's part of a checked global batch, for one training step.
 
     Args:
@@ -41,16 +41,25 @@ def worker_batch(x, y, cluster, num_devices, total_towers):
       cluster: the started tfreduce.Cluster, or None in a single process.
       num_devices: int K, the towers of each worker.
       total_towers: int T = W * K, the towers of all workers.
+      class_indices: bool, y must hold class indices (whole numbers).
 
     Returns:
       (x, y, B): tensors [b, ...] of this worker's examples (all B of them
       in a single process) and the int size B of the global batch.
 
     Raises:
-      ValueError: x and y disagree on the batch size, or B is smaller than
-        the T = W * K towers.
+      ValueError: x and y disagree on the batch size, B is smaller than the
+        T = W * K towers, or y holds fractional class indices.
     """
     x, y = check_batch(x, y, "train_step")
+    if class_indices and y.dtype.is_floating:
+        values = y.numpy()
+        fractional = values[values != np.round(values)]
+        if fractional.size:
+            raise ValueError(
+                f"train_step: the loss takes class indices, but y holds "
+                f"{float(fractional.flat[0]):g}; give whole-number labels, or a loss for "
+                f"soft labels such as keras.losses.CategoricalCrossentropy")
     batch = int(x.shape[0])
     total = total_towers
     if batch < total:

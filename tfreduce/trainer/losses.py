@@ -43,11 +43,24 @@ def per_example_loss_fn(loss):
     )
 
 
+def takes_class_indices(loss):
+    """True for Keras' sparse categorical cross-entropy, by object or name.
+
+    Its labels are class indices: it silently truncates 0.5 to class 0, so
+    the trainer refuses fractional labels for it.
+    """
+    if isinstance(loss, str):
+        loss = keras.losses.get(loss)
+    return isinstance(loss, keras.losses.SparseCategoricalCrossentropy) or (
+        loss is keras.losses.sparse_categorical_crossentropy)
+
+
 def correct_count(y_true, y_pred):
     """Number of correct class predictions, or None when it is not defined.
 
-    Defined for class scores y_pred [batch, classes] against integer labels
-    [batch] or [batch, 1], or one-hot labels [batch, classes].
+    Defined for class scores y_pred [batch, classes] against class indices
+    [batch] (int, or float holding whole numbers) or [batch, 1] (int), or
+    one-hot labels [batch, classes].
 
     Returns:
       int64 scalar tf.Tensor, or None.
@@ -56,7 +69,8 @@ def correct_count(y_true, y_pred):
         return None
     if y_true.shape.rank == 2 and y_true.shape[-1] == 1 and y_true.dtype.is_integer:
         y_true = tf.squeeze(y_true, axis=-1)
-    if y_true.shape.rank == 1 and y_true.dtype.is_integer:
+    if y_true.shape.rank == 1 and (y_true.dtype.is_integer or y_true.dtype.is_floating):
+        # Float class indices count too (whole numbers: see takes_class_indices).
         labels = tf.cast(y_true, tf.int64)
     elif y_true.shape.rank == 2 and y_true.shape[-1] == y_pred.shape[-1]:
         labels = tf.argmax(y_true, axis=-1)

@@ -7,7 +7,7 @@ from tfreduce.devices import tower_devices
 from tfreduce.trainer.batching import eval_batches, input_batches, worker_batch
 from tfreduce.trainer.checkpoints import TrainerCheckpoint, find_prefix
 from tfreduce.trainer.loop import evaluate_loop, fit_loop, predict_loop
-from tfreduce.trainer.losses import per_example_loss_fn
+from tfreduce.trainer.losses import per_example_loss_fn, takes_class_indices
 from tfreduce.trainer.signals import StopRequest
 from tfreduce.trainer.step import StepFunctions, StepOptions, make_counters
 from tfreduce.trainer.towers import (
@@ -141,6 +141,7 @@ class ReplicatedTrainer:
         check_flag(average, "average")
         self._options = StepOptions(
             loss_fn=per_example_loss_fn(loss),
+            class_indices=takes_class_indices(loss),
             average=bool(average),
             # T, the towers of all workers, among which each global batch is split.
             total_towers=workers * len(self.devices),
@@ -198,9 +199,8 @@ class ReplicatedTrainer:
 
     def _run_train_step(self, x, y):
         """Runs one step; returns (mean loss float, correct count int or None)."""
-        x, y, batch = worker_batch(
-            x, y, self.cluster, len(self.devices), self._options.total_towers
-        )
+        x, y, batch = worker_batch(x, y, self.cluster, len(self.devices),
+                                   self._options.total_towers, self._options.class_indices)
         loss, correct, stops = self._built_steps(x).train(x, y, batch, self._stop.requested)
         # In a cluster only the sum over workers counts: all stop after the
         # same step.

@@ -40,6 +40,7 @@ class StepOptions:
 
     Attributes:
       loss_fn: fn(y_true, y_pred) -> per-example losses.
+      class_indices: bool, the loss takes class indices (whole numbers).
       average: bool, the all-reduce averages (True) or sums the gradients.
       total_towers: int T, the towers of all workers.
       devices: list of K canonical device names, this worker's towers.
@@ -51,6 +52,7 @@ class StepOptions:
     """
 
     loss_fn: Callable
+    class_indices: bool
     average: bool
     total_towers: int
     devices: list
@@ -294,6 +296,7 @@ def eval_graph(towers, loss_fn, x, y):
     Args:
       towers: Towers, this worker's K built replicas.
       loss_fn: fn(y_true, y_pred) -> per-example losses.
+      class_indices: bool, the loss takes class indices (whole numbers).
       x, y: [batch, ...], a global batch.
 
     Returns:
