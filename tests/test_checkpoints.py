@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 
 import keras
 import numpy as np
@@ -10,6 +11,7 @@ import tensorflow as tf
 
 from helpers import CPU_DEVICES
 from tfreduce.trainer import ReplicatedTrainer
+from tfreduce.trainer.signals import Terminated
 
 
 def model():
@@ -130,3 +132,34 @@ def test_orphans_of_a_killed_save_are_removed_by_the_next(three_checkpoints):
     assert not os.path.exists(orphan)
     assert sorted(n for n in os.listdir(path) if n.endswith(".index")) == [
         "ckpt-2.index", "ckpt-3.index", "ckpt-4.index"]
+
+
+def sigterm_after_epoch(epoch_to_signal):
+    def callback(epoch, logs):
+        if epoch == epoch_to_signal:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return callback
+
+
+def test_sigterm_stops_after_the_next_step_with_one_checkpoint(tmp_path):
+    t = trainer()
+    x, y = data(16)
+    with pytest.raises(Terminated) as stopped:
+        t.fit(x, y, epochs=3, batch_size=4, verbose=0, checkpoint_dir=str(tmp_path),
+              callbacks=[sigterm_after_epoch(1)])
+    # Epoch 1 (4 steps) ends, the signal comes in its callback, the first
+    # step of epoch 2 completes, then the run stops with its checkpoint.
+    assert stopped.value.signum == signal.SIGTERM and t.step == 5
+    assert tf.train.latest_checkpoint(str(tmp_path)).endswith("ckpt-2")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored
+
+
+def test_a_sigterm_after_the_last_step_still_stops_without_a_second_save(tmp_path):
+    t = trainer()
+    x, y = data(16)
+    with pytest.raises(Terminated):
+        t.fit(x, y, epochs=2, batch_size=4, verbose=0, checkpoint_dir=str(tmp_path),
+              callbacks=[sigterm_after_epoch(2)])
+    assert t.step == 8
+    assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".index")) == [
+        "ckpt-1.index", "ckpt-2.index"]

@@ -44,8 +44,9 @@ __all__ = ["Cluster", "WorkerLostError", "parse_tf_config", "DEFAULT_TIMEOUT"]
 DEFAULT_TIMEOUT = 300.0
 
 # Cross-worker instance keys start above the range that
-# CollectiveKeys.for_call draws per-call keys from (1 .. 2**30), so that a
-# local collective reduction and the cross-worker one never share a key.
+# CollectiveKeys.for_call starts its per-call keys in (1 .. 2**30), so that a
+# local collective reduction and the cross-worker one share no key unless a
+# single call draws over a billion keys.
 _FIRST_CROSS_WORKER_KEY = 2 ** 30 + 1
 
 

@@ -106,7 +106,8 @@ class CollectiveKeys:
     and dtype for the life of the process, and two reductions with one key in
     the same step would meet each other, so a program that builds several
     collective reductions passes one ``CollectiveKeys`` to all of them (a
-    trainer owns one) and gets keys unique for the process. Group keys are
+    cluster owns one for the cross-worker ones) and gets keys unique for the
+    process. Group keys are
     derived from the device list, so the same devices always get the same
     group.
 
@@ -236,6 +237,11 @@ class CollectiveChain:
                     dtype=tf.float32, shape=[], shared_name=shared_name, name=name)
         return self._tokens[device]
 
+    def _after(self, device):
+        # Each collective depends on the previous one of its device itself,
+        # so a chain stays ordered in a tf.compat.v1 graph too.
+        return [self._previous[device]] if device in self._previous else []
+
     @contextlib.contextmanager
     def after_previous(self, device, extra=()):
         """Places ops on ``device`` after its previous collective and ``extra`` ops."""
@@ -250,15 +256,16 @@ class CollectiveChain:
 
         Call it inside ``after_previous(device)``, after ``token(device, ...)``.
         """
-        out = all_gather(x, group_size, group_key, instance_key, self.options,
-                         ordering_token=self._tokens[device], name=name)
+        with tf.control_dependencies(self._after(device)):
+            out = all_gather(x, group_size, group_key, instance_key, self.options,
+                             ordering_token=self._tokens[device], name=name)
         self._previous[device] = out
         return out
 
     def all_gather_rows(self, x, device, group_size, group_key, keys, name):
         """All-gathers x [rows, ...] whose row count differs between members.
 
-        Three collectives, chained: the row counts, then x padded to the
+        Two collectives, chained: the row counts, then x padded to the
         largest count, whose padding is then dropped (TF's gather needs one
         shape on every member; MultiWorkerMirroredStrategy gathers
         IndexedSlices the same way).
@@ -296,12 +303,14 @@ class CollectiveChain:
             # Possibly empty when the graph runs: one extra element keeps the
             # kernel's input non-empty, and is cut off again.
             padded = tf.concat([tf.reshape(x, [-1]), tf.zeros([1], x.dtype)], axis=0)
-            out = all_reduce(padded, group_size, group_key, instance_key, self.options,
-                             ordering_token=self._tokens[device], name=name)
+            with tf.control_dependencies(self._after(device)):
+                out = all_reduce(padded, group_size, group_key, instance_key, self.options,
+                                 ordering_token=self._tokens[device], name=name)
             self._previous[device] = out
             return tf.reshape(out[:-1], tf.shape(x))
-        out = all_reduce(x, group_size, group_key, instance_key, self.options,
-                         ordering_token=self._tokens[device], name=name)
+        with tf.control_dependencies(self._after(device)):
+            out = all_reduce(x, group_size, group_key, instance_key, self.options,
+                             ordering_token=self._tokens[device], name=name)
         self._previous[device] = out
         return out
 

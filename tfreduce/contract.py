@@ -24,6 +24,7 @@ __all__ = [
     "check_variables",
     "check_flag",
     "dense_shape",
+    "values_of",
 ]
 
 
@@ -161,14 +162,15 @@ def _as_gradient(g, k, n):
         f"tf.IndexedSlices or None, got {type(g).__name__}")
 
 
-def _values(g):
+def values_of(g):
+    """A gradient's values: the tensor itself, or an IndexedSlices' values."""
     return g.values if isinstance(g, tf.IndexedSlices) else g
 
 
 def _device_of(tower, k):
     for g in tower:
         if g is not None:
-            d = _values(g).device
+            d = values_of(g).device
             if d:
                 return d
     raise ValueError(
@@ -237,14 +239,14 @@ def _check_variable(grads, n):
             f"or on none")
     if missing:
         return
-    ref = _values(column[0])
+    ref = values_of(column[0])
     if not (ref.dtype.is_floating or ref.dtype.is_integer):
         raise TypeError(
             f"variable {n}: gradients of dtype {ref.dtype.name} cannot be all-reduced; "
             f"tfreduce sums floating-point and integer gradients")
     ref_shape = dense_shape(column[0])
     for k, g in enumerate(column[1:], start=1):
-        v = _values(g)
+        v = values_of(g)
         if v.dtype != ref.dtype:
             raise ValueError(
                 f"variable {n}: tower {k} has dtype {v.dtype.name}, tower 0 has "

@@ -26,7 +26,7 @@ The stage contract, tower-major like the public API::
 import tensorflow as tf
 
 from tfreduce.collective import in_function
-from tfreduce.contract import check_flag, nbytes, validate_grads
+from tfreduce.contract import check_flag, nbytes, validate_grads, values_of
 from tfreduce.packing import PackPlan
 from tfreduce.primitives import (RootBalancer, accumulation_dtype, broadcast_slices,
                                  check_average_dtype, finish_sum, gather_slices, sum_order)
@@ -163,7 +163,7 @@ def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_de
     check_flag(sparse_as_dense, "sparse_as_dense")
     stages = [stage.bind(grads.devices) for stage in stages]
     for n in grads.reduced:
-        dtype = _values(grads.grads[0][n]).dtype
+        dtype = values_of(grads.grads[0][n]).dtype
         check_average_dtype(dtype, n, average)
         for stage in stages:
             if stage.dtypes is not None and dtype not in stage.dtypes:
@@ -217,10 +217,6 @@ def _identity(g, device):
         return tf.identity(g)
 
 
-def _values(g):
-    return g.values if isinstance(g, tf.IndexedSlices) else g
-
-
 def _check_shapes_at_run_time(grads):
     # Shapes known only when the graph runs are compared with tower 0's then:
     # a mismatch fails naming tower and variable, where a sum would fail in
@@ -231,21 +227,30 @@ def _check_shapes_at_run_time(grads):
         column = grads.column(n)
         full = all(not isinstance(g, tf.IndexedSlices) or g.dense_shape is not None
                    for g in column)
-        with tf.device(grads.devices[0]):
+        # String ops and the serialising copy have CPU kernels only: they run
+        # on the host of each tower's task (a GPU tower's gradient makes a
+        # round trip, which only gradients without a static shape pay).
+        hosts = [_host(d) for d in grads.devices]
+        with tf.device(hosts[0]):
             ref = _shape_text(column[0], full)
         same = []
         for k in range(1, grads.num_towers):
-            with tf.device(grads.devices[k]):
+            with tf.device(hosts[k]):
                 same.append(tf.equal(_shape_text(column[k], full), ref))
+            with tf.device(grads.devices[k]):
                 grads.grads[k][n] = _checked(
-                    column[k], same[-1], f"variable {n}: tower {k} has another shape than tower 0")
+                    column[k], same[-1], f"variable {n}: tower {k} has another shape than tower 0",
+                    hosts[k])
         if same:
             # Tower 0 waits too, so that no tower starts a collective (which
             # a failed peer would leave aborted for the whole process).
             other = "tower 1" if len(same) == 1 else "a tower"
+            with tf.device(hosts[0]):
+                all_same = tf.reduce_all(tf.stack(same))
             with tf.device(grads.devices[0]):
-                grads.grads[0][n] = _checked(column[0], tf.reduce_all(tf.stack(same)),
-                                             f"variable {n}: {other} has another shape than tower 0")
+                grads.grads[0][n] = _checked(
+                    column[0], all_same, f"variable {n}: {other} has another shape than tower 0",
+                    hosts[0])
 
 
 def _shape_text(g, full):
@@ -259,7 +264,12 @@ def _shape_text(g, full):
     return tf.strings.reduce_join(tf.strings.as_string(shape), separator=",")
 
 
-def _checked(g, ok, message):
+def _host(device):
+    """The CPU of a device's task: "/job:w/task:1/device:GPU:1" -> ".../device:CPU:0"."""
+    return tf.DeviceSpec.from_string(device).replace(device_type="CPU", device_index=0).to_string()
+
+
+def _checked(g, ok, message, host):
     # g again, by a path Grappler cannot shortcut: a copy opaque to its shape
     # inference (serialised and parsed back), times a one that exists only if
     # ``ok`` (1 / ok goes through a CheckNumerics that fails with ``message``
@@ -269,9 +279,10 @@ def _checked(g, ok, message):
     # valid and so that the shapes agree, fold the check away and run the
     # sum first, which then fails without the message. x * 1 is exact. Only
     # gradients whose shape is not static pay for the copy.
-    values = g.values if isinstance(g, tf.IndexedSlices) else g
-    one = tf.raw_ops.CheckNumerics(tensor=1.0 / tf.cast(ok, tf.float64), message=message)
-    opaque = tf.io.parse_tensor(tf.io.serialize_tensor(values), values.dtype)
+    values = values_of(g)
+    with tf.device(host):
+        one = tf.raw_ops.CheckNumerics(tensor=1.0 / tf.cast(ok, tf.float64), message=message)
+        opaque = tf.io.parse_tensor(tf.io.serialize_tensor(values), values.dtype)
     opaque.set_shape(values.shape)
     values = opaque * tf.cast(one, values.dtype)
     if isinstance(g, tf.IndexedSlices):

@@ -60,8 +60,9 @@ def check_local_options(local_options):
     own = sorted(set(local_options) & set(_OWN_OPTIONS))
     if own:
         raise ValueError(
-            f"local_options {own} are set by allreduce_grads_multiworker itself; "
-            f"pass pack_bytes to it directly")
+            f"local_options {own} are set by allreduce_grads_multiworker itself: "
+            f"pass pack_bytes to it directly; IndexedSlices are gathered across "
+            f"workers (sparse_as_dense is not taken there)")
     return local_options
 
 
@@ -130,7 +131,7 @@ class CrossWorkerStage(Stage):
         return group_key
 
     def gather(self, slices, device, average, m):
-        """All-gathers a worker's gathered rows from every worker (rows counts differ)."""
+        """All-gathers a worker's gathered rows from every worker (row counts differ)."""
         chain, num_workers = self._chain, self.cluster.num_workers
         group_key = self._ordered(device)
         values = slices.values
@@ -278,8 +279,8 @@ def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
     Rank 0 sends its tower 0's values, packed into one buffer per dtype, with
     ``CollectiveBcastSendV2`` from tower 0's device; every other worker
     receives them (``CollectiveBcastRecvV2``) on its tower 0's device; then
-    each worker assigns the values to its towers, each assignment on the
-    device of the variable it writes. Every worker calls it at the same point
+    each worker assigns the values to its towers, each assignment on its
+    tower's device (that of the tower's first variable). Every worker calls it at the same point
     of the program (at start, after rank 0 restored a checkpoint).
 
     K x N contract on each worker, W=2, K=2, N=1 (X is rank 0's tower 0)::
@@ -341,6 +342,11 @@ def _broadcast_build(all_vars, devices, cluster, keys, options):
     for dtype, members in by_dtype.items():
         shapes = [all_vars[0][n].shape for n in members]
         sizes = [s.num_elements() for s in shapes]
+        if not sum(sizes):
+            # Only empty variables: nothing to send (TF's kernels crash on it).
+            for n, shape in zip(members, shapes):
+                values[n] = (tf.zeros(shape, dtype), shape)
+            continue
         with tf.device(root), tf.control_dependencies(previous):
             if cluster.is_chief:
                 flat = [tf.reshape(all_vars[0][n].read_value(), [-1]) for n in members]

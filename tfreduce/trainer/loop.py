@@ -97,6 +97,9 @@ def fit_loop(
     try:
         with trainer._stop.handling():
             _fit_epochs(trainer, run, validation_data, checkpoint_dir, callbacks, history)
+            # A signal after the last step's flag was read: the run is done
+            # and saved, but the caller asked to stop.
+            late = trainer._stop.signum
     except KeyboardInterrupt as stop:
         _save_on_interrupt(trainer, checkpoint_dir, stop)
         raise
@@ -107,6 +110,8 @@ def fit_loop(
         # No worker leaves while a peer still needs its answers. Not in
         # a finally: after a failure the peers may never get here.
         trainer.cluster.finish()
+    if late is not None:
+        raise Terminated(late, trainer.step)
     return history
 
 
@@ -123,8 +128,8 @@ def _fit_epochs(trainer, run, validation_data, checkpoint_dir, callbacks, histor
         logs = {"epoch": epoch + 1, **logs}
         for name, value in logs.items():
             history.setdefault(name, []).append(value)
-        if checkpoint_dir is not None:
-            trainer.save(checkpoint_dir)
+        if checkpoint_dir is not None and stop is None:
+            trainer.save(checkpoint_dir)  # on a stop, the interrupt handler saves
         for callback in callbacks:
             callback(epoch + 1, logs)
         if stop is not None:
@@ -217,8 +222,6 @@ def fit_epoch(trainer, run, epoch, skip):
         values.append(("images/s", seen / elapsed))
         progress.update(step_in_epoch, values)
         trainer._epoch_totals.assign([loss_total, correct_total, seen])
-        if trainer._stopping:
-            break  # SIGTERM: the step is whole, the caller stops the run
         if run.writer is not None:
             with run.writer.as_default(step=trainer.step):
                 tf.summary.scalar("train/loss", loss)
@@ -226,6 +229,8 @@ def fit_epoch(trainer, run, epoch, skip):
                     tf.summary.scalar("train/accuracy", correct / size)
                 tf.summary.scalar("train/learning_rate", _learning_rate(trainer.optimizers[0]))
                 tf.summary.scalar("train/step_time_s", step_time)
+        if trainer._stopping:
+            break  # SIGTERM: the step is whole and logged; the caller stops the run
     logs = {"loss": loss_total / max(seen, 1)}
     if has_accuracy:
         logs["accuracy"] = correct_total / max(seen, 1)

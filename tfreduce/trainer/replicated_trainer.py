@@ -135,10 +135,10 @@ class ReplicatedTrainer:
             raise ValueError(
                 f"bcast_period must be an int >= 0 (0: never re-broadcast), got {bcast_period!r}"
             )
+        check_flag(average, "average")  # checks that need no cluster come first
         self.cluster = resolve_cluster(cluster)
         self.devices = tower_devices(devices)
         workers = self.cluster.num_workers if self.cluster is not None else 1
-        check_flag(average, "average")
         self._options = StepOptions(
             loss_fn=per_example_loss_fn(loss),
             class_indices=takes_class_indices(loss),
@@ -173,23 +173,25 @@ class ReplicatedTrainer:
         return self.cluster is None or self.cluster.is_chief
 
     def _build(self, x):
-        """Creates every variable on its tower, checks the replicas and syncs them.
+        """Creates every variable on its tower, checks the replicas, syncs them.
 
-        Args:
-          x: a batch to build unbuilt models with, or None when all are built.
+        x: a batch to build unbuilt models with, or None when all are built.
         """
         built = build_towers(self.models, self.optimizers, self.devices, x)
         if self.cluster is not None:
             # Before the first collective: a worker that differs fails now, on all.
-            check_workers_agree(self.cluster, len(self.devices), self._options.describe(),
+            check_workers_agree(self.cluster, len(self.devices),
+                                f"{self._options.describe()}, bcast_period={self._bcast_period}",
                                 describe_variables(built.variables[0]))
         self._checkpoint = TrainerCheckpoint(
             self.models[0], self.optimizers[0], self._step, self._epoch_totals)
-        self._steps = StepFunctions(built, self._options, self._step, self._epoch_totals)
         if self._pending_restore is not None:
-            prefix, self._pending_restore = self._pending_restore, None
-            self._checkpoint.restore(prefix)
-        self._steps.broadcast()
+            # Before the step functions exist: if it fails, the next call builds again.
+            self._checkpoint.restore(self._pending_restore)
+            self._pending_restore = None
+        steps = StepFunctions(built, self._options, self._step, self._epoch_totals)
+        steps.broadcast()
+        self._steps = steps
 
     def _built_steps(self, x):
         """The StepFunctions; batch x builds the models first if they are not built."""
@@ -327,7 +329,7 @@ class ReplicatedTrainer:
           the epoch's wall time, including the first step's tracing).
 
         Raises:
-          ValueError: bad arrays or dataset, batch_size smaller than K, or
+          ValueError: bad arrays or dataset, batch_size smaller than T, or
             an infinite dataset.
           KeyboardInterrupt: re-raised after the checkpoint is written.
         """

@@ -67,4 +67,5 @@ class StopRequest:
             yield self
         finally:
             for s, old in previous.items():
-                signal.signal(s, old)
+                if old is not None:  # None: a handler installed outside Python
+                    signal.signal(s, old)

@@ -1,8 +1,11 @@
 """Graph builders of one step: train, evaluate, predict, and their syncs.
 
-The builders are pure functions of their arguments (the towers, the
-all-reduce callable, flags in StepOptions): they build ops and change no
-Python state, so tracing them under tf.function twice builds the same graph.
+The builders are functions of their arguments (the towers, the all-reduce
+callable, flags in StepOptions) that set no state of the trainer while
+tracing. One exception is inherent: in a cluster each trace draws the
+cross-worker collectives' instance keys from the cluster's CollectiveKeys,
+so a step function must be traced once, the same way on every worker
+(hence the open batch axis of every input signature).
 Whatever the caller needs to know about the result it reads from the
 returned values; a correct count of -1 means accuracy is not defined for the
 model's outputs. StepFunctions, at the end, holds the tf.functions made from
@@ -296,7 +299,6 @@ def eval_graph(towers, loss_fn, x, y):
     Args:
       towers: Towers, this worker's K built replicas.
       loss_fn: fn(y_true, y_pred) -> per-example losses.
-      class_indices: bool, the loss takes class indices (whole numbers).
       x, y: [batch, ...], a global batch.
 
     Returns:
