@@ -238,9 +238,16 @@ class CollectiveChain:
         return self._tokens[device]
 
     def _after(self, device):
-        # Each collective depends on the previous one of its device itself,
-        # so a chain stays ordered in a tf.compat.v1 graph too.
         return [self._previous[device]] if device in self._previous else []
+
+    def _chained(self, device, build):
+        # Each collective depends on the previous one of its device itself,
+        # so a chain stays ordered in a tf.compat.v1 graph too, and passes
+        # the device's ordering token for tf.function's ordering.
+        with tf.control_dependencies(self._after(device)):
+            out = build(self._tokens[device])
+        self._previous[device] = out
+        return out
 
     @contextlib.contextmanager
     def after_previous(self, device, extra=()):
@@ -256,11 +263,8 @@ class CollectiveChain:
 
         Call it inside ``after_previous(device)``, after ``token(device, ...)``.
         """
-        with tf.control_dependencies(self._after(device)):
-            out = all_gather(x, group_size, group_key, instance_key, self.options,
-                             ordering_token=self._tokens[device], name=name)
-        self._previous[device] = out
-        return out
+        return self._chained(device, lambda token: all_gather(
+            x, group_size, group_key, instance_key, self.options, token, name))
 
     def all_gather_rows(self, x, device, group_size, group_key, keys, name):
         """All-gathers x [rows, ...] whose row count differs between members.
@@ -303,16 +307,11 @@ class CollectiveChain:
             # Possibly empty when the graph runs: one extra element keeps the
             # kernel's input non-empty, and is cut off again.
             padded = tf.concat([tf.reshape(x, [-1]), tf.zeros([1], x.dtype)], axis=0)
-            with tf.control_dependencies(self._after(device)):
-                out = all_reduce(padded, group_size, group_key, instance_key, self.options,
-                                 ordering_token=self._tokens[device], name=name)
-            self._previous[device] = out
+            out = self._chained(device, lambda token: all_reduce(
+                padded, group_size, group_key, instance_key, self.options, token, name))
             return tf.reshape(out[:-1], tf.shape(x))
-        with tf.control_dependencies(self._after(device)):
-            out = all_reduce(x, group_size, group_key, instance_key, self.options,
-                             ordering_token=self._tokens[device], name=name)
-        self._previous[device] = out
-        return out
+        return self._chained(device, lambda token: all_reduce(
+            x, group_size, group_key, instance_key, self.options, token, name))
 
 
 def _gather_rows(chain, x, device, group_size, group_key, keys, name):
