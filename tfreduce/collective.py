@@ -87,9 +87,8 @@ class CollectiveOptions:
 
     def with_timeout(self, timeout):
         """A copy whose None timeout is replaced by ``timeout`` seconds."""
-        out = CollectiveOptions(self.communication, None)
-        out.timeout = self.timeout if self.timeout is not None else timeout
-        return out
+        return CollectiveOptions(self.communication,
+                                 timeout if self.timeout is None else self.timeout)
 
     @property
     def timeout_seconds(self):

@@ -35,8 +35,7 @@ from tfreduce.collective import (CollectiveChain, CollectiveKeys, CollectiveOpti
 from tfreduce.contract import check_variables, nbytes, validate_grads
 from tfreduce.devices import normalize_devices
 from tfreduce.frame import Stage, run_stages
-from tfreduce.primitives import (RootBalancer, accumulation_dtype, broadcast,
-                                 scale_by_reciprocal, sum_order)
+from tfreduce.primitives import RootBalancer, broadcast, mean_of_sum, sum_order
 
 __all__ = ["CrossWorkerStage", "allreduce_grads_multiworker",
            "broadcast_variables_multiworker", "check_local_options", "CROSS_WORKER_PACK_BYTES"]
@@ -147,9 +146,7 @@ class CrossWorkerStage(Stage):
                                                self.keys, name=f"entry{m}_cross_values")
             if average:
                 # The frame gathered without scaling: 1/T once, here.
-                acc = accumulation_dtype(values.dtype)
-                values = tf.cast(scale_by_reciprocal(tf.cast(values, acc), self._towers),
-                                 values.dtype)
+                values = mean_of_sum(values, self._towers)
         return tf.IndexedSlices(values, indices, slices.dense_shape)
 
     def reduce(self, buffers, ctx):

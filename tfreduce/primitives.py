@@ -28,6 +28,7 @@ __all__ = [
     "broadcast",
     "check_average_dtype",
     "scale_by_reciprocal",
+    "mean_of_sum",
     "gather_slices",
     "broadcast_slices",
     "RootBalancer",
@@ -76,6 +77,15 @@ def scale_by_reciprocal(tensor, num_towers):
     """
     return tf.math.multiply(tensor, tf.constant(1.0 / num_towers, tensor.dtype),
                             name="scale_1_over_k")
+
+
+def mean_of_sum(values, num_towers):
+    """``values * (1 / K)`` formed in the accumulation dtype and cast back once.
+
+    For rows gathered from K towers (their concatenation is their sum).
+    """
+    acc = accumulation_dtype(values.dtype)
+    return tf.cast(scale_by_reciprocal(tf.cast(values, acc), num_towers), values.dtype)
 
 
 def finish_sum(total, dtype, num_towers, average, device, name):
@@ -149,14 +159,12 @@ def gather_slices(slices, device, num_towers, average, name):
     Returns:
       tf.IndexedSlices on ``device``; its dense value is the dense sum (mean).
     """
-    dtype = slices[0].values.dtype
     with tf.device(device):
         values = tf.concat([s.values for s in slices], axis=0, name=name + "_values")
         indices = tf.concat([tf.cast(s.indices, tf.int64) for s in slices], axis=0,
                             name=name + "_indices")
         if average:
-            acc = accumulation_dtype(dtype)
-            values = tf.cast(scale_by_reciprocal(tf.cast(values, acc), num_towers), dtype)
+            values = mean_of_sum(values, num_towers)
         dense_shape = slices[0].dense_shape
     return tf.IndexedSlices(values, indices, dense_shape)
 
