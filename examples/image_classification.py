@@ -29,23 +29,34 @@ all workers' towers, and only worker 0 writes logs, checkpoints and curves.
 import argparse
 import json
 import os
+import re
 import sys
 
-import keras
 import numpy as np
 
-import tfreduce
-from tfreduce.devices import logical_devices
-from tfreduce.models import image_cnn
-from tfreduce.trainer import ReplicatedTrainer
-from tfreduce.trainer.signals import Terminated
+# Standard library only: TensorFlow is imported after the arguments are
+# parsed, so --help and usage errors answer at once.
+from tfreduce.choices import ALGORITHMS, GPU_ONLY_ALGORITHMS
+from tfreduce.startup import ArgumentParser, import_tensorflow
 
-IMAGE_EXTENSIONS = (".bmp", ".gif", ".jpeg", ".jpg", ".png")
+# What image_dataset_from_directory decodes, by the bytes a file starts with.
+IMAGE_SIGNATURES = {
+    ".bmp": (b"BM",),
+    ".gif": (b"GIF87a", b"GIF89a"),
+    ".jpeg": (b"\xff\xd8\xff",),
+    ".jpg": (b"\xff\xd8\xff",),
+    ".png": (b"\x89PNG\r\n\x1a\n",),
+}
+IMAGE_EXTENSIONS = tuple(IMAGE_SIGNATURES)
+
+# What this run writes under --logdir; --overwrite removes exactly these.
+RUN_FILES = ("checkpoints", "history.json", "curves.png")
+EVENTS_PREFIX = "events.out.tfevents"
 
 
 def parse_args(argv):
     """Returns (parser, parsed arguments); bad values exit with a usage error."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Data-parallel CNN training over K devices with a tfreduce all-reduce.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -57,7 +68,10 @@ def parse_args(argv):
         help="number of towers; default every GPU, or 2 logical CPU devices when there is no GPU",
     )
     parser.add_argument(
-        "--algorithm", default="auto", choices=tfreduce.ALGORITHMS, help="all-reduce algorithm"
+        "--algorithm",
+        default="auto",
+        choices=ALGORITHMS,
+        help=f"all-reduce algorithm; {', '.join(GPU_ONLY_ALGORITHMS)} on GPUs only",
     )
     parser.add_argument(
         "--dataset",
@@ -74,8 +88,15 @@ def parse_args(argv):
         default="runs/image_classification",
         help="TensorBoard logs, checkpoints, curves",
     )
-    parser.add_argument(
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in --logdir"
+    )
+    start.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a --logdir that holds a run: removes its checkpoints, "
+        "history.json, curves.png and TensorBoard event files (nothing else)",
     )
     parser.add_argument(
         "--image-size",
@@ -89,12 +110,19 @@ def parse_args(argv):
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the data split, weights and shuffling"
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show TensorFlow's start-up and C++ log lines, and tracebacks of run-time errors",
+    )
     args = parser.parse_args(argv)
     for name in ("devices", "epochs", "batch_size", "image_size", "limit"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if not args.lr > 0:  # also refuses nan
+        parser.error(f"--lr must be > 0, got {args.lr:g}")
     return parser, args
 
 
@@ -128,27 +156,50 @@ def load_mnist(seed):
 
 
 def check_image_folder(path):
-    """Checks that path is a folder of class sub-folders that hold images.
+    """Checks that path is a folder of at least two class sub-folders of readable images.
+
+    Each image's first bytes are compared with its format's signature, so a
+    file that is empty, unreadable or not an image is named here rather than
+    failing a decode in the middle of training. (A file that starts right but
+    is damaged further on still fails there; main reports that in one line.)
 
     Raises:
       FileNotFoundError: path does not exist or is not a folder.
-      ValueError: no class sub-folder holds an image file.
+      ValueError: fewer than two class sub-folders hold image files; a file
+        cannot be read or does not start as its extension says.
     """
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--dataset {path!r}: no such folder (nor 'digits' or 'mnist')")
     classes = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
-    images = [
-        name
-        for d in classes
-        for _, _, files in os.walk(os.path.join(path, d))
-        for name in files
-        if name.lower().endswith(IMAGE_EXTENSIONS)
-    ]
-    if not images:
+    counts = {}
+    for d in classes:
+        for folder, _, files in os.walk(os.path.join(path, d)):
+            for name in files:
+                extension = os.path.splitext(name)[1].lower()
+                if extension in IMAGE_SIGNATURES:
+                    _check_image_file(os.path.join(folder, name), IMAGE_SIGNATURES[extension])
+                    counts[d] = counts.get(d, 0) + 1
+    if not counts:
         raise ValueError(
             f"--dataset {path!r}: no images found; expected one sub-folder per class holding "
             f"{', '.join(IMAGE_EXTENSIONS)} files (found sub-folders: {classes})"
         )
+    if len(counts) < 2:
+        raise ValueError(
+            f"--dataset {path!r}: only one class ({next(iter(counts))!r}) holds images; "
+            f"a classifier needs at least two class sub-folders"
+        )
+
+
+def _check_image_file(path, signatures):
+    try:
+        with open(path, "rb") as f:
+            head = f.read(max(map(len, signatures)))
+    except OSError as error:
+        raise ValueError(f"cannot read image {path!r}: {error.strerror or error}") from None
+    if not head.startswith(signatures):
+        what = "is empty" if not head else f"does not start as a {os.path.splitext(path)[1]} file"
+        raise ValueError(f"image {path!r} {what}: remove it or replace it with a valid image")
 
 
 def load_folder(path, image_size, batch_size, num_devices, seed, limit):
@@ -159,6 +210,8 @@ def load_folder(path, image_size, batch_size, num_devices, seed, limit):
     Returns:
       (train dataset, test dataset, number of classes).
     """
+    import keras
+
     check_image_folder(path)
     train, test = keras.utils.image_dataset_from_directory(
         path,
@@ -177,6 +230,11 @@ def load_folder(path, image_size, batch_size, num_devices, seed, limit):
     if count < num_devices:
         raise ValueError(
             f"--dataset {path!r}: {count} training images, fewer than the {num_devices} devices"
+        )
+    if batch_size > count:
+        raise ValueError(
+            f"--batch-size {batch_size} is larger than the {count} training images of "
+            f"--dataset {path}"
         )
 
     def scale(image, label):
@@ -218,12 +276,13 @@ def read_history(path):
         return []
 
 
-def plot_curves(history, path):
-    """Writes a PNG of loss and accuracy per epoch (train and test)."""
+def plot_curves(history, path, title):
+    """Writes a PNG of loss and accuracy per epoch (train and test), titled `title`."""
     from matplotlib.figure import Figure
 
     epochs = [h["epoch"] for h in history]
-    figure = Figure(figsize=(9, 3.5), layout="constrained")
+    figure = Figure(figsize=(9, 3.8), layout="constrained")
+    figure.suptitle(title)
     for axis, metric in zip(figure.subplots(1, 2), ("loss", "accuracy")):
         for prefix, label in (("", "train"), ("val_", "test")):
             values = [h.get(prefix + metric) for h in history]
@@ -238,29 +297,33 @@ def plot_curves(history, path):
     os.replace(f"{path}.tmp", path)
 
 
-def main(argv=None):
-    """Trains and evaluates; returns the exit status (130 after Ctrl-C, 143 after SIGTERM).
+def existing_run(logdir):
+    """The names under logdir that a run of this script wrote (RUN_FILES, event files)."""
+    if not os.path.isdir(logdir):
+        return []
+    return sorted(
+        name for name in os.listdir(logdir) if name in RUN_FILES or name.startswith(EVENTS_PREFIX)
+    )
 
-    Args:
-      argv: list of command-line arguments, None for sys.argv[1:].
+
+def remove_run(logdir, names):
+    """Removes the run files `names` (from existing_run) under logdir, and nothing else."""
+    import shutil
+
+    for name in names:
+        path = os.path.join(logdir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
+def load_data(parser, args, towers):
+    """The data set of --dataset: (train, test, number of classes, input shape, train count).
+
+    train and test are (x, y) arrays, or tf.data datasets of global batches
+    for a folder. Exits with a usage error for a bad folder or batch size.
     """
-    parser, args = parse_args(argv)
-    try:
-        # Every GPU, else K logical CPU devices, made before TensorFlow starts.
-        devices = logical_devices(args.devices)
-    except ValueError as error:
-        parser.error(f"--devices {args.devices}: {error}" if args.devices else str(error))
-    try:
-        # tfreduce: one worker of a multi-worker run when TF_CONFIG is set.
-        cluster = tfreduce.Cluster.from_tf_config() if os.environ.get("TF_CONFIG") else None
-    except (TypeError, ValueError) as error:
-        parser.error(str(error))
-    if cluster is not None:
-        # Started before any tensor exists (datasets included): from here on
-        # this worker's devices carry its job and task in their names.
-        cluster.start()  # tfreduce:
-    workers = cluster.num_workers if cluster is not None else 1
-    towers = workers * len(devices)
     try:
         if args.dataset == "digits":
             train, test, num_classes = load_digits(args.seed)
@@ -272,17 +335,131 @@ def main(argv=None):
             )
     except (FileNotFoundError, ValueError) as error:
         parser.error(str(error))
-    if isinstance(train, tuple):
-        if args.limit is not None:
-            train = (train[0][: args.limit], train[1][: args.limit])
-        input_shape = train[0].shape[1:]
-        num_train, num_test = len(train[0]), len(test[0])
-    else:
-        input_shape = tuple(train.element_spec[0].shape[1:])
-        num_train, num_test = None, None
+    if not isinstance(train, tuple):
+        return train, test, num_classes, tuple(train.element_spec[0].shape[1:]), None
+    if args.limit is not None:
+        train = (train[0][: args.limit], train[1][: args.limit])
+    if args.batch_size > len(train[0]):
+        parser.error(
+            f"--batch-size {args.batch_size} is larger than the {len(train[0])} training "
+            f"images of --dataset {args.dataset}"
+            + (f" --limit {args.limit}" if args.limit is not None else "")
+        )
+    return train, test, num_classes, train[0].shape[1:], len(train[0])
+
+
+def main(argv=None):
+    """Trains and evaluates; returns the exit status.
+
+    0 on success (also when a resumed run had already reached --epochs), 1
+    after a run-time error (one line on stderr; --verbose raises it), 2 for
+    a usage error, 130 after Ctrl-C and 143 after SIGTERM.
+
+    Args:
+      argv: list of command-line arguments, None for sys.argv[1:].
+    """
+    parser, args = parse_args(argv)
+    try:
+        return train_and_evaluate(parser, args)
+    except KeyboardInterrupt:
+        # Ctrl-C before training started (fit handles it during training).
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if args.verbose or not is_run_time_error(error):
+            raise
+        message = f"{type(error).__name__}: {first_line(error)}"
+        if args.dataset not in ("digits", "mnist"):
+            # A damaged image fails in the input pipeline, whose error names no file.
+            message = find_undecodable_image(args.dataset) or message
+        print(f"{parser.prog}: error: {message} (--verbose shows the traceback)", file=sys.stderr)
+        return 1
+
+
+def first_line(error):
+    """An error's message in one line, without TF's "{{function_node ...}}" and "[Op:...]" parts."""
+    message = getattr(error, "message", None) or str(error) or type(error).__name__
+    message = re.sub(r"\{\{[^}]*\}\}\s*|\s*\[Op:.*$", "", message.splitlines()[0])
+    return message.strip()
+
+
+def find_undecodable_image(path):
+    """The first image under folder `path` that TensorFlow cannot decode, as a message, or None."""
+    import tensorflow as tf
+
+    for folder, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            if os.path.splitext(name)[1].lower() in IMAGE_SIGNATURES:
+                file = os.path.join(folder, name)
+                try:
+                    tf.io.decode_image(tf.io.read_file(file), expand_animations=False)
+                except tf.errors.OpError as error:
+                    return f"image {file!r} cannot be decoded ({first_line(error)})"
+    return None
+
+
+def is_run_time_error(error):
+    """True for the errors a run can meet through no bug of its own (one line, exit 1)."""
+    import tensorflow as tf
+
+    import tfreduce
+
+    return isinstance(
+        error, (tf.errors.OpError, tfreduce.WorkerLostError, FloatingPointError, OSError, ValueError)
+    )
+
+
+def train_and_evaluate(parser, args):
+    """main's work once the arguments are parsed; returns the exit status."""
+    # tfreduce-launch --restarts N sets TFREDUCE_RESTART_COUNT > 0 on a restart:
+    # continue from the checkpoint the failed run left, if it left one.
+    restarted = int(os.environ.get("TFREDUCE_RESTART_COUNT", "0")) > 0
+    found = existing_run(args.logdir)
+    if found and not (args.resume or args.overwrite or restarted):
+        events = sum(name.startswith(EVENTS_PREFIX) for name in found)
+        what = [name for name in found if name in RUN_FILES] + (
+            [f"{events} TensorBoard event file" + "s" * (events > 1)] if events else [])
+        parser.error(
+            f"--logdir {args.logdir} already holds a run ({', '.join(what)}): continue it "
+            f"with --resume, or start again with --overwrite"
+        )
+    import_tensorflow(args.verbose)
+    import keras
+
+    import tfreduce
+    from tfreduce.devices import is_gpu
+    from tfreduce.models import image_cnn
+    from tfreduce.trainer import ReplicatedTrainer
+    from tfreduce.trainer.signals import Terminated
+
+    try:
+        # Every GPU, else K logical CPU devices, made before TensorFlow starts.
+        devices = tfreduce.logical_devices(args.devices)
+    except ValueError as error:
+        parser.error(f"--devices {args.devices}: {error}" if args.devices else str(error))
+    if args.algorithm in GPU_ONLY_ALGORITHMS and not all(map(is_gpu, devices)):
+        usable = [a for a in ALGORITHMS if a not in GPU_ONLY_ALGORITHMS]
+        parser.error(
+            f"--algorithm {args.algorithm} runs on GPUs only and this machine has none; "
+            f"choose one of {', '.join(usable)}"
+        )
+    try:
+        # tfreduce: one worker of a multi-worker run when TF_CONFIG is set.
+        cluster = tfreduce.Cluster.from_tf_config() if os.environ.get("TF_CONFIG") else None
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+    if args.overwrite and found and (cluster is None or cluster.rank == 0):
+        remove_run(args.logdir, found)
+    if cluster is not None:
+        # Started before any tensor exists (datasets included): from here on
+        # this worker's devices carry its job and task in their names.
+        cluster.start()  # tfreduce:
+    workers = cluster.num_workers if cluster is not None else 1
+    towers = workers * len(devices)
     if args.batch_size < towers:
         what = f"--devices {len(devices)}" + (f" x {workers} workers" if cluster else "")
         parser.error(f"--batch-size {args.batch_size} is smaller than {what}")
+    train, test, num_classes, input_shape, num_train = load_data(parser, args, towers)
 
     trainer = ReplicatedTrainer(  # tfreduce:
         model_fn=lambda: image_cnn(input_shape, num_classes, args.seed),
@@ -296,7 +473,7 @@ def main(argv=None):
     if algorithm == "auto":
         algorithm = f"auto -> {tfreduce.choose_algorithm(trainer.devices)}"
     size = (
-        f"{num_train} train / {num_test} test images"
+        f"{num_train} train / {len(test[0])} test images"
         if num_train is not None
         else "images from a folder"
     )
@@ -314,9 +491,6 @@ def main(argv=None):
     checkpoint_dir = os.path.join(args.logdir, "checkpoints")
     history_path = os.path.join(args.logdir, "history.json")
     history = []
-    # tfreduce-launch --restarts N sets TFREDUCE_RESTART_COUNT > 0 on a restart:
-    # continue from the checkpoint the failed run left, if it left one.
-    restarted = int(os.environ.get("TFREDUCE_RESTART_COUNT", "0")) > 0
     if args.resume or (restarted and has_checkpoint(checkpoint_dir)):
         # Only worker 0 reads the checkpoint; the others receive its values.
         if trainer.is_chief and not has_checkpoint(checkpoint_dir):
@@ -356,6 +530,10 @@ def main(argv=None):
         print(f"{what}; continue with --resume --logdir {args.logdir} --epochs {args.epochs}",
               file=sys.stderr)
         return 143 if isinstance(stop, Terminated) else 130
+    if not run.get("epoch"):
+        print(f"the run in {args.logdir} has already reached --epochs {args.epochs} (step "
+              f"{trainer.step}): nothing to train; give a larger --epochs to train on")
+        return 0
 
     results = trainer.evaluate(*test) if isinstance(test, tuple) else trainer.evaluate(test)
     rates = run.get("images_per_sec", [])
@@ -371,7 +549,9 @@ def main(argv=None):
     print(f"TensorBoard logs in {args.logdir}, checkpoints in {checkpoint_dir}")
     if history:
         curves = os.path.join(args.logdir, "curves.png")
-        plot_curves(history, curves)
+        dataset = os.path.basename(os.path.normpath(args.dataset))
+        plot_curves(history, curves, f"{dataset}: {towers} towers, all-reduce {algorithm}, "
+                                     f"global batch {args.batch_size}")
         print(f"training curves in {curves}")
     return 0
 

@@ -68,6 +68,7 @@ EXPORTS = {
     'broadcast_variables_multiworker': "(all_vars, cluster, keys=None, timeout=None, communication='auto')",
     'choose_algorithm': '(devices)',
     'default_groups': '(num_devices)',
+    'logical_devices': '(num_devices=None, device_type=None)',
     'max_replica_difference': '(all_vars)',
     'merge_grad_list': '(all_grads, all_vars)',
     'split_grad_list': '(grad_list)',

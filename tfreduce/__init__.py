@@ -24,6 +24,7 @@ _EXPORTS = {
     "WorkerLostError": "tfreduce.cluster",
     "CollectiveKeys": "tfreduce.collective",
     "merge_grad_list": "tfreduce.contract",
+    "logical_devices": "tfreduce.devices",
     "split_grad_list": "tfreduce.contract",
     "allreduce_grads_hierarchical": "tfreduce.hierarchical",
     "default_groups": "tfreduce.hierarchical",

@@ -8,12 +8,12 @@ a signature.
 
 import inspect
 
+from tfreduce.choices import ALGORITHMS, DEFAULT_PACK_BYTES
 from tfreduce.contract import validate_grads
 from tfreduce.devices import is_gpu
 from tfreduce.frame import run_stages
 from tfreduce.hierarchical import HierarchicalStage
 from tfreduce.nccl_ops import CollectiveStage, NcclStage
-from tfreduce.packing import DEFAULT_PACK_BYTES
 from tfreduce.replicated import FlatStage
 from tfreduce.ring import RingStage
 
@@ -24,8 +24,10 @@ __all__ = ["ALGORITHMS", "STAGES", "FRAME_OPTIONS", "allreduce_grads", "choose_a
 STAGES = {stage.name: stage for stage in (FlatStage, HierarchicalStage, RingStage, NcclStage,
                                           CollectiveStage)}
 
-#: Names ``allreduce_grads(algorithm=...)`` accepts.
-ALGORITHMS = ("auto",) + tuple(STAGES)
+# ALGORITHMS, the names ``allreduce_grads(algorithm=...)`` accepts, is
+# spelled out in choices (the command lines need it before TensorFlow).
+if ALGORITHMS != ("auto",) + tuple(STAGES):
+    raise ImportError(f"choices.ALGORITHMS {ALGORITHMS} does not list the stages {tuple(STAGES)}")
 
 #: Options of the frame, which every algorithm takes.
 FRAME_OPTIONS = ("pack_bytes", "sparse_as_dense")

@@ -11,7 +11,7 @@ surfacing later as a shape error deep inside a graph.
 import numpy as np
 import tensorflow as tf
 
-from tfreduce.devices import normalize_devices
+from tfreduce.devices import check_devices_exist, normalize_devices
 
 __all__ = [
     "Gradients",
@@ -197,7 +197,8 @@ def validate_grads(all_grads, devices=None):
       ValueError: empty input; towers with different N; a variable whose
         shapes or dtypes differ across towers; a variable that is None on some
         towers only; bad or duplicate devices; devices=None and a tower whose
-        gradients carry no device.
+        gradients carry no device; executing eagerly or tracing a
+        tf.function, a device that does not exist in this process.
     """
     if not isinstance(all_grads, (list, tuple)):
         raise TypeError(
@@ -222,9 +223,15 @@ def validate_grads(all_grads, devices=None):
              for k, tower in enumerate(all_grads)]
     for n in range(num_vars):
         _check_variable(grads, n)
+    given = devices
     if devices is None:
         devices = [_device_of(tower, k) for k, tower in enumerate(grads)]
     devices = normalize_devices(devices, num_towers=len(grads))
+    if tf.executing_eagerly() or tf.inside_function():
+        # A v1 Graph may be built for another machine (structure tests,
+        # graphs exported to run elsewhere); eager code and tf.function run
+        # here, where TF would silently put a missing device's ops on CPU:0.
+        check_devices_exist(devices, given)
     return Gradients(grads, devices)
 
 

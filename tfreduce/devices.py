@@ -14,7 +14,7 @@ given against what this process has.
 import tensorflow as tf
 
 __all__ = ["normalize_device", "normalize_devices", "is_gpu", "logical_devices",
-           "tower_devices", "DEFAULT_CPU_DEVICES"]
+           "tower_devices", "check_devices_exist", "DEFAULT_CPU_DEVICES"]
 
 #: K when no GPU exists and no count is given: two towers, the smallest
 #: data-parallel run.
@@ -136,12 +136,18 @@ def logical_devices(num_devices=None, device_type=None):
         return [f"/device:GPU:{i}" for i in range(count)]
     count = DEFAULT_CPU_DEVICES if num_devices is None else num_devices
     cpu = tf.config.list_physical_devices("CPU")[0]
-    if tf.config.get_logical_device_configuration(cpu) is None:
+    configured = tf.config.get_logical_device_configuration(cpu)
+    if configured is None:
         try:
             tf.config.set_logical_device_configuration(
                 cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
+            configured = [None] * count
         except RuntimeError:
             pass  # TensorFlow is already initialised: what exists is checked below.
+    if configured is not None and len(configured) >= count:
+        # Named without listing them: listing would start TensorFlow's runtime,
+        # and a cluster's server is best started before that (Cluster.start).
+        return [f"/device:CPU:{i}" for i in range(count)]
     existing = tf.config.list_logical_devices("CPU")
     if len(existing) < count:
         raise ValueError(
@@ -149,6 +155,40 @@ def logical_devices(num_devices=None, device_type=None):
             f"initialised, so no more can be made; configure more before TensorFlow "
             f"starts or ask for fewer")
     return [tf.DeviceSpec.from_string(d.name).to_string() for d in existing[:count]]
+
+
+def _local_devices():
+    """This process's logical devices as DeviceSpecs with a type and an index."""
+    local = [tf.DeviceSpec.from_string(d.name) for d in tf.config.list_logical_devices()]
+    return [s for s in local if s.device_type and s.device_index is not None]
+
+
+def check_devices_exist(names, given=None):
+    """Checks that canonical device names name devices of this process.
+
+    A name with a job other than "localhost" (a cluster's device) is not
+    checked here: the cluster checks its own.
+
+    Args:
+      names: list of K canonical device strings.
+      given: list of K strings, the devices as the caller gave them (for the
+        message); None to use ``names``.
+
+    Raises:
+      ValueError: ``devices[k]`` does not exist in this process; the message
+        lists the devices that do and how to make K logical CPU devices.
+    """
+    given = names if given is None else given
+    local_keys = {_local_key(s) for s in _local_devices()}
+    for k, name in enumerate(names):
+        spec = tf.DeviceSpec.from_string(name)
+        if spec.job in (None, "localhost") and _local_key(spec) not in local_keys:
+            available = sorted(f"/device:{t}:{i}" for t, i in local_keys)
+            raise ValueError(
+                f"devices[{k}]={given[k]!r} does not exist in this process; available "
+                f"devices: {available}. For K logical CPU devices, call "
+                f"tfreduce.logical_devices(K) before TensorFlow initialises (it calls "
+                f"tf.config.set_logical_device_configuration).")
 
 
 def tower_devices(devices):
@@ -163,23 +203,20 @@ def tower_devices(devices):
 
     Raises:
       TypeError: devices is not a list of strings.
-      ValueError: a device is malformed, repeated or does not exist.
+      ValueError: a device is malformed, repeated, names a job other than
+        "localhost", or does not exist.
     """
-    local = [tf.DeviceSpec.from_string(d.name) for d in tf.config.list_logical_devices()]
-    local = [s for s in local if s.device_type and s.device_index is not None]
     if devices is None:
+        local = _local_devices()
         gpus = [s for s in local if s.device_type.upper() == "GPU"]
         chosen = gpus or [s for s in local if s.device_type.upper() == "CPU"]
         return [f"/device:{t}:{i}" for t, i in map(_local_key, chosen)]
     names = normalize_devices(devices)
-    local_keys = {_local_key(s) for s in local}
     for k, name in enumerate(names):
-        spec = tf.DeviceSpec.from_string(name)
-        if _local_key(spec) not in local_keys or spec.job not in (None, "localhost"):
-            available = sorted(f"/device:{t}:{i}" for t, i in local_keys)
+        job = tf.DeviceSpec.from_string(name).job
+        if job not in (None, "localhost"):
             raise ValueError(
-                f"devices[{k}]={devices[k]!r} does not exist in this process; available "
-                f"devices: {available}. For more CPU devices, call "
-                "tf.config.set_logical_device_configuration before TensorFlow initialises."
-            )
+                f"devices[{k}]={devices[k]!r} names job {job!r}: give this process's "
+                f"devices without a job (a cluster names them itself)")
+    check_devices_exist(names, devices)
     return names

@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 
+from tfreduce.startup import VERBOSE_ENV, ArgumentParser
 from tfreduce.tf_config import worker_tf_config as tf_config
 
 __all__ = ["main", "free_ports", "tf_config"]
@@ -187,7 +188,7 @@ def _describe(returncode):
 def parse_args(argv):
     """Splits ``argv`` at "--" into the launcher's options and the command."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m tfreduce.launch",
         description="Run N workers of a TF_CONFIG multi-worker program on this "
                     "machine: python -m tfreduce.launch --workers 2 -- python train.py",
@@ -210,6 +211,9 @@ def parse_args(argv):
                              f"first start, 1 after the first restart, ...: resume "
                              f"from the latest checkpoint when it is > 0. Ctrl-C, "
                              f"SIGTERM and --timeout never restart")
+    parser.add_argument("--verbose", action="store_true",
+                        help=f"set {VERBOSE_ENV}=1 for the workers: tfreduce's commands "
+                             f"then show TensorFlow's start-up and C++ log lines")
     if "--" in argv:
         cut = argv.index("--")
         options, command = argv[:cut], argv[cut + 1:]
@@ -331,6 +335,8 @@ def main(argv=None):
       cannot be started.
     """
     args = parse_args(argv)
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"  # the workers inherit the launcher's environment
 
     def log(message):
         sys.stderr.write(f"[launch] {message}\n")

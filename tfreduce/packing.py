@@ -16,21 +16,12 @@ pass through unpacked.
 
 import tensorflow as tf
 
+# The default lives with the other command-line choices, known without TensorFlow.
+from tfreduce.choices import DEFAULT_PACK_BYTES
 from tfreduce.contract import nbytes
 
 __all__ = ["DEFAULT_PACK_BYTES", "PackPlan", "check_pack_bytes"]
 
-#: The recommended ``pack_bytes``: gradients under 64 KiB are fused. Chosen
-#: with ``tfreduce-bench --pack-bytes 16KiB,64KiB,256KiB,1MiB,4MiB`` (K=8
-#: logical CPU devices, ResNet50's 214 tensors, mean). At 102 MB per tower it
-#: was the fastest size for flat (23% faster than unpacked) and as fast as
-#: 256 KiB-1 MiB for hierarchical; 4 MiB and more were no faster than no
-#: packing, since packing copies every packed byte twice (concat and split),
-#: which pays only for tensors small enough that per-op cost dominates. With
-#: the tensors shrunk to 1 MB, every size from 64 KiB up was about 3x faster than
-#: unpacked. The ring, whose op count grows as K^2 per buffer, and links
-#: between GPUs favour larger buffers: pass ``pack_bytes=`` to choose.
-DEFAULT_PACK_BYTES = 64 * 2**10
 
 
 def check_pack_bytes(pack_bytes):

@@ -11,13 +11,14 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tfreduce.bench.contenders import FAMILIES, contenders
+from tfreduce.bench.contenders import contenders
 from tfreduce.bench.harness import (build_contender, check, consume, device_names,
                                     environment, graph_session_config, make_floor,
                                     make_inputs, time_rounds, warm_up)
 from tfreduce.bench.tables import print_table
 from tfreduce.bench.units import format_bytes
 from tfreduce.bench.workloads import gradient_shapes
+from tfreduce.choices import ALGORITHMS
 
 __all__ = ["run", "print_result", "plot"]
 
@@ -119,8 +120,12 @@ def _first_steps(sess, rows, fetches, inputs, average, dtype, log):
         row["first_step_s"] = time.perf_counter() - start
         if inputs is not None:
             check(sess, row, fetches[name], inputs, average, dtype)
+            # Ops nothing consumes (tf.distribute's builders leave a few) are
+            # pruned by the session; what the check guards is a contender
+            # whose reduction was pruned, which its values would show too.
+            unused = row["ops_not_run"]
             log(f"checked {name}: max error {row['max_abs_error']:g}, "
-                f"{row['ops_not_run']} of its ops did not run")
+                + (f"{unused} unused ops of its graph pruned" if unused else "every op ran"))
 
 
 def _quartiles(samples):
@@ -199,14 +204,19 @@ def plot(result, path):
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     rows = result["results"]
     medians = [r["median_ms"] for r in rows]
     errors = [[r["median_ms"] - r["q1_ms"] for r in rows],
               [r["q3_ms"] - r["median_ms"] for r in rows]]
-    colors = ["0.6" if "family" not in r else
-              ("C0" if r["family"] in FAMILIES[:5] else "C1") for r in rows]
-    fig = Figure(figsize=(8, 0.35 * len(rows) + 1.5))
+    # Baselines (floor, inputs) have no family; tfreduce's families are its algorithms.
+    kinds = {"baseline": "0.6", "tfreduce": "C0", "peer (tensorpack, tf.distribute)": "C1"}
+    colors = [kinds["baseline"] if "family" not in r else
+              kinds["tfreduce"] if r["family"] in ALGORITHMS else
+              kinds["peer (tensorpack, tf.distribute)"] for r in rows]
+    fig = Figure(figsize=(8, 0.35 * len(rows) + 2))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     ax.barh(range(len(rows)), medians, xerr=errors, color=colors)
@@ -214,8 +224,10 @@ def plot(result, path):
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([r["name"] for r in rows])
     ax.invert_yaxis()
-    ax.set_xlabel("median step (ms); whiskers: quartiles; dotted: memory floor; "
-                  "blue: tfreduce")
+    ax.set_xlabel("median step (ms); whiskers: first to third quartile")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in kinds.items() if c in colors]
+              + [Line2D([], [], color="k", linestyle=":", label="memory floor")],
+              loc="lower right", fontsize="small")
     cfg = result["config"]
     ax.set_title(f"{cfg['model']}, {cfg['num_tensors']} tensors, "
                  f"{format_bytes(cfg['bytes_per_tower'])}/tower, {cfg['dtype']} "

@@ -1,28 +1,24 @@
-"""The ``tfreduce-bench`` command line: options, checks and the run of one mode."""
+"""The ``tfreduce-bench`` command line: options, checks and the run of one mode.
+
+Arguments are parsed before TensorFlow is imported, so ``--help`` and usage
+errors answer at once; each mode's module (all import TensorFlow) is loaded
+only to run it.
+"""
 
 import argparse
+import importlib
 import json
 import sys
 
-import tensorflow as tf
-
-import tfreduce
-import tfreduce.bench.allreduce_mode as allreduce_mode
-import tfreduce.bench.scaling_mode as scaling_mode
-import tfreduce.bench.soak_mode as soak_mode
-import tfreduce.bench.train_mode as train_mode
-from tfreduce.bench.contenders import FAMILIES
 from tfreduce.bench.units import format_bytes, parse_bytes
 from tfreduce.bench.workloads import keras_application
-from tfreduce.devices import logical_devices
-from tfreduce.packing import DEFAULT_PACK_BYTES
+from tfreduce.choices import ALGORITHMS, BENCH_FAMILIES, DEFAULT_PACK_BYTES
+from tfreduce.startup import ArgumentParser, import_tensorflow
 
 __all__ = ["MODES", "main", "parse_args"]
 
-# --mode -> the module that runs it (run, print_result).
-_MODES = {"allreduce": allreduce_mode, "train": train_mode, "scaling": scaling_mode,
-          "soak": soak_mode}
-MODES = tuple(_MODES)
+#: ``--mode`` values; mode M runs ``tfreduce.bench.M_mode`` (run, print_result).
+MODES = ("allreduce", "train", "scaling", "soak")
 
 
 def _parse_list(text, convert, what):
@@ -54,10 +50,9 @@ def parse_args(argv):
 
     Raises:
       SystemExit: status 2 with a usage error for a bad value (unknown
-        contender or algorithm, a malformed byte count, K < 1, fewer GPUs
-        than --devices).
+        contender or algorithm, a malformed byte count, K < 1).
     """
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="tfreduce-bench",
         description="Time tfreduce's all-reduce algorithms against tensorpack, "
                     "tf.distribute and the memory floor on K devices.")
@@ -96,7 +91,7 @@ def parse_args(argv):
                         help="run tfreduce algorithms unpacked, packed, or both (default)")
     parser.add_argument("--contenders", default=None, metavar="NAME[,NAME]",
                         type=lambda s: _parse_list(s, str, "--contenders"),
-                        help=f"run only these of {','.join(FAMILIES)}; default all")
+                        help=f"run only these of {','.join(BENCH_FAMILIES)}; default all")
     parser.add_argument("--grid-devices", default=None, metavar="K[,K]",
                         type=lambda s: _parse_list(s, _positive_int, "--grid-devices"),
                         help="train and scaling modes: the K values; default 2,4,8 (train), "
@@ -128,25 +123,22 @@ def parse_args(argv):
     parser.add_argument("--png", default=None, metavar="PATH",
                         help="allreduce mode: write a bar chart here")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show TensorFlow's start-up and C++ log lines (hidden by default)")
     args = parser.parse_args(argv)
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.contenders:
-        unknown = sorted(set(args.contenders) - set(FAMILIES))
+        unknown = sorted(set(args.contenders) - set(BENCH_FAMILIES))
         if unknown:
-            parser.error(f"--contenders: unknown {unknown}; choose from {list(FAMILIES)}")
+            parser.error(f"--contenders: unknown {unknown}; choose from {list(BENCH_FAMILIES)}")
     if args.algorithms:
-        known = set(tfreduce.ALGORITHMS)
+        known = set(ALGORITHMS)
         bad = [a for a in args.algorithms if a.partition("+")[0] not in known
                or a.partition("+")[2] not in ("", "pack")]
         if bad:
             parser.error(f"--algorithms: unknown {bad}; use names in {list(known)}, "
                          f"optionally with '+pack'")
-    if args.device_type == "gpu":
-        found = len(tf.config.list_physical_devices("GPU"))
-        if found < args.devices:
-            parser.error(f"--devices {args.devices} --device-type gpu: this machine has "
-                         f"{found} GPUs")
     return parser, args
 
 
@@ -164,9 +156,18 @@ def main(argv=None):
 
     Raises:
       SystemExit: status 2 with a usage error for a bad argument, including
-        an unknown Keras model and a train-mode K this process cannot have.
+        an unknown Keras model, fewer GPUs than --devices, and a train-mode K
+        this process cannot have.
     """
     parser, args = parse_args(argv)
+    tf = import_tensorflow(args.verbose)
+    from tfreduce.devices import logical_devices
+
+    if args.device_type == "gpu":
+        found = len(tf.config.list_physical_devices("GPU"))
+        if found < args.devices:
+            parser.error(f"--devices {args.devices} --device-type gpu: this machine has "
+                         f"{found} GPUs")
 
     def log(message):
         if not args.quiet:
@@ -185,7 +186,7 @@ def main(argv=None):
             keras_application(args.model)
         except ValueError as error:
             parser.error(str(error))
-    mode = _MODES[args.mode]
+    mode = importlib.import_module(f"tfreduce.bench.{args.mode}_mode")
     result = mode.run(args, log)
     mode.print_result(result)
     if args.json:
@@ -194,7 +195,7 @@ def main(argv=None):
         log(f"wrote {args.json}")
     if args.png:
         if args.mode == "allreduce":
-            allreduce_mode.plot(result, args.png)
+            mode.plot(result, args.png)
             log(f"wrote {args.png}")
         else:
             log(f"--png draws the allreduce mode only; nothing drawn for --mode {args.mode}")

@@ -10,18 +10,14 @@ import tensorflow as tf
 import tfreduce
 from tfreduce.bench.units import format_bytes
 
-__all__ = ["FAMILIES", "Contender", "contenders", "tfreduce_builder"]
-
-FAMILIES = ("flat", "hierarchical", "ring", "collective", "nccl", "tensorpack",
-            "tf-hierarchical-copy", "tf-reduction-to-one-device")
-
+__all__ = ["Contender", "contenders", "tfreduce_builder"]
 
 class Contender:
     """One all-reduce implementation under test.
 
     Args:
       name: str, the row label.
-      family: str, one of FAMILIES (what ``--contenders`` selects).
+      family: str, one of ``choices.BENCH_FAMILIES`` (what ``--contenders`` selects).
       description: str, what it builds.
       build: callable ``(grads, devices, average) -> K x N outputs``.
     """

@@ -162,14 +162,17 @@ def fit_data(x, y, batch_size, total_towers):
     return x, y, steps
 
 
-def check_fit_arguments(epochs, validation_data, checkpoint_dir):
+def check_fit_arguments(epochs, validation_data, checkpoint_dir, verbose):
     """Checks what fit would otherwise find wrong only after an epoch of work.
 
     Raises:
       ValueError: epochs is not an int >= 1; validation_data is neither a
         dataset nor (x, y) arrays of one nonzero length; checkpoint_dir
-        cannot be created (e.g. a file is in the way).
+        cannot be created (e.g. a file is in the way); verbose is not 0, 1 or 2.
     """
+    if isinstance(verbose, bool) or verbose not in (0, 1, 2):
+        raise ValueError(f"fit: verbose must be 0 (silent), 1 (a progress bar) or 2 (one "
+                         f"line per epoch), got {verbose!r}")
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"fit: epochs must be an int >= 1 (the epoch to train up to, "
                          f"counting restored ones), got {epochs!r}")

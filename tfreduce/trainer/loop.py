@@ -42,7 +42,7 @@ class Epochs:
       total_towers: int T, the towers of all workers; an array batch smaller
         than T is skipped.
       writer: tf.summary writer of TensorBoard summaries, or None.
-      verbose: 0 silent, 1 progress bar per epoch.
+      verbose: 0 silent, 1 a progress bar per epoch, 2 one line per epoch.
     """
 
     x: object
@@ -87,7 +87,11 @@ def fit_loop(
     if not trainer.is_chief:
         # Rank 0 writes and reports for the whole cluster.
         logdir, checkpoint_dir, verbose = None, None, 0
-    check_fit_arguments(epochs, validation_data, checkpoint_dir)
+    check_fit_arguments(epochs, validation_data, checkpoint_dir, verbose)
+    if verbose == 1 and not sys.stdout.isatty():
+        # A bar redrawn with \r and ANSI codes is noise in a file or a pipe
+        # (a log, the launcher's prefixed lines): one line per epoch there.
+        verbose = 2
     writer = tf.summary.create_file_writer(logdir) if logdir else None
     run = Epochs(
         x, y, epochs, batch_size, shuffle, seed, steps_per_epoch, total_towers, writer, verbose
@@ -124,7 +128,7 @@ def _fit_epochs(trainer, run, validation_data, checkpoint_dir, callbacks, histor
         stop = Terminated(trainer._stop.signum, trainer.step) if trainer._stopping else None
         if stop is not None and trainer.step % run.steps_per_epoch:
             raise stop  # mid-epoch: the resume finishes this epoch
-        logs = _end_epoch(trainer, run, logs, validation_data)
+        logs = _end_epoch(trainer, run, epoch, logs, validation_data)
         logs = {"epoch": epoch + 1, **logs}
         for name, value in logs.items():
             history.setdefault(name, []).append(value)
@@ -148,7 +152,7 @@ def _save_on_interrupt(trainer, checkpoint_dir, stop):
             print(f"\n{what}; checkpoint written to {path}", file=sys.stderr)
 
 
-def _end_epoch(trainer, run, logs, validation_data):
+def _end_epoch(trainer, run, epoch, logs, validation_data):
     """Adds validation results to an epoch's logs, writes and prints them."""
     if validation_data is not None:
         val_x, val_y = (validation_data, None) if is_dataset(validation_data) else validation_data
@@ -160,7 +164,10 @@ def _end_epoch(trainer, run, logs, validation_data):
                 tf.summary.scalar(f"epoch/{name}", value)
         run.writer.flush()
     if run.verbose:
-        print(" - ".join(f"{name}: {value:.4g}" for name, value in logs.items()))
+        line = " - ".join(f"{name}: {value:.4g}" for name, value in logs.items())
+        # verbose 1 printed "Epoch i/n" above the bar; 2 has one line an epoch.
+        print(line if run.verbose == 1 else f"Epoch {epoch + 1}/{run.epochs} - {line}",
+              flush=True)
     return logs
 
 
@@ -191,10 +198,11 @@ def fit_epoch(trainer, run, epoch, skip):
       dict: "loss", "accuracy" (when defined) and "images_per_sec".
     """
     batches = _epoch_batches(run, epoch, skip)
-    if run.verbose:
+    if run.verbose == 1:
         print(f"Epoch {epoch + 1}/{run.epochs}")
     progress = keras.utils.Progbar(
-        run.steps_per_epoch, verbose=run.verbose, stateful_metrics=["loss", "accuracy", "images/s"]
+        run.steps_per_epoch, verbose=int(run.verbose == 1),
+        stateful_metrics=["loss", "accuracy", "images/s"]
     )
     if skip:
         progress.update(skip)

@@ -320,7 +320,8 @@ class ReplicatedTrainer:
             epoch and on Ctrl-C (see `save`). None: no checkpoints.
           callbacks: functions fn(epoch, logs) called after every epoch with
             the 1-based epoch number and that epoch's dict of results.
-          verbose: 0 silent, 1 progress bar per epoch.
+          verbose: 0 silent; 1 a progress bar per epoch on a terminal, one line
+            per epoch when stdout is a file or a pipe; 2 one line per epoch.
 
         Returns:
           dict of lists, one entry per epoch run by this call: "epoch",
@@ -329,25 +330,14 @@ class ReplicatedTrainer:
           the epoch's wall time, including the first step's tracing).
 
         Raises:
-          ValueError: bad arrays or dataset, batch_size smaller than T, or
-            an infinite dataset.
+          ValueError: bad arrays or dataset, batch_size smaller than T, an
+            infinite dataset, or verbose not 0, 1 or 2.
           KeyboardInterrupt: re-raised after the checkpoint is written.
         """
         return fit_loop(
-            self,
-            x,
-            y,
-            self._options.total_towers,
-            epochs=epochs,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            seed=seed,
-            validation_data=validation_data,
-            logdir=logdir,
-            checkpoint_dir=checkpoint_dir,
-            callbacks=callbacks,
-            verbose=verbose,
-        )
+            self, x, y, self._options.total_towers, epochs=epochs, batch_size=batch_size,
+            shuffle=shuffle, seed=seed, validation_data=validation_data, logdir=logdir,
+            checkpoint_dir=checkpoint_dir, callbacks=callbacks, verbose=verbose)
 
     def evaluate(self, x, y=None, batch_size=256):
         """Mean loss and accuracy over a dataset, each batch split across the towers.

@@ -1,0 +1,33 @@
+"""The choices the command lines offer, known before TensorFlow is imported.
+
+Standard library only, so that ``--help`` and argument errors of the
+example, ``tfreduce-bench`` and ``tfreduce-launch`` answer at once (importing
+TensorFlow takes seconds). The modules that implement each choice import it
+from here and check at import time that they agree.
+"""
+
+__all__ = ["ALGORITHMS", "BENCH_FAMILIES", "DEFAULT_PACK_BYTES", "GPU_ONLY_ALGORITHMS"]
+
+#: Names ``allreduce_grads(algorithm=...)`` accepts: "auto" and one per Stage
+#: class (``allreduce.STAGES``, in the same order).
+ALGORITHMS = ("auto", "flat", "hierarchical", "ring", "nccl", "collective")
+
+#: Algorithms that run on GPUs only.
+GPU_ONLY_ALGORITHMS = ("nccl",)
+
+#: The recommended ``pack_bytes``: gradients under 64 KiB are fused. Chosen
+#: with ``tfreduce-bench --pack-bytes 16KiB,64KiB,256KiB,1MiB,4MiB`` (K=8
+#: logical CPU devices, ResNet50's 214 tensors, mean). At 102 MB per tower it
+#: was the fastest size for flat (23% faster than unpacked) and as fast as
+#: 256 KiB-1 MiB for hierarchical; 4 MiB and more were no faster than no
+#: packing, since packing copies every packed byte twice (concat and split),
+#: which pays only for tensors small enough that per-op cost dominates. With
+#: the tensors shrunk to 1 MB, every size from 64 KiB up was about 3x faster than
+#: unpacked. The ring, whose op count grows as K^2 per buffer, and links
+#: between GPUs favour larger buffers: pass ``pack_bytes=`` to choose.
+DEFAULT_PACK_BYTES = 64 * 2**10
+
+#: What ``tfreduce-bench --contenders`` selects: tfreduce's algorithms and
+#: the peers' (tensorpack, tf.distribute).
+BENCH_FAMILIES = ("flat", "hierarchical", "ring", "collective", "nccl", "tensorpack",
+                  "tf-hierarchical-copy", "tf-reduction-to-one-device")
