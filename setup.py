@@ -18,9 +18,11 @@ setup(
         ],
     },
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis", "tensorpack", "scikit-learn",
-                 "mlxtend", "matplotlib", "tqdm"],
+        # pytest-markdown-docs runs the README's Python blocks; its runner
+        # API (conftest.py) is pinned to the minor version tested.
+        "test": ["pytest", "pytest-timeout", "pytest-markdown-docs>=0.9,<0.10", "hypothesis",
+                 "tensorpack", "scikit-learn", "mlxtend", "matplotlib"],
         "tensorpack": ["tensorpack"],
-        "examples": ["scikit-learn", "mlxtend", "matplotlib", "tqdm"],
+        "examples": ["scikit-learn", "mlxtend", "matplotlib"],
     },
 )

@@ -57,6 +57,7 @@ EVENTS_PREFIX = "events.out.tfevents"
 def parse_args(argv):
     """Returns (parser, parsed arguments); bad values exit with a usage error."""
     parser = ArgumentParser(
+        prog=os.path.basename(__file__),
         description="Data-parallel CNN training over K devices with a tfreduce all-reduce.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

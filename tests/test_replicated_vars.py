@@ -47,6 +47,27 @@ def test_broadcast_in_a_function_places_each_assign_on_its_tower():
     np.testing.assert_array_equal(all_vars[2][0].numpy(), np.full((2, 3), 0.5))
 
 
+def test_keras_variables_are_broadcast_on_their_towers():
+    # model.trainable_variables lists Keras 3 variables, which wrap a
+    # tf.Variable and have no device of their own.
+    import keras
+
+    models = []
+    for k in range(3):
+        with tf.device(CPU_DEVICES[k]):
+            models.append(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+    all_vars = [m.trainable_variables for m in models]
+    assert not isinstance(all_vars[0][0], tf.Variable)
+    want = np.max([np.abs(m.get_weights()[0] - models[0].get_weights()[0]) for m in models])
+    assert tfreduce.max_replica_difference(all_vars).numpy() == pytest.approx(want, abs=1e-7)
+    assert want > 0
+    tfreduce.broadcast_variables(all_vars)
+    for k, model in enumerate(models):
+        np.testing.assert_array_equal(model.get_weights()[0], models[0].get_weights()[0])
+        assert all_vars[k][0].value.device.endswith(CPU_DEVICES[k])
+    assert tfreduce.max_replica_difference(all_vars).numpy() == 0.0
+
+
 def test_max_replica_difference_is_the_largest_elementwise_gap():
     all_vars = tower_vars(2)
     all_vars[1][0].assign(all_vars[0][0])

@@ -1,6 +1,7 @@
 """ReplicatedTrainer: equivalence with one device, replica sync, checkpoints, errors."""
 
 import os
+import re
 
 import keras
 import numpy as np
@@ -220,6 +221,20 @@ def test_fit_reports_history_and_skips_a_last_batch_smaller_than_k():
     fresh = ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:4])
     fresh.fit(*data(45), epochs=1, batch_size=8, verbose=0)  # the last batch of 5 splits 2, 1, 1, 1
     assert fresh.step == 6
+
+
+def test_fit_prints_one_line_per_epoch_off_a_terminal(capsys):
+    trainer = ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2])
+    x, y = data(16)
+    for verbose in (1, 2):  # capsys's stdout is no terminal: 1 gives what 2 gives
+        trainer.fit(x, y, epochs=trainer.step // 2 + 1, batch_size=8, verbose=verbose)
+        out = capsys.readouterr().out
+        assert "\r" not in out and "\x1b" not in out
+        assert re.fullmatch(r"Epoch \d/\d - loss: [0-9.e-]+ - accuracy: [0-9.]+ - "
+                            r"images_per_sec: \d+\n", out), out
+    with pytest.raises(ValueError, match=r"fit: verbose must be 0 \(silent\), 1 \(a progress "
+                                         r"bar\) or 2 \(one line per epoch\), got 3"):
+        trainer.fit(x, y, epochs=5, batch_size=8, verbose=3)
 
 
 def test_fit_on_a_dataset_of_global_batches_and_tensorboard_logs(tmp_path):

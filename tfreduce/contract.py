@@ -17,6 +17,7 @@ __all__ = [
     "Gradients",
     "validate_grads",
     "validate_groups",
+    "tf_variables",
     "split_grad_list",
     "merge_grad_list",
     "nbytes",
@@ -350,6 +351,18 @@ def merge_grad_list(all_grads, all_vars):
                 f"tower {k} has {len(grads)} gradients and {len(variables)} variables")
         out.append(list(zip(grads, variables)))
     return out
+
+
+def tf_variables(all_vars):
+    """K lists of N ``tf.Variable``: each Keras 3 variable replaced by the one it holds.
+
+    A Keras 3 variable (``keras.Variable``, what ``model.trainable_variables``
+    lists) wraps a ``tf.Variable`` in ``.value`` and has no ``device`` or
+    ``read_value``; call ``check_variables`` first.
+    """
+    return [[v if isinstance(v, tf.Variable) or not isinstance(
+        getattr(v, "value", None), tf.Variable) else v.value for v in tower]
+        for tower in all_vars]
 
 
 def check_variables(all_vars, fully_defined=False):

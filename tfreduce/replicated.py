@@ -16,7 +16,7 @@ the copies have drifted apart.
 
 import tensorflow as tf
 
-from tfreduce.contract import check_variables, nbytes
+from tfreduce.contract import check_variables, nbytes, tf_variables
 from tfreduce.frame import Stage, run_stage
 from tfreduce.packing import DEFAULT_PACK_BYTES
 from tfreduce.primitives import RootBalancer, broadcast, reduce_to, sum_order
@@ -90,8 +90,9 @@ def broadcast_variables(all_vars, root=0):
     copy is one root -> tower transfer per variable.
 
     Args:
-      all_vars: list of K lists of N ``tf.Variable``; ``all_vars[k][n]`` is
-        tower k's copy of variable n (same shapes and dtypes on every tower).
+      all_vars: list of K lists of N ``tf.Variable`` or Keras variables;
+        ``all_vars[k][n]`` is tower k's copy of variable n (same shapes and
+        dtypes on every tower).
       root: int, the tower whose values are copied.
 
     Returns:
@@ -104,6 +105,7 @@ def broadcast_variables(all_vars, root=0):
         variables, or root is not a tower index.
     """
     check_variables(all_vars)
+    all_vars = tf_variables(all_vars)
     if not 0 <= root < len(all_vars):
         raise ValueError(f"root tower {root} is outside 0..{len(all_vars) - 1}")
     ops = []
@@ -131,6 +133,7 @@ def max_replica_difference(all_vars):
       TypeError, ValueError: as broadcast_variables.
     """
     check_variables(all_vars)
+    all_vars = tf_variables(all_vars)
     diffs = [tf.constant(0.0, tf.float64)]
     for k, tower in enumerate(all_vars[1:], start=1):
         # Compare on tower k's device: only tower 0's copy crosses over.

@@ -124,7 +124,7 @@ def _first_steps(sess, rows, fetches, inputs, average, dtype, log):
             # pruned by the session; what the check guards is a contender
             # whose reduction was pruned, which its values would show too.
             unused = row["ops_not_run"]
-            log(f"checked {name}: max error {row['max_abs_error']:g}, "
+            log(f"checked {name}: largest difference from NumPy {row['max_abs_error']:g}, "
                 + (f"{unused} unused ops of its graph pruned" if unused else "every op ran"))
 
 

@@ -152,7 +152,7 @@ def main(argv=None):
       argv: list of command-line arguments, None for sys.argv[1:].
 
     Returns:
-      int, 0.
+      int, 0; 130 after Ctrl-C (one line, no traceback).
 
     Raises:
       SystemExit: status 2 with a usage error for a bad argument, including
@@ -160,6 +160,15 @@ def main(argv=None):
         this process cannot have.
     """
     parser, args = parse_args(argv)
+    try:
+        return _run(parser, args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(parser, args):
+    """main's work once the arguments are parsed."""
     tf = import_tensorflow(args.verbose)
     from tfreduce.devices import logical_devices
 

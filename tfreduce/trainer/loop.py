@@ -164,7 +164,8 @@ def _end_epoch(trainer, run, epoch, logs, validation_data):
                 tf.summary.scalar(f"epoch/{name}", value)
         run.writer.flush()
     if run.verbose:
-        line = " - ".join(f"{name}: {value:.4g}" for name, value in logs.items())
+        line = " - ".join(f"{name}: {value:.0f}" if name == "images_per_sec"
+                          else f"{name}: {value:.4g}" for name, value in logs.items())
         # verbose 1 printed "Epoch i/n" above the bar; 2 has one line an epoch.
         print(line if run.verbose == 1 else f"Epoch {epoch + 1}/{run.epochs} - {line}",
               flush=True)
