@@ -12,6 +12,7 @@ from tfreduce.bench.units import format_bytes
 
 __all__ = ["Contender", "contenders", "tfreduce_builder"]
 
+
 class Contender:
     """One all-reduce implementation under test.
 
