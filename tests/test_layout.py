@@ -22,7 +22,7 @@ LAYERS = {
     "primitives": 4, "collective": 4,
     "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5,
     "allreduce": 5, "failures": 5, "cluster": 5, "multiworker": 5, "consistency": 5,
-    "models": 6, "trainer": 6,
+    "models": 6, "trainer": 6, "distribute": 6,
     "traffic": 7, "launch": 7, "bench": 7,
 }
 # Same-layer imports that are part of the design: the algorithms build on

@@ -23,6 +23,7 @@ _EXPORTS = {
     "Cluster": "tfreduce.cluster",
     "WorkerLostError": "tfreduce.cluster",
     "CollectiveKeys": "tfreduce.collective",
+    "CrossDeviceOps": "tfreduce.distribute",
     "merge_grad_list": "tfreduce.contract",
     "logical_devices": "tfreduce.devices",
     "split_grad_list": "tfreduce.contract",

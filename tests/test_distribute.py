@@ -1,0 +1,180 @@
+"""tfreduce.CrossDeviceOps: Keras model.fit under MirroredStrategy on tfreduce's all-reduce."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfreduce
+import tfreduce.distribute
+from helpers import CPU_DEVICES
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "keras_fit_worker.py")
+CPU_ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]
+# float32 weights after 3 epochs: the sums are formed in another order than
+# TF's, so they agree to float32 rounding (measured: at most 6e-8).
+FLOAT32 = dict(rtol=1e-5, atol=1e-6)
+
+
+def load_worker():
+    spec = importlib.util.spec_from_file_location("keras_fit_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+worker = load_worker()
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def default_run(request, tmp_path_factory):
+    """MirroredStrategy's default reduction (CollectiveAllReduce here), in its own process."""
+    out = tmp_path_factory.mktemp("default") / "weights.npz"
+    done = subprocess.run([sys.executable, WORKER, str(request.param), str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = np.load(out)
+    weights = [saved[f"arr_{i}"] for i in range(len(saved.files) - 1)]
+    return request.param, weights, list(saved["losses"])
+
+
+@pytest.mark.parametrize("algorithm", CPU_ALGORITHMS)
+def test_fit_equals_mirrored_strategys_default(default_run, algorithm):
+    num_devices, want, want_losses = default_run
+    got, losses = worker.fit_weights(CPU_DEVICES[:num_devices],
+                                     tfreduce.CrossDeviceOps(algorithm))
+    assert len(got) == len(want) == 8  # 2 kernels, 2 biases, gamma, beta, moving mean, variance
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(g, w, err_msg=f"weight {i}", **FLOAT32)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_devices", [2, 4])
+@pytest.mark.parametrize("algorithm", CPU_ALGORITHMS)
+def test_fit_in_float64_equals_one_device(num_devices, algorithm):
+    # Without BatchNorm (whose statistics are per replica under the
+    # strategy), K replicas on equal shards make one device's updates.
+    got, losses = worker.fit_weights(CPU_DEVICES[:num_devices],
+                                     tfreduce.CrossDeviceOps(algorithm), "float64", False)
+    want, want_losses = worker.fit_weights(None, dtype="float64", batch_norm=False)
+    for g, w in zip(got, want):
+        assert g.dtype == np.float64
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-14)
+    # The reported loss is Keras' running mean, a float32 metric whatever the model.
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+
+
+def test_the_training_step_reduces_with_tfreduce(monkeypatch):
+    # Every call of tfreduce's all-reduce is recorded while fit traces its
+    # step: the gradients must go through it, not through a TF fallback.
+    calls = []
+    original = tfreduce.distribute.allreduce_grads
+
+    def spy(all_grads, devices, **kwargs):
+        out = original(all_grads, devices, **kwargs)
+        calls.append((len(all_grads), len(all_grads[0]), devices, kwargs, out))
+        return out
+
+    monkeypatch.setattr(tfreduce.distribute, "allreduce_grads", spy)
+    worker.fit_weights(CPU_DEVICES[:4], tfreduce.CrossDeviceOps(
+        "hierarchical", groups=[[0, 1], [2, 3]], pack_bytes=None), batch_norm=False)
+    gradient_calls = [c for c in calls if c[1] == 4]  # two kernels, two biases
+    assert gradient_calls, [c[:2] for c in calls]
+    num_towers, num_vars, devices, kwargs, out = gradient_calls[0]
+    assert num_towers == 4
+    assert [d.split("device:")[-1] for d in devices] == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
+    assert kwargs == {"average": False, "algorithm": "hierarchical",
+                      "groups": [[0, 1], [2, 3]], "pack_bytes": None}
+    for k in range(4):
+        for n in range(4):
+            assert out[k][n].device.endswith(f"CPU:{k}")
+            assert "allreduce_hierarchical" in out[k][n].name
+
+
+def per_replica(strategy, fn):
+    """fn(replica id) on each replica's device, as per-replica values (strategy.run)."""
+    return strategy.run(lambda: fn(tf.distribute.get_replica_context().replica_id_in_sync_group))
+
+
+def test_reduce_and_batch_reduce_to_against_numpy():
+    strategy = tf.distribute.MirroredStrategy(
+        CPU_DEVICES[:4], cross_device_ops=tfreduce.CrossDeviceOps("hierarchical"))
+    rows = np.arange(4 * 3, dtype=np.float32).reshape(4, 3) ** 2
+    value, other = per_replica(strategy, lambda k: (tf.gather(rows, k),
+                                                    tf.cast(k + 1, tf.float32)))
+    for op, reduce in ((tf.distribute.ReduceOp.SUM, np.sum), (tf.distribute.ReduceOp.MEAN,
+                                                               np.mean)):
+        # To the host: not an all-reduce, ReductionToOneDevice does it.
+        np.testing.assert_allclose(strategy.reduce(op, value, axis=None), reduce(rows, axis=0))
+        # An all-reduce onto the replicas' devices: tfreduce's.
+        mirrored = strategy.extended.batch_reduce_to(op, [(value, value), (other, other)])
+        for k, (a, b) in enumerate(zip(mirrored[0].values, mirrored[1].values)):
+            assert a.device.endswith(f"CPU:{k}") and b.device.endswith(f"CPU:{k}")
+            np.testing.assert_allclose(a.numpy(), reduce(rows, axis=0))
+            assert b.numpy() == reduce([1.0, 2.0, 3.0, 4.0])
+        single = strategy.extended.reduce_to(op, value, value)
+        for k, v in enumerate(single.values):
+            assert v.device.endswith(f"CPU:{k}")
+            np.testing.assert_allclose(v.numpy(), reduce(rows, axis=0))
+    copies = strategy.extended.broadcast_to(tf.constant([1.0, 2.0]), value)
+    assert [v.device.split("device:")[-1] for v in copies.values] == [
+        f"CPU:{k}" for k in range(4)]
+    assert all(v.numpy().tolist() == [1.0, 2.0] for v in copies.values)
+
+
+def test_bytes_per_pack_of_communication_options_is_honoured(monkeypatch):
+    seen = []
+    original = tfreduce.distribute.allreduce_grads
+    monkeypatch.setattr(tfreduce.distribute, "allreduce_grads",
+                        lambda *a, **kw: seen.append(kw) or original(*a, **kw))
+    strategy = tf.distribute.MirroredStrategy(
+        CPU_DEVICES[:2], cross_device_ops=tfreduce.CrossDeviceOps("flat"))
+    value = per_replica(strategy, lambda k: tf.ones([3]))
+    options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=1024)
+    strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(value, value)], options)
+    strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(value, value)])
+    assert [kw.get("pack_bytes", "default") for kw in seen] == [1024, "default"]
+
+
+@pytest.mark.parametrize("args, kwargs, error, message", [
+    (("butterfly",), {}, ValueError,
+     "CrossDeviceOps: unknown all-reduce algorithm 'butterfly'; choose one of ('auto', "),
+    (("hierarchical",), {"groups": [[0, 1], [1, 2]]}, ValueError,
+     "device index 1 is in groups[0] and groups[1]"),
+    (("hierarchical",), {"groups": [[0, 2]]}, ValueError,
+     "groups[0] holds device index 2, outside 0..1 for 2 devices"),
+    (("flat",), {"groups": [[0, 1]]}, TypeError, "algorithm 'flat' takes no option ['groups']"),
+    (("auto",), {"groups": [[0, 1]]}, TypeError,
+     "CrossDeviceOps('auto') takes only ['pack_bytes', 'sparse_as_dense'], got ['groups']"),
+    (("flat",), {"pack_bytes": -1}, ValueError, "pack_bytes"),
+])
+def test_bad_options_raise_at_construction(args, kwargs, error, message):
+    with pytest.raises(error) as info:
+        tfreduce.CrossDeviceOps(*args, **kwargs)
+    assert message in str(info.value)
+
+
+def test_groups_for_another_k_raise_at_the_first_reduction():
+    strategy = tf.distribute.MirroredStrategy(
+        CPU_DEVICES[:2], cross_device_ops=tfreduce.CrossDeviceOps(
+            "hierarchical", groups=[[0, 1], [2, 3]]))
+    value = per_replica(strategy, lambda k: tf.ones([3]))
+    with pytest.raises(ValueError, match=r"groups\[1\] holds device index 2, outside 0\.\.1 "
+                                         r"for 2 devices"):
+        strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(value, value)])
+
+
+def test_values_that_share_a_device_are_reduced_on_one_device():
+    # Eagerly, experimental_distribute_values_from_function leaves every
+    # replica's constant on the host: no all-reduce over K devices, so
+    # ReductionToOneDevice reduces them (what TF's own ops fall back to).
+    strategy = tf.distribute.MirroredStrategy(
+        CPU_DEVICES[:2], cross_device_ops=tfreduce.CrossDeviceOps("ring"))
+    value = strategy.experimental_distribute_values_from_function(
+        lambda context: tf.constant(float(context.replica_id_in_sync_group + 1)))
+    out = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(value, value)])
+    assert [v.numpy() for v in strategy.experimental_local_results(out[0])] == [3.0, 3.0]

@@ -1,0 +1,167 @@
+"""tfreduce's all-reduce inside ``tf.distribute.MirroredStrategy``: Keras ``model.fit`` on it.
+
+``MirroredStrategy(devices, cross_device_ops=...)`` takes the object that
+reduces across its K devices. Keras 3 ``model.fit`` under the strategy ends
+each step's gradient path in one ``batch_reduce`` call that carries all N
+gradients, each a per-replica value over the K devices: tfreduce's K x N
+input. ``CrossDeviceOps`` turns that call into one ``allreduce_grads`` call,
+so every Keras user gets tfreduce's algorithms (any-K hierarchical with
+groups as data, packing, the ring, traffic analysis of the built step)
+without leaving ``model.fit``.
+
+It subclasses ``tf.distribute.CrossDeviceOps`` and implements the methods
+TensorFlow's own implementations (``NcclAllReduce``,
+``HierarchicalCopyAllReduce``, ``ReductionToOneDevice``) do. It needs the
+per-replica and mirrored value classes of ``tensorflow.python.distribute``,
+which have no public names; so do TF's own implementations.
+"""
+
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
+from tensorflow.python.distribute import distribute_utils
+from tensorflow.python.distribute import values as tf_values
+
+from tfreduce.allreduce import ALGORITHMS, FRAME_OPTIONS, allreduce_grads, make_stage
+from tfreduce.contract import validate_groups
+from tfreduce.packing import check_pack_bytes
+
+__all__ = ["CrossDeviceOps"]
+
+
+class CrossDeviceOps(tf.distribute.CrossDeviceOps):
+    """A ``tf.distribute.CrossDeviceOps`` that reduces with a tfreduce algorithm.
+
+    Usage, with an ordinary Keras ``compile`` / ``fit`` / ``evaluate`` under
+    ``strategy.scope()``::
+
+        strategy = tf.distribute.MirroredStrategy(
+            devices, cross_device_ops=tfreduce.CrossDeviceOps(
+                "hierarchical", groups=[[0, 1], [2, 3]]))
+
+    What each call does:
+
+    - ``batch_reduce_implementation`` (Keras' gradients, ``extended.
+      batch_reduce_to``): when every value lives on the destinations' K
+      distinct devices, the N per-replica values become one K x N ``allreduce_grads``
+      call (``average=True`` for ``ReduceOp.MEAN``), whose ``out[k][n]`` on
+      device k makes the n-th ``Mirrored`` result. Values whose devices
+      differ from their destinations' are reduced one by one as below.
+    - ``reduce_implementation`` (``strategy.reduce``, metrics): one value as
+      a K x 1 call when its devices are the destinations'; otherwise, e.g.
+      reducing to the host CPU, ``tf.distribute.ReductionToOneDevice``
+      does it, as TF's ``NcclAllReduce`` and ``HierarchicalCopyAllReduce``
+      also fall back.
+    - ``broadcast_implementation``: one copy per destination device, each
+      placed there.
+    - int32 values never reach it: MirroredStrategy reduces them with
+      ``ReductionToOneDevice`` itself, whatever ``cross_device_ops`` is.
+    - ``CommunicationOptions(bytes_per_pack=B)``, where the user passes it,
+      replaces ``pack_bytes`` for that call, and its ``timeout_seconds``
+      becomes the collective algorithm's ``timeout``.
+
+    Single host only: ``MultiWorkerMirroredStrategy`` takes no cross-device
+    ops (use ``ReplicatedTrainer`` with a ``Cluster`` there). On GPUs, Keras
+    compiles with XLA by default, and under XLA MirroredStrategy ignores
+    ``cross_device_ops``: pass ``jit_compile=False`` to ``compile``.
+
+    Args:
+      algorithm: a name in ``tfreduce.ALGORITHMS``; "auto" picks by devices
+        at the first reduction (``choose_algorithm``).
+      **options: the algorithm's options, as ``allreduce_grads`` takes them
+        (``pack_bytes``, ``sparse_as_dense``; ``groups`` for hierarchical;
+        ``communication``, ``timeout`` for collective). With "auto", only
+        ``pack_bytes`` and ``sparse_as_dense``.
+
+    Raises:
+      ValueError: an unknown algorithm or a bad option value (e.g. groups
+        that are not a partition); groups that do not cover the strategy's K
+        devices raise at the first reduction, naming both.
+      TypeError: an option the algorithm does not take.
+    """
+
+    def __init__(self, algorithm="auto", **options):
+        super().__init__()
+        if algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"CrossDeviceOps: unknown all-reduce algorithm {algorithm!r}; choose one of "
+                f"{ALGORITHMS}")
+        if algorithm == "auto":
+            unknown = sorted(set(options) - set(FRAME_OPTIONS))
+            if unknown:
+                raise TypeError(
+                    f"CrossDeviceOps('auto') takes only {list(FRAME_OPTIONS)}, got {unknown}: "
+                    f"name the algorithm for its own options")
+        else:
+            make_stage(algorithm, options)  # checks the options' names
+        if options.get("groups") is not None:
+            # K is the strategy's, known at the first reduction (which checks
+            # it); here, that the groups partition 0..(their size - 1).
+            groups = options["groups"]
+            size = (sum(len(g) for g in groups if isinstance(g, (list, tuple)))
+                    if isinstance(groups, (list, tuple)) else 0)
+            validate_groups(groups, size)
+        check_pack_bytes(options.get("pack_bytes"))
+        self._algorithm = algorithm
+        self._options = dict(options)
+        self._one_device = tf.distribute.ReductionToOneDevice()
+
+    def __repr__(self):
+        options = "".join(f", {name}={value!r}" for name, value in self._options.items())
+        return f"tfreduce.CrossDeviceOps({self._algorithm!r}{options})"
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        if _devices_match(per_replica_value, destinations):
+            return self._all_reduce_batch(reduce_op, [per_replica_value], options)[0]
+        return self._one_device.reduce_implementation(
+            reduce_op, per_replica_value, destinations, options)
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        if all(_devices_match(value, destinations)
+               for value, destinations in value_destination_pairs):
+            return self._all_reduce_batch(
+                reduce_op, [value for value, _ in value_destination_pairs], options)
+        return [self.reduce_implementation(reduce_op, value, destinations, options)
+                for value, destinations in value_destination_pairs]
+
+    def broadcast_implementation(self, tensor, destinations):
+        devices = tf_cross_device_ops.get_devices_from(destinations)
+        copies = []
+        for device in devices:
+            with tf.device(device):
+                copies.append(tf.identity(tensor))
+        return distribute_utils.regroup(tuple(copies), wrap_class=tf_values.Mirrored)
+
+    def _gather_implementation(self, per_replica_value, destinations, axis, options):
+        # strategy.gather: no gradient path uses it; TF's own ops gather on one device too.
+        return self._one_device._gather_implementation(  # pylint: disable=protected-access
+            per_replica_value, destinations, axis, options)
+
+    def _all_reduce_batch(self, reduce_op, values, options):
+        """N per-replica values over the same K devices -> N Mirrored values, one call."""
+        devices = list(tf_cross_device_ops.get_devices_from(values[0]))
+        num_devices = len(devices)
+        all_grads = [[value.values[k] for value in values] for k in range(num_devices)]
+        call_options = dict(self._options)
+        if options is not None and options.bytes_per_pack:
+            call_options["pack_bytes"] = options.bytes_per_pack
+        if (options is not None and options.timeout_seconds
+                and self._algorithm == "collective"):
+            call_options["timeout"] = options.timeout_seconds
+        out = allreduce_grads(all_grads, devices, average=reduce_op == tf.distribute.ReduceOp.MEAN,
+                              algorithm=self._algorithm, **call_options)
+        return [distribute_utils.regroup(tuple(out[k][n] for k in range(num_devices)),
+                                         wrap_class=tf_values.Mirrored)
+                for n in range(len(values))]
+
+
+def _devices_match(value, destinations):
+    """True if a per-replica value lives on K distinct devices, the destinations' in order.
+
+    Values that share a device (eager ``experimental_distribute_values_from_
+    function`` leaves them all on the host) are no all-reduce over K devices.
+    """
+    if not isinstance(value, tf_values.DistributedValues):
+        return False
+    devices = tf_cross_device_ops.get_devices_from(value)
+    return (len(set(devices)) == len(devices)
+            and devices == tf_cross_device_ops.get_devices_from(destinations))
