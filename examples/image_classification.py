@@ -31,6 +31,7 @@ import json
 import os
 import re
 import sys
+import time
 
 import numpy as np
 
@@ -50,7 +51,8 @@ IMAGE_SIGNATURES = {
 IMAGE_EXTENSIONS = tuple(IMAGE_SIGNATURES)
 
 # What this run writes under --logdir; --overwrite removes exactly these.
-RUN_FILES = ("checkpoints", "history.json", "curves.png")
+RUN_FILES = ("checkpoints", "history.json", "curves.png",
+             "backup", "train", "validation")  # --trainer keras: BackupAndRestore, TensorBoard
 EVENTS_PREFIX = "events.out.tfevents"
 
 
@@ -110,6 +112,13 @@ def parse_args(argv):
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the data split, weights and shuffling"
+    )
+    parser.add_argument(
+        "--trainer",
+        choices=("replicated", "keras"),
+        default="replicated",
+        help="replicated: tfreduce.ReplicatedTrainer; keras: Keras model.fit under "
+        "tf.distribute.MirroredStrategy with tfreduce.CrossDeviceOps (one machine)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     parser.add_argument(
@@ -425,13 +434,8 @@ def train_and_evaluate(parser, args):
             f"with --resume, or start again with --overwrite"
         )
     import_tensorflow(args.verbose)
-    import keras
-
     import tfreduce
     from tfreduce.devices import is_gpu
-    from tfreduce.models import image_cnn
-    from tfreduce.trainer import ReplicatedTrainer
-    from tfreduce.trainer.signals import Terminated
 
     try:
         # Every GPU, else K logical CPU devices, made before TensorFlow starts.
@@ -451,6 +455,9 @@ def train_and_evaluate(parser, args):
         parser.error(str(error))
     if args.overwrite and found and (cluster is None or cluster.rank == 0):
         remove_run(args.logdir, found)
+    if cluster is not None and args.trainer == "keras":
+        parser.error("--trainer keras trains on one machine (MultiWorkerMirroredStrategy takes "
+                     "no cross-device ops); with TF_CONFIG, use --trainer replicated")
     if cluster is not None:
         # Started before any tensor exists (datasets included): from here on
         # this worker's devices carry its job and task in their names.
@@ -460,8 +467,30 @@ def train_and_evaluate(parser, args):
     if args.batch_size < towers:
         what = f"--devices {len(devices)}" + (f" x {workers} workers" if cluster else "")
         parser.error(f"--batch-size {args.batch_size} is smaller than {what}")
-    train, test, num_classes, input_shape, num_train = load_data(parser, args, towers)
+    data = load_data(parser, args, towers)
+    if args.trainer == "keras":
+        return fit_with_keras(parser, args, devices, data)
+    return fit_replicated(parser, args, devices, cluster, restarted, data)
 
+
+def describe_data(args, data):
+    """Prints the data set line: name, sizes, classes, input shape."""
+    train, test, num_classes, input_shape, num_train = data
+    size = (f"{num_train} train / {len(test[0])} test images" if num_train is not None
+            else "images from a folder")
+    print(f"{args.dataset}: {size}, {num_classes} classes, input {tuple(input_shape)}")
+
+
+def fit_replicated(parser, args, devices, cluster, restarted, data):
+    """Trains with tfreduce.ReplicatedTrainer; returns the exit status."""
+    import keras
+
+    import tfreduce
+    from tfreduce.models import image_cnn
+    from tfreduce.trainer import ReplicatedTrainer
+    from tfreduce.trainer.signals import Terminated
+
+    train, test, num_classes, input_shape, _ = data
     trainer = ReplicatedTrainer(  # tfreduce:
         model_fn=lambda: image_cnn(input_shape, num_classes, args.seed),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -473,15 +502,11 @@ def train_and_evaluate(parser, args):
     algorithm = args.algorithm
     if algorithm == "auto":
         algorithm = f"auto -> {tfreduce.choose_algorithm(trainer.devices)}"
-    size = (
-        f"{num_train} train / {len(test[0])} test images"
-        if num_train is not None
-        else "images from a folder"
-    )
-    print(f"{args.dataset}: {size}, {num_classes} classes, input {tuple(input_shape)}")
+    describe_data(args, data)
+    towers = len(devices) * (cluster.num_workers if cluster is not None else 1)
     if cluster is not None:
         print(
-            f"worker {cluster.rank} of {workers} ({towers} towers in all); "
+            f"worker {cluster.rank} of {cluster.num_workers} ({towers} towers in all); "
             + ("it writes logs and checkpoints" if trainer.is_chief else "worker 0 writes logs")
         )
     print(
@@ -535,9 +560,97 @@ def train_and_evaluate(parser, args):
         print(f"the run in {args.logdir} has already reached --epochs {args.epochs} (step "
               f"{trainer.step}): nothing to train; give a larger --epochs to train on")
         return 0
-
     results = trainer.evaluate(*test) if isinstance(test, tuple) else trainer.evaluate(test)
-    rates = run.get("images_per_sec", [])
+    report(args, results, run.get("images_per_sec", []), history if trainer.is_chief else None,
+           f"{towers} towers, all-reduce {algorithm}", checkpoint_dir)
+    return 0
+
+
+def fit_with_keras(parser, args, devices, data):
+    """Trains with Keras model.fit under MirroredStrategy and tfreduce.CrossDeviceOps.
+
+    Keras' own callbacks keep the run: TensorBoard logs, and BackupAndRestore
+    (its weights and optimizer state after every epoch, the previous copy
+    kept, so that a crash while writing loses nothing), which --resume
+    continues from. Returns the exit status.
+    """
+    import keras
+    import tensorflow as tf
+
+    import tfreduce
+    from tfreduce.models import image_cnn
+
+    train, test, num_classes, input_shape, num_train = data
+    backup = os.path.join(args.logdir, "backup")
+    if args.resume and not os.path.isdir(backup):
+        parser.error(f"--resume: no Keras backup in {backup!r}; run once without --resume first")
+    keras.utils.set_random_seed(args.seed)
+    strategy = tf.distribute.MirroredStrategy(  # tfreduce: its all-reduce inside model.fit
+        devices, cross_device_ops=tfreduce.CrossDeviceOps(args.algorithm))
+    with strategy.scope():
+        model = image_cnn(input_shape, num_classes, args.seed)
+        # No XLA: under XLA, MirroredStrategy would ignore cross_device_ops.
+        model.compile(optimizer=keras.optimizers.Adam(args.lr), jit_compile=False,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    algorithm = args.algorithm
+    if algorithm == "auto":
+        algorithm = f"auto -> {tfreduce.choose_algorithm(devices)}"
+    describe_data(args, data)
+    print(f"{len(devices)} devices {devices}, Keras model.fit with tfreduce.CrossDeviceOps("
+          f"{args.algorithm!r}): all-reduce {algorithm}, global batch {args.batch_size}")
+    os.makedirs(args.logdir, exist_ok=True)
+    history_path = os.path.join(args.logdir, "history.json")
+    history = read_history(history_path) if args.resume else []
+    rates = []
+
+    class Record(keras.callbacks.Callback):
+        # Per-epoch logs and images/s, the same as ReplicatedTrainer's run.
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start, self.images = time.perf_counter(), 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.images += args.batch_size
+
+        def on_epoch_end(self, epoch, logs=None):
+            seconds = time.perf_counter() - self.start
+            images = min(self.images, num_train) if num_train is not None else self.images
+            rates.append(images / seconds)
+            entry = {"epoch": epoch + 1, **{k: float(v) for k, v in logs.items()},
+                     "images_per_sec": rates[-1]}
+            history[:] = [h for h in history if h["epoch"] <= epoch] + [entry]
+            write_atomically(history_path, json.dumps(history, indent=1))
+
+    callbacks = [
+        keras.callbacks.BackupAndRestore(backup, double_checkpoint=True, delete_checkpoint=False),
+        keras.callbacks.TensorBoard(args.logdir),
+        Record(),
+    ]
+    x, y = train if isinstance(train, tuple) else (train, None)
+    verbose = 0 if args.quiet else 1 if sys.stdout.isatty() else 2
+    try:
+        model.fit(x, y, batch_size=args.batch_size if y is not None else None,
+                  epochs=args.epochs, validation_data=test, callbacks=callbacks,
+                  verbose=verbose)
+    except KeyboardInterrupt:
+        print(f"interrupted; continue with --resume --logdir {args.logdir} --epochs "
+              f"{args.epochs} --trainer keras", file=sys.stderr)
+        return 130
+    if not rates:
+        print(f"the run in {args.logdir} has already reached --epochs {args.epochs}: "
+              f"nothing to train; give a larger --epochs to train on")
+        return 0
+    if isinstance(test, tuple):
+        values = model.evaluate(*test, batch_size=256, verbose=0, return_dict=True)
+    else:
+        values = model.evaluate(test, verbose=0, return_dict=True)
+    report(args, values, rates, history,
+           f"{len(devices)} towers, Keras fit + CrossDeviceOps {algorithm}", backup)
+    return 0
+
+
+def report(args, results, rates, history, what, checkpoints):
+    """Prints the test results and throughput; writes curves.png (history None: not chief)."""
     # The first epoch includes tracing the step function; leave it out when
     # there are others.
     steady = rates[1:] or rates
@@ -545,16 +658,14 @@ def train_and_evaluate(parser, args):
     if steady:
         epochs = f"{len(steady)} epoch" + ("s" if len(steady) > 1 else "")
         print(f"training images/s: {np.mean(steady):.0f} (mean over {epochs})")
-    if not trainer.is_chief:
-        return 0
-    print(f"TensorBoard logs in {args.logdir}, checkpoints in {checkpoint_dir}")
+    if history is None:
+        return
+    print(f"TensorBoard logs in {args.logdir}, checkpoints in {checkpoints}")
     if history:
         curves = os.path.join(args.logdir, "curves.png")
         dataset = os.path.basename(os.path.normpath(args.dataset))
-        plot_curves(history, curves, f"{dataset}: {towers} towers, all-reduce {algorithm}, "
-                                     f"global batch {args.batch_size}")
+        plot_curves(history, curves, f"{dataset}: {what}, global batch {args.batch_size}")
         print(f"training curves in {curves}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -81,9 +81,12 @@ def test_train_mode(tmp_path):
     (row,) = result["results"]
     assert row["devices"] == 2
     assert row["trainer_images_per_s"] > 0 and row["fit_images_per_s"] > 0
+    assert row["tfreduce_fit_images_per_s"] > 0
     # One round: the paired ratio is the ratio of the two rates.
     assert row["trainer_over_fit"] == pytest.approx(
         row["trainer_images_per_s"] / row["fit_images_per_s"])
+    assert row["tfreduce_fit_over_fit"] == pytest.approx(
+        row["tfreduce_fit_images_per_s"] / row["fit_images_per_s"])
 
 
 def test_model_shapes_without_downloading():

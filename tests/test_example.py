@@ -194,3 +194,39 @@ def test_two_workers_under_the_launcher(tmp_path):
     ]
     with open(logdir / "history.json") as f:
         assert [h["epoch"] for h in json.load(f)] == [1]
+
+
+def test_keras_trainer_fits_through_tfreduce_cross_device_ops(example, tmp_path, capsys):
+    logdir = tmp_path / "run"
+    common = ["--trainer", "keras", "--devices", "2", "--limit", "128", "--batch-size", "32",
+              "--algorithm", "ring", "--logdir", str(logdir), "--quiet"]
+    assert example.main(common + ["--epochs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert ("2 devices ['/device:CPU:0', '/device:CPU:1'], Keras model.fit with "
+            "tfreduce.CrossDeviceOps('ring'): all-reduce ring, global batch 32") in out
+    assert 0.2 < float(re.search(r"test accuracy: ([0-9.]+)", out).group(1)) <= 1.0
+    with open(logdir / "history.json") as f:
+        history = json.load(f)
+    assert [h["epoch"] for h in history] == [1, 2]
+    assert {"loss", "accuracy", "val_loss", "val_accuracy", "images_per_sec"} <= set(history[0])
+    assert os.path.isdir(logdir / "backup") and os.path.isdir(logdir / "train")
+    # Keras' BackupAndRestore continues the run: one more epoch.
+    assert example.main(common + ["--epochs", "3", "--resume"]) == 0
+    with open(logdir / "history.json") as f:
+        assert [h["epoch"] for h in json.load(f)] == [1, 2, 3]
+    assert example.main(common + ["--epochs", "3", "--resume"]) == 0
+    assert ("has already reached --epochs 3: nothing to train"
+            in capsys.readouterr().out)
+
+
+def test_keras_trainer_refuses_a_cluster(example, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", json.dumps(
+        {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+         "task": {"type": "worker", "index": 0}}))
+    with pytest.raises(SystemExit) as info:
+        example.main(["--trainer", "keras", "--logdir", str(tmp_path / "run")])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "image_classification.py: error: --trainer keras trains on one machine "
+        "(MultiWorkerMirroredStrategy takes no cross-device ops); with TF_CONFIG, use "
+        "--trainer replicated (see --help)\n")

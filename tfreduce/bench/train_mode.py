@@ -1,8 +1,11 @@
 """The train mode: ReplicatedTrainer.train_step against MirroredStrategy + model.fit.
 
-Both train the CNN of examples/image_classification.py (``tfreduce.models``)
-on the same random images and K devices; each K runs in its own process
-when several are asked for.
+Three contenders train the CNN of examples/image_classification.py
+(``tfreduce.models``) on the same random images and K devices:
+ReplicatedTrainer, Keras ``model.fit`` under MirroredStrategy with its
+default reduction, and the same ``model.fit`` with ``tfreduce.CrossDeviceOps``
+(the --algorithms algorithm). Each K runs in its own process when several
+are asked for.
 """
 
 import json
@@ -16,6 +19,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+import tfreduce
 from tfreduce.bench.harness import environment
 from tfreduce.bench.tables import print_table
 from tfreduce.devices import logical_devices
@@ -72,7 +76,8 @@ def _train_in_child(args, num_devices, log):
         with open(path) as f:
             row = json.load(f)["results"][0]
     log(f"K={num_devices}: trainer {row['trainer_images_per_s']:.0f} images/s, "
-        f"fit {row['fit_images_per_s']:.0f} images/s")
+        f"fit {row['fit_images_per_s']:.0f} images/s, fit with tfreduce "
+        f"{row['tfreduce_fit_images_per_s']:.0f} images/s")
     return row
 
 
@@ -87,20 +92,30 @@ def _train_one(args, num_devices, log):
     log(f"K={num_devices}: building ReplicatedTrainer({algorithm}) and MirroredStrategy")
     trainer_round = _trainer_rounds(devices, algorithm, x, y, batch, num_classes)
     strategy, fit_round = _fit_rounds(devices, x, y, batch, num_classes)
-    rates = _alternate({"ReplicatedTrainer": trainer_round, "MirroredStrategy.fit": fit_round},
-                       args, batch)
+    _, tfreduce_fit_round = _fit_rounds(devices, x, y, batch, num_classes,
+                                        tfreduce.CrossDeviceOps(algorithm))
+    rates = _alternate({"ReplicatedTrainer": trainer_round, "MirroredStrategy.fit": fit_round,
+                        "MirroredStrategy.fit+tfreduce": tfreduce_fit_round}, args, batch)
     medians = {name: statistics.median(v) for name, v in rates.items()}
     log(f"K={num_devices}: trainer {medians['ReplicatedTrainer']:.0f} images/s, "
-        f"fit {medians['MirroredStrategy.fit']:.0f} images/s")
+        f"fit {medians['MirroredStrategy.fit']:.0f} images/s, fit with tfreduce "
+        f"{medians['MirroredStrategy.fit+tfreduce']:.0f} images/s")
+
+    def paired(name):
+        # Rounds rotate the contenders' order, so compare them round by round.
+        return statistics.median(
+            t / f for t, f in zip(rates[name], rates["MirroredStrategy.fit"]))
+
     return {
         "devices": num_devices,
         "trainer_images_per_s": medians["ReplicatedTrainer"],
         "fit_images_per_s": medians["MirroredStrategy.fit"],
-        # Rounds alternate between the two, so compare them round by round.
-        "trainer_over_fit": statistics.median(
-            t / f for t, f in zip(rates["ReplicatedTrainer"], rates["MirroredStrategy.fit"])),
+        "tfreduce_fit_images_per_s": medians["MirroredStrategy.fit+tfreduce"],
+        "trainer_over_fit": paired("ReplicatedTrainer"),
+        "tfreduce_fit_over_fit": paired("MirroredStrategy.fit+tfreduce"),
         "trainer_rounds": rates["ReplicatedTrainer"],
         "fit_rounds": rates["MirroredStrategy.fit"],
+        "tfreduce_fit_rounds": rates["MirroredStrategy.fit+tfreduce"],
         # Which reduction MirroredStrategy chose here (no public accessor).
         "strategy_cross_device_ops": type(
             getattr(strategy.extended, "_cross_device_ops", None)
@@ -139,14 +154,16 @@ def _trainer_rounds(devices, algorithm, x, y, batch, num_classes):
     return trainer_round
 
 
-def _fit_rounds(devices, x, y, batch, num_classes):
-    # The same model compiled under MirroredStrategy on the devices; returns
+def _fit_rounds(devices, x, y, batch, num_classes, cross_device_ops=None):
+    # The same model compiled under MirroredStrategy on the devices, reduced
+    # with cross_device_ops (None: the strategy's default); returns
     # (strategy, round(steps) -> seconds).
     import keras
 
     from tfreduce.models import image_cnn
 
-    strategy = tf.distribute.MirroredStrategy(devices=devices)
+    strategy = tf.distribute.MirroredStrategy(devices=devices,
+                                              cross_device_ops=cross_device_ops)
     with strategy.scope():
         model = image_cnn(x.shape[1:], num_classes)
         # No XLA on either side: ReplicatedTrainer does not compile either.
@@ -179,9 +196,11 @@ def _alternate(rounds, args, batch):
     for run_round in rounds.values():
         run_round(max(args.warmup, 1))  # the first call traces
     rates = {name: [] for name in rounds}
+    names = list(rounds)
     for r in range(args.rounds):
-        order = list(rounds) if r % 2 == 0 else list(rounds)[::-1]
-        for name in order:
+        # Each round starts with the next contender, alternating direction too.
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order if r % 2 == 0 else order[::-1]:
             rates[name].append(args.steps * batch / rounds[name](args.steps))
     return rates
 
@@ -196,10 +215,13 @@ def print_result(result, out=None):
     cfg = result["config"]
     title = (f"{cfg['model']}, {cfg['image_size']}x{cfg['image_size']} images, global batch "
              f"{cfg['batch_size']}, median of {cfg['rounds']} rounds of "
-             f"{cfg['steps_per_round']} steps; ReplicatedTrainer(algorithm={cfg['algorithm']!r})")
-    # trainer/fit: median over rounds of the two rates' ratio in each round.
-    header = f"{'K':>3s} {'trainer img/s':>14s} {'fit img/s':>10s} {'trainer/fit':>12s}"
+             f"{cfg['steps_per_round']} steps; ReplicatedTrainer and CrossDeviceOps with "
+             f"algorithm={cfg['algorithm']!r}")
+    # x/fit: median over rounds of the two rates' ratio in each round.
+    header = (f"{'K':>3s} {'trainer img/s':>14s} {'fit img/s':>10s} "
+              f"{'fit+tfreduce img/s':>19s} {'trainer/fit':>12s} {'fit+tfreduce/fit':>17s}")
     print_table(title, header, [
-        f"{r['devices']:3d} {r['trainer_images_per_s']:14.0f} "
-        f"{r['fit_images_per_s']:10.0f} {r['trainer_over_fit']:12.2f}"
+        f"{r['devices']:3d} {r['trainer_images_per_s']:14.0f} {r['fit_images_per_s']:10.0f} "
+        f"{r['tfreduce_fit_images_per_s']:19.0f} {r['trainer_over_fit']:12.2f} "
+        f"{r['tfreduce_fit_over_fit']:17.2f}"
         for r in result["results"]], out)
