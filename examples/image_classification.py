@@ -15,7 +15,9 @@ Data, all local (nothing is downloaded):
 
 prints the test accuracy and training images/s, and writes TensorBoard logs,
 checkpoints (continue a run with --resume) and a PNG of the training curves
-under --logdir.
+under --logdir. With --trainer keras the same model trains through Keras
+model.fit under tf.distribute.MirroredStrategy, reduced by
+tfreduce.CrossDeviceOps.
 
 Several workers (processes, usually one per machine) train together when
 TF_CONFIG describes their cluster; on one machine the launcher sets it up:
@@ -98,8 +100,9 @@ def parse_args(argv):
     start.add_argument(
         "--overwrite",
         action="store_true",
-        help="start afresh in a --logdir that holds a run: removes its checkpoints, "
-        "history.json, curves.png and TensorBoard event files (nothing else)",
+        help="start afresh in a --logdir that holds a run: removes its checkpoints/, "
+        "history.json, curves.png, TensorBoard event files and, from --trainer keras, "
+        "backup/, train/ and validation/ (nothing else)",
     )
     parser.add_argument(
         "--image-size",
@@ -379,7 +382,7 @@ def main(argv=None):
         if args.verbose or not is_run_time_error(error):
             raise
         message = f"{type(error).__name__}: {first_line(error)}"
-        if args.dataset not in ("digits", "mnist"):
+        if args.dataset not in ("digits", "mnist") and is_decode_error(error):
             # A damaged image fails in the input pipeline, whose error names no file.
             message = find_undecodable_image(args.dataset) or message
         print(f"{parser.prog}: error: {message} (--verbose shows the traceback)", file=sys.stderr)
@@ -406,6 +409,13 @@ def find_undecodable_image(path):
                 except tf.errors.OpError as error:
                     return f"image {file!r} cannot be decoded ({first_line(error)})"
     return None
+
+
+def is_decode_error(error):
+    """True for TensorFlow's error of an image it cannot decode."""
+    import tensorflow as tf
+
+    return isinstance(error, tf.errors.InvalidArgumentError)
 
 
 def is_run_time_error(error):
@@ -453,8 +463,6 @@ def train_and_evaluate(parser, args):
         cluster = tfreduce.Cluster.from_tf_config() if os.environ.get("TF_CONFIG") else None
     except (TypeError, ValueError) as error:
         parser.error(str(error))
-    if args.overwrite and found and (cluster is None or cluster.rank == 0):
-        remove_run(args.logdir, found)
     if cluster is not None and args.trainer == "keras":
         parser.error("--trainer keras trains on one machine (MultiWorkerMirroredStrategy takes "
                      "no cross-device ops); with TF_CONFIG, use --trainer replicated")
@@ -468,9 +476,13 @@ def train_and_evaluate(parser, args):
         what = f"--devices {len(devices)}" + (f" x {workers} workers" if cluster else "")
         parser.error(f"--batch-size {args.batch_size} is smaller than {what}")
     data = load_data(parser, args, towers)
+    # Removed only now that every usage check has passed, and never on a
+    # launcher restart, which continues from what the failed run left.
+    if args.overwrite and found and not restarted and (cluster is None or cluster.rank == 0):
+        remove_run(args.logdir, found)
     if args.trainer == "keras":
         return fit_with_keras(parser, args, devices, data)
-    return fit_replicated(parser, args, devices, cluster, restarted, data)
+    return fit_replicated(parser, args, devices, cluster, restarted, data, towers)
 
 
 def describe_data(args, data):
@@ -481,7 +493,7 @@ def describe_data(args, data):
     print(f"{args.dataset}: {size}, {num_classes} classes, input {tuple(input_shape)}")
 
 
-def fit_replicated(parser, args, devices, cluster, restarted, data):
+def fit_replicated(parser, args, devices, cluster, restarted, data, towers):
     """Trains with tfreduce.ReplicatedTrainer; returns the exit status."""
     import keras
 
@@ -503,7 +515,6 @@ def fit_replicated(parser, args, devices, cluster, restarted, data):
     if algorithm == "auto":
         algorithm = f"auto -> {tfreduce.choose_algorithm(trainer.devices)}"
     describe_data(args, data)
-    towers = len(devices) * (cluster.num_workers if cluster is not None else 1)
     if cluster is not None:
         print(
             f"worker {cluster.rank} of {cluster.num_workers} ({towers} towers in all); "

@@ -90,7 +90,6 @@ def test_a_healthy_run_prints_no_error_and_one_line_per_epoch(tmp_path):
     bad = [line for line in done.stderr.splitlines()
            if "error" in line.lower() or "cuinit" in line.lower()]
     assert bad == []
-    assert done.stderr == ""
     assert "\r" not in done.stdout and "\x1b" not in done.stdout and "\b" not in done.stdout
     epochs = [line for line in done.stdout.splitlines() if line.startswith("Epoch ")]
     assert [line.split(" - ")[0] for line in epochs] == ["Epoch 1/2", "Epoch 2/2"]
@@ -191,6 +190,15 @@ def test_a_logdir_that_holds_a_run(example, capsys, tmp_path):
     assert err == (f"{PROG}: error: --logdir {logdir} already holds a run (checkpoints, "
                    f"curves.png, history.json, 1 TensorBoard event file): continue it with "
                    f"--resume, or start again with --overwrite (see --help)\n")
+    # --overwrite removes nothing when a later check stops the run ...
+    code, _ = usage_error(example, capsys, common[:-1] + [str(logdir), "--overwrite",
+                                                           "--batch-size", "5000"])
+    assert code == 2 and (logdir / "checkpoints" / "checkpoint").exists()
+    # ... nor on a launcher restart, which continues from the checkpoint.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TFREDUCE_RESTART_COUNT", "1")
+        assert example.main(common + ["--overwrite", "--epochs", "2"]) == 0
+    assert "resumed from" in capsys.readouterr().out
     # A file of the user's own in the logdir is left alone by --overwrite.
     (logdir / "notes.txt").write_text("mine")
     assert example.main(common + ["--overwrite"]) == 0

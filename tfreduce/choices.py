@@ -2,8 +2,8 @@
 
 Standard library only, so that ``--help`` and argument errors of the
 example, ``tfreduce-bench`` and ``tfreduce-launch`` answer at once (importing
-TensorFlow takes seconds). The modules that implement each choice import it
-from here and check at import time that they agree.
+TensorFlow takes seconds). The modules that implement a choice import it
+from here; ``allreduce`` checks at import that ``ALGORITHMS`` names its stages.
 """
 
 __all__ = ["ALGORITHMS", "BENCH_FAMILIES", "DEFAULT_PACK_BYTES", "GPU_ONLY_ALGORITHMS"]

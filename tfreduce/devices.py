@@ -137,7 +137,7 @@ def logical_devices(num_devices=None, device_type=None):
     count = DEFAULT_CPU_DEVICES if num_devices is None else num_devices
     cpu = tf.config.list_physical_devices("CPU")[0]
     configured = tf.config.get_logical_device_configuration(cpu)
-    if configured is None:
+    if configured is None or len(configured) < count:
         try:
             tf.config.set_logical_device_configuration(
                 cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
@@ -154,7 +154,8 @@ def logical_devices(num_devices=None, device_type=None):
             f"only {len(existing)} logical CPU devices exist and TensorFlow is already "
             f"initialised, so no more can be made; configure more before TensorFlow "
             f"starts or ask for fewer")
-    return [tf.DeviceSpec.from_string(d.name).to_string() for d in existing[:count]]
+    return [f"/device:CPU:{tf.DeviceSpec.from_string(d.name).device_index}"
+            for d in existing[:count]]
 
 
 def _local_devices():
@@ -166,8 +167,9 @@ def _local_devices():
 def check_devices_exist(names, given=None):
     """Checks that canonical device names name devices of this process.
 
-    A name with a job other than "localhost" (a cluster's device) is not
-    checked here: the cluster checks its own.
+    A name with a job other than "localhost" (a cluster's device, e.g.
+    ``/job:worker/replica:0/task:1/device:CPU:0``) is not checked: whether
+    another task has it is not known here.
 
     Args:
       names: list of K canonical device strings.

@@ -116,7 +116,8 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
             reduce_op, per_replica_value, destinations, options)
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        if all(_devices_match(value, destinations)
+        first = value_destination_pairs[0][0]
+        if all(_devices_match(value, destinations) and _devices_match(value, first)
                for value, destinations in value_destination_pairs):
             return self._all_reduce_batch(
                 reduce_op, [value for value, _ in value_destination_pairs], options)

@@ -23,7 +23,6 @@ from tfreduce.contract import nbytes
 __all__ = ["DEFAULT_PACK_BYTES", "PackPlan", "check_pack_bytes"]
 
 
-
 def check_pack_bytes(pack_bytes):
     """Checks a ``pack_bytes`` option: an int number of bytes >= 0, or None.
 

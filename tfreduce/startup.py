@@ -16,7 +16,10 @@ TensorFlow is imported and its devices listed -- when absl writes before that
 switch is read -- it captures file descriptor 2 and writes back every line
 that is not start-up noise (``is_startup_noise``), so a real error still
 shows. ``--verbose`` on each command, or ``TFREDUCE_VERBOSE=1`` in the
-environment (the launcher passes it to its workers), shows everything.
+environment (the launcher passes it to its workers), shows everything. The
+captured lines are written back when the import returns or raises; if
+TensorFlow kills the process while importing (e.g. a CPU without the
+instructions it was built for), they are lost, and ``--verbose`` shows them.
 
 Standard library only: the commands parse their arguments before they call
 this, so ``--help`` never waits for TensorFlow.

@@ -29,8 +29,9 @@ Three modes, all on K logical CPU devices (default) or K real GPUs:
 
 ``train``
   Images per second of ``tfreduce.ReplicatedTrainer.train_step`` against
-  Keras ``model.fit`` under ``tf.distribute.MirroredStrategy`` on the same
-  model (the CNN of examples/image_classification.py), data and K.
+  Keras ``model.fit`` under ``tf.distribute.MirroredStrategy``, with its
+  default reduction and with ``tfreduce.CrossDeviceOps``, on the same model
+  (the CNN of examples/image_classification.py), data and K.
 
 ``scaling``
   Build time, op count and step time of tfreduce algorithms for K devices x

@@ -82,14 +82,15 @@ def _train_in_child(args, num_devices, log):
 
 
 def _train_one(args, num_devices, log):
-    # Times both contenders for one K in this process; returns the result row.
+    # Times the three contenders for one K in this process; returns the result row.
     devices = logical_devices(num_devices, args.device_type)
     batch, side, num_classes, num_batches = args.batch_size, args.image_size, 10, 8
     rng = np.random.default_rng(0)
     x = rng.random((batch * num_batches, side, side, 1), dtype=np.float32)
     y = rng.integers(0, num_classes, size=batch * num_batches).astype(np.int32)
     algorithm = (args.algorithms or ["auto"])[0]
-    log(f"K={num_devices}: building ReplicatedTrainer({algorithm}) and MirroredStrategy")
+    log(f"K={num_devices}: building ReplicatedTrainer({algorithm}) and MirroredStrategy, "
+        f"by default and with CrossDeviceOps({algorithm})")
     trainer_round = _trainer_rounds(devices, algorithm, x, y, batch, num_classes)
     strategy, fit_round = _fit_rounds(devices, x, y, batch, num_classes)
     _, tfreduce_fit_round = _fit_rounds(devices, x, y, batch, num_classes,

@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 from tfreduce.cluster import Cluster
+from tfreduce.contract import tf_variables
 from tfreduce.multiworker import broadcast_variables_multiworker
 from tfreduce.replicated import broadcast_variables, max_replica_difference
 
@@ -202,7 +203,7 @@ def sync_functions(towers, cluster, counters):
       largest absolute difference between any tower's variable and tower 0's.
     """
     # The raw tf.Variables, which the core reductions read and assign.
-    raw = [[v.value for v in tower] for tower in towers.variables]
+    raw = tf_variables(towers.variables)
 
     def broadcast():
         # The assignments run as the function's stateful ops; their
