@@ -149,7 +149,8 @@ def test_bytes_per_pack_of_communication_options_is_honoured(monkeypatch):
      "groups[0] holds device index 2, outside 0..1 for 2 devices"),
     (("flat",), {"groups": [[0, 1]]}, TypeError, "algorithm 'flat' takes no option ['groups']"),
     (("auto",), {"groups": [[0, 1]]}, TypeError,
-     "CrossDeviceOps('auto') takes only ['pack_bytes', 'sparse_as_dense'], got ['groups']"),
+     "CrossDeviceOps('auto') takes only ['pack_bytes', 'sparse_as_dense', 'compression'], "
+     "got ['groups']"),
     (("flat",), {"pack_bytes": -1}, ValueError, "pack_bytes"),
 ])
 def test_bad_options_raise_at_construction(args, kwargs, error, message):

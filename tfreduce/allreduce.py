@@ -30,7 +30,7 @@ if ALGORITHMS != ("auto",) + tuple(STAGES):
     raise ImportError(f"choices.ALGORITHMS {ALGORITHMS} does not list the stages {tuple(STAGES)}")
 
 #: Options of the frame, which every algorithm takes.
-FRAME_OPTIONS = ("pack_bytes", "sparse_as_dense")
+FRAME_OPTIONS = ("pack_bytes", "sparse_as_dense", "compression")
 
 
 def choose_algorithm(devices):
@@ -93,8 +93,8 @@ def allreduce_grads(all_grads, devices=None, average=False, algorithm="auto", **
       devices: list of K device strings, or None for the tensors' devices.
       average: bool, mean instead of sum.
       algorithm: a name in ALGORITHMS; "auto" uses ``choose_algorithm``.
-      **options: passed to the algorithm: ``pack_bytes``, ``sparse_as_dense``
-        (all); ``groups`` (hierarchical); ``communication``, ``keys``,
+      **options: passed to the algorithm: ``pack_bytes``, ``sparse_as_dense``,
+        ``compression`` (all); ``groups`` (hierarchical); ``communication``, ``keys``,
         ``timeout`` (collective).
 
     Returns:
@@ -116,4 +116,5 @@ def allreduce_grads(all_grads, devices=None, average=False, algorithm="auto", **
         grads = validate_grads(all_grads, devices)
     return run_stages(grads, [stage], average,
                       pack_bytes=options.get("pack_bytes", DEFAULT_PACK_BYTES),
-                      sparse_as_dense=options.get("sparse_as_dense", False))
+                      sparse_as_dense=options.get("sparse_as_dense", False),
+                      compression=options.get("compression"))

@@ -23,6 +23,7 @@ from tensorflow.python.distribute import values as tf_values
 
 from tfreduce.allreduce import ALGORITHMS, FRAME_OPTIONS, allreduce_grads, make_stage
 from tfreduce.contract import validate_groups
+from tfreduce.frame import check_compression
 from tfreduce.packing import check_pack_bytes
 
 __all__ = ["CrossDeviceOps"]
@@ -68,9 +69,10 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
       algorithm: a name in ``tfreduce.ALGORITHMS``; "auto" picks by devices
         at the first reduction (``choose_algorithm``).
       **options: the algorithm's options, as ``allreduce_grads`` takes them
-        (``pack_bytes``, ``sparse_as_dense``; ``groups`` for hierarchical;
+        (``pack_bytes``, ``sparse_as_dense``, ``compression``; ``groups`` for
+        hierarchical;
         ``communication``, ``timeout`` for collective). With "auto", only
-        ``pack_bytes`` and ``sparse_as_dense``.
+        ``pack_bytes``, ``sparse_as_dense`` and ``compression``.
 
     Raises:
       ValueError: an unknown algorithm or a bad option value (e.g. groups
@@ -101,6 +103,7 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
                     if isinstance(groups, (list, tuple)) else 0)
             validate_groups(groups, size)
         check_pack_bytes(options.get("pack_bytes"))
+        check_compression(options.get("compression"))
         self._algorithm = algorithm
         self._options = dict(options)
         self._one_device = tf.distribute.ReductionToOneDevice()

@@ -110,13 +110,18 @@ class ReduceContext:
       upstream_collective: bool, the input comes from a collective stage: a
         stage that reads only some towers' copies must still make the others
         run (see ``Stage.collective``).
+      wire_sum: bool, the call compresses (``compression=``): a stage whose
+        sum crosses devices inside one op sums 16-bit entries in their own
+        dtype, each input prescaled by 1/K when averaging, instead of going
+        up to float32 first.
     """
 
-    def __init__(self, devices, average, dtypes, upstream_collective=False):
+    def __init__(self, devices, average, dtypes, upstream_collective=False, wire_sum=False):
         self.devices = devices
         self.average = average
         self.dtypes = dtypes
         self.upstream_collective = upstream_collective
+        self.wire_sum = wire_sum
 
     def finish(self, total, m, num_replicas, device, name):
         """Scales a completed sum of entry m by 1/T (if averaging) and casts it back.
@@ -135,7 +140,8 @@ class ReduceContext:
         return finish_sum(total, self.dtypes[m], num_replicas, self.average, device, name)
 
 
-def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_dense=False):
+def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_dense=False,
+               compression=None):
     """Packs, reduces with the stages and unpacks a validated K x N gradient list.
 
     Args:
@@ -147,6 +153,8 @@ def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_de
       pack_bytes: int or None, see packing.PackPlan.
       sparse_as_dense: bool, reduce ``tf.IndexedSlices`` as dense tensors
         (else gathered: on one device, then by the later stages).
+      compression: None, "fp16" or "bf16": float32 and float64 gradients
+        cross devices in that 16-bit dtype (see ``COMPRESSIONS``).
 
     Returns:
       list of K lists of N, ``out[k][n]`` on ``grads.devices[k]``.
@@ -154,17 +162,20 @@ def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_de
     Raises:
       TypeError: average or sparse_as_dense not a bool; average=True on
         integer gradients; a dtype a stage cannot reduce; a bad pack_bytes.
-      ValueError: devices or options a stage cannot use; a bad pack_bytes.
+      ValueError: devices or options a stage cannot use; a bad pack_bytes;
+        an unknown compression.
       tf.errors.InvalidArgumentError: when the graph runs, a variable whose
         shape is known only then differs between towers (the message names
         the tower and the variable).
     """
     check_flag(average, "average")
     check_flag(sparse_as_dense, "sparse_as_dense")
+    check_compression(compression)
     stages = [stage.bind(grads.devices) for stage in stages]
     for n in grads.reduced:
         dtype = values_of(grads.grads[0][n]).dtype
         check_average_dtype(dtype, n, average)
+        dtype = wire_dtype(dtype, compression)
         for stage in stages:
             if stage.dtypes is not None and dtype not in stage.dtypes:
                 raise TypeError(
@@ -177,9 +188,12 @@ def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_de
         with tf.name_scope(scope):
             _check_shapes_at_run_time(grads)
             _densify(grads, sparse_as_dense)
+            restore = _compress(grads, compression)
             plan = PackPlan(grads, pack_bytes)
             packed = plan.pack()  # K x M
-            return plan.unpack(_reduce_entries(packed, grads.devices, average, stages))
+            out = plan.unpack(_reduce_entries(packed, grads.devices, average, stages,
+                                              compression is not None))
+            return _decompress(out, restore, grads.devices)
 
     if not any(stage.needs_function for stage in stages):
         return build()
@@ -191,19 +205,21 @@ def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_de
     return out
 
 
-def run_stage(stage, all_grads, devices, average, pack_bytes, sparse_as_dense):
+def run_stage(stage, all_grads, devices, average, pack_bytes, sparse_as_dense,
+              compression=None):
     """One public algorithm call: validates the K x N input once and runs one stage.
 
     Args:
       stage: Stage.
-      all_grads, devices, average, pack_bytes, sparse_as_dense: the public
-        call's arguments (see ``allreduce_grads``).
+      all_grads, devices, average, pack_bytes, sparse_as_dense, compression:
+        the public call's arguments (see ``allreduce_grads``).
 
     Returns:
       list of K lists of N, ``out[k][n]`` on ``devices[k]``.
     """
     return run_stages(validate_grads(all_grads, devices), [stage], average,
-                      pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense)
+                      pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense,
+                      compression=compression)
 
 
 def _identity(g, device):
@@ -303,7 +319,60 @@ def _densify(grads, sparse_as_dense):
                         grads.grads[k][n] = tf.convert_to_tensor(g)
 
 
-def _reduce_entries(packed, devices, average, stages):
+#: ``compression=`` -> the 16-bit dtype float32 and float64 gradients cross
+#: devices in (Horovod's ``Compression.fp16``; DDP's fp16 and bf16 hooks).
+COMPRESSIONS = {"fp16": tf.float16, "bf16": tf.bfloat16}
+
+
+def check_compression(compression):
+    """Raises ValueError unless compression is None or a key of COMPRESSIONS."""
+    if compression is not None and compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {compression!r}")
+
+
+def wire_dtype(dtype, compression):
+    """The dtype a gradient of `dtype` crosses devices in.
+
+    float32 and float64 become the compression's 16-bit dtype; integer and
+    16-bit gradients, and every gradient without compression, keep theirs.
+    """
+    if compression is None or not dtype.is_floating or dtype.size <= 2:
+        return dtype
+    return COMPRESSIONS[compression]
+
+
+def _cast(g, dtype):
+    # A tensor or IndexedSlices (its values) cast to dtype, on the current device.
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(g.values, dtype), g.indices, g.dense_shape)
+    return tf.cast(g, dtype)
+
+
+def _compress(grads, compression):
+    # Each tower casts its gradients to the wire dtype on its own device,
+    # before anything crosses devices; returns {n: dtype to cast back to}.
+    restore = {}
+    for n in grads.reduced:
+        dtype = values_of(grads.grads[0][n]).dtype
+        wire = wire_dtype(dtype, compression)
+        if wire != dtype:
+            restore[n] = dtype
+            for k, device in enumerate(grads.devices):
+                with tf.device(device):
+                    grads.grads[k][n] = _cast(grads.grads[k][n], wire)
+    return restore
+
+
+def _decompress(out, restore, devices):
+    # Each tower casts its results back to the gradients' dtypes, on its device.
+    for n, dtype in restore.items():
+        for k, device in enumerate(devices):
+            with tf.device(device):
+                out[k][n] = _cast(out[k][n], dtype)
+    return out
+
+
+def _reduce_entries(packed, devices, average, stages, wire_sum):
     # packed: K x M; dense entries go through the stages, sparse ones are
     # gathered on a root and broadcast.
     num_towers, num_entries = len(packed), len(packed[0])
@@ -312,7 +381,7 @@ def _reduce_entries(packed, devices, average, stages):
     dense = sorted(set(range(num_entries)) - set(sparse))
     if dense:
         buffers = [[row[m] for m in dense] for row in packed]  # K x M'
-        for k, row in enumerate(_run_pipeline(buffers, devices, average, stages)):
+        for k, row in enumerate(_run_pipeline(buffers, devices, average, stages, wire_sum)):
             for m, t in zip(dense, row):
                 out[k][m] = t
     balancer = RootBalancer(num_towers)
@@ -332,13 +401,14 @@ def _reduce_entries(packed, devices, average, stages):
     return out
 
 
-def _run_pipeline(buffers, devices, average, stages):
+def _run_pipeline(buffers, devices, average, stages, wire_sum):
     # buffers: K x M dense. One stage reduces and finishes. Several: the
     # inputs go up to the accumulation dtype first, every stage but the last
     # sums in it inside its own name scope, and the last one finishes.
     dtypes = [t.dtype for t in buffers[0]]
     if len(stages) == 1:
-        return stages[0].reduce(buffers, ReduceContext(devices, average, dtypes))
+        return stages[0].reduce(buffers, ReduceContext(devices, average, dtypes,
+                                                       wire_sum=wire_sum))
     buffers = _to_accumulation(buffers, devices)  # K x M
     partial = [t.dtype for t in buffers[0]]
     upstream_collective = False

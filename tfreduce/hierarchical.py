@@ -20,7 +20,7 @@ import tensorflow as tf
 from tfreduce.contract import nbytes, validate_groups
 from tfreduce.frame import Stage, run_stage
 from tfreduce.packing import DEFAULT_PACK_BYTES
-from tfreduce.primitives import RootBalancer, broadcast, reduce_to, sum_order
+from tfreduce.primitives import RootBalancer, broadcast, finish_sum, reduce_to, sum_order
 
 __all__ = ["HierarchicalStage", "allreduce_grads_hierarchical", "default_groups"]
 
@@ -44,7 +44,8 @@ def default_groups(num_devices):
 
 
 def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=None,
-                                 pack_bytes=DEFAULT_PACK_BYTES, sparse_as_dense=False):
+                                 pack_bytes=DEFAULT_PACK_BYTES, sparse_as_dense=False,
+                                 compression=None):
     """All-reduces K x N gradients inside groups, then across the group roots.
 
     Same name and first arguments as tensorpack's
@@ -80,6 +81,9 @@ def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=
         ``packing.DEFAULT_PACK_BYTES`` (64 KiB); None or 0 packs nothing.
       sparse_as_dense: bool; reduce ``tf.IndexedSlices`` as dense tensors
         instead of gathering their rows on one device.
+      compression: None, "fp16" or "bf16": float32/float64 gradients are
+        cast to that 16-bit dtype on their tower before crossing devices and
+        cast back on each tower after (``frame.COMPRESSIONS``).
 
     Returns:
       list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``
@@ -92,7 +96,7 @@ def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=
         ``contract.validate_grads``), or groups that do not partition 0..K-1.
     """
     return run_stage(HierarchicalStage(groups), all_grads, devices, average, pack_bytes,
-                     sparse_as_dense)
+                     sparse_as_dense, compression)
 
 
 class HierarchicalStage(Stage):
@@ -130,8 +134,17 @@ class HierarchicalStage(Stage):
             group_sums = [
                 reduce_to([buffers[i][m] for i in g], devices[r], name=f"entry{m}_group{gi}_sum")
                 for gi, (g, r) in enumerate(zip(groups, roots))]
+            if ctx.wire_sum:
+                # Compressed: the group sums cross between roots in 16 bits too
+                # (one more rounding each), already scaled by 1/K when
+                # averaging so that a mean cannot overflow; the combiner sums
+                # them in float32 and only rounds.
+                group_sums = [finish_sum(t, buffers[0][m].dtype, num_towers, ctx.average,
+                                         devices[r], name=f"entry{m}_group{gi}_wire")
+                              for gi, (t, r) in enumerate(zip(group_sums, roots))]
             total = reduce_to(group_sums, devices[combiner], name=f"entry{m}_sum")
-            total = ctx.finish(total, m, num_towers, devices[combiner], name=f"entry{m}_total")
+            total = finish_sum(total, ctx.dtypes[m], num_towers, ctx.average and not ctx.wire_sum,
+                               devices[combiner], name=f"entry{m}_total")
             for gi, (g, r) in enumerate(zip(groups, roots)):
                 root_total = total
                 if r != combiner:

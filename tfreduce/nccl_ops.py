@@ -19,13 +19,13 @@ from tfreduce.collective import CollectiveChain, CollectiveKeys, CollectiveOptio
 from tfreduce.devices import is_gpu
 from tfreduce.frame import Stage, run_stage
 from tfreduce.packing import DEFAULT_PACK_BYTES
-from tfreduce.primitives import accumulation_dtype, scale_by_reciprocal
+from tfreduce.primitives import accumulation_dtype, finish_sum, scale_by_reciprocal
 
 __all__ = ["NcclStage", "CollectiveStage", "allreduce_grads_nccl", "allreduce_grads_collective"]
 
 
 def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=DEFAULT_PACK_BYTES,
-                         sparse_as_dense=False):
+                         sparse_as_dense=False, compression=None):
     """All-reduces K x N gradients with NCCL ``all_sum`` (GPUs only).
 
     One ``NcclAllReduce`` per device and gradient (after packing); NCCL picks
@@ -50,6 +50,9 @@ def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=DEFA
         into buffers of about this size (packing.PackPlan); default
         ``packing.DEFAULT_PACK_BYTES`` (64 KiB); None or 0 packs nothing.
       sparse_as_dense: bool; reduce IndexedSlices densely with NCCL.
+      compression: None, "fp16" or "bf16" (NCCL has no bfloat16: a TypeError): float32/float64 gradients are
+        cast to that 16-bit dtype on their tower before crossing devices and
+        cast back on each tower after (``frame.COMPRESSIONS``).
 
     Returns:
       list[list[tf.Tensor]], K x N; ``out[k][n]`` on ``devices[k]``.
@@ -58,7 +61,8 @@ def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=DEFA
       ValueError: at build time if any device is not a GPU (naming them), or
         bad input (see ``contract.validate_grads``).
     """
-    return run_stage(NcclStage(), all_grads, devices, average, pack_bytes, sparse_as_dense)
+    return run_stage(NcclStage(), all_grads, devices, average, pack_bytes, sparse_as_dense,
+                     compression)
 
 
 class NcclStage(Stage):
@@ -96,7 +100,7 @@ class NcclStage(Stage):
 
 def allreduce_grads_collective(all_grads, devices=None, average=False, communication="auto",
                                pack_bytes=DEFAULT_PACK_BYTES, sparse_as_dense=False, keys=None,
-                               timeout=None):
+                               timeout=None, compression=None):
     """All-reduces K x N gradients with TF collective ops (``CollectiveReduceV2``).
 
     One ``CollectiveReduceV2`` per device and gradient (after packing); TF's
@@ -127,6 +131,10 @@ def allreduce_grads_collective(all_grads, devices=None, average=False, communica
         into buffers of about this size (packing.PackPlan); default
         ``packing.DEFAULT_PACK_BYTES`` (64 KiB); None or 0 packs nothing.
       sparse_as_dense: bool; reduce IndexedSlices densely.
+      compression: None, "fp16" or "bf16": float32/float64 gradients are
+        cast to that 16-bit dtype on their tower before crossing devices and
+        cast back on each tower after; the collective then sums in 16 bits,
+        each input prescaled by 1/K when averaging (Horovod's prescale).
       keys: CollectiveKeys or None (``CollectiveKeys.for_call`` of this
         call's graph, scope, devices and shapes).
       timeout: float seconds > 0 before a reduction whose peers do not
@@ -144,7 +152,7 @@ def allreduce_grads_collective(all_grads, devices=None, average=False, communica
     """
     # The options are checked before the input, as the stage is built first.
     return run_stage(CollectiveStage(communication, keys, timeout), all_grads, devices,
-                     average, pack_bytes, sparse_as_dense)
+                     average, pack_bytes, sparse_as_dense, compression)
 
 
 class CollectiveStage(Stage):
@@ -198,10 +206,20 @@ class CollectiveStage(Stage):
             instance_key = keys.instance_key()  # one per entry, shared by its K ops
             for k, d in enumerate(devices):
                 g = buffers[k][m]
-                acc = accumulation_dtype(g.dtype)
+                # Compressed (ctx.wire_sum): 16 bits cross, prescaled by 1/K
+                # (Horovod's prescale), so the sum is of means and cannot
+                # overflow where the mean does not. Otherwise half types go
+                # up to float32 first and the sum is scaled once.
+                in_wire = ctx.wire_sum and g.dtype != accumulation_dtype(g.dtype)
+                acc = g.dtype if in_wire else accumulation_dtype(g.dtype)
                 with chain.after_previous(d):
-                    x = tf.cast(g, acc) if acc != g.dtype else tf.identity(g)
+                    if in_wire and ctx.average:
+                        x = scale_by_reciprocal(g, num_towers)
+                    else:
+                        x = tf.cast(g, acc) if acc != g.dtype else tf.identity(g)
                     r = chain.all_reduce(x, d, num_towers, group_key, instance_key,
                                          name=f"entry{m}_dev{k}_allreduce")
-                out[k][m] = ctx.finish(r, m, num_towers, d, name=f"entry{m}_dev{k}_out")
+                name = f"entry{m}_dev{k}_out"
+                out[k][m] = (finish_sum(r, ctx.dtypes[m], num_towers, False, d, name) if in_wire
+                             else ctx.finish(r, m, num_towers, d, name=name))
         return out

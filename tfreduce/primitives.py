@@ -225,7 +225,7 @@ def _accumulate(tensor):
     return tf.cast(tensor, acc) if acc != tensor.dtype else tensor
 
 
-def ring_reduce_scatter(pieces, devices, name):
+def ring_reduce_scatter(pieces, devices, name, wire_dtype=None):
     """Ring reduce-scatter: the sum of piece c is formed on ``devices[c]``.
 
     Piece c is summed along the ring ``c+1 -> c+2 -> ... -> c`` (indices mod
@@ -247,6 +247,9 @@ def ring_reduce_scatter(pieces, devices, name):
         device for a piece that is empty (it is skipped).
       devices: list of K device strings.
       name: str, prefix of the op names (``{name}_chunk{c}_dev{k}_sum``).
+      wire_dtype: None, or the 16-bit dtype partial sums are rounded to
+        before each hop (wire compression: every hop carries 16 bits; each
+        add is still formed in float32).
 
     Returns:
       list of K; element c is the sum of piece c over all devices, on
@@ -264,6 +267,8 @@ def ring_reduce_scatter(pieces, devices, name):
             with tf.device(devices[k]):
                 partial = tf.math.add(_accumulate(partial), _accumulate(pieces[k][c]),
                                       name=f"{name}_chunk{c}_dev{k}_sum")
+                if wire_dtype is not None and hop < num_devices:
+                    partial = tf.cast(partial, wire_dtype, name=f"{name}_chunk{c}_dev{k}_wire")
         if num_devices == 1:
             with tf.device(devices[c]):
                 partial = _accumulate(partial)

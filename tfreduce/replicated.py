@@ -45,7 +45,7 @@ class FlatStage(Stage):
 
 
 def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=DEFAULT_PACK_BYTES,
-                         sparse_as_dense=False):
+                         sparse_as_dense=False, compression=None):
     """All-reduces K x N gradients by reducing each to one root and broadcasting.
 
     For each gradient n (after packing), a root device r is chosen — the
@@ -70,6 +70,9 @@ def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=DEFA
         buffers of about this size before reducing (see packing.PackPlan).
       sparse_as_dense: bool; reduce ``tf.IndexedSlices`` as dense tensors
         instead of gathering their rows.
+      compression: None, "fp16" or "bf16": float32/float64 gradients are
+        cast to that 16-bit dtype on their tower before crossing devices and
+        cast back on each tower after (``frame.COMPRESSIONS``).
 
     Returns:
       list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``,
@@ -80,7 +83,8 @@ def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=DEFA
     Raises:
       TypeError, ValueError: bad input, see ``contract.validate_grads``.
     """
-    return run_stage(FlatStage(), all_grads, devices, average, pack_bytes, sparse_as_dense)
+    return run_stage(FlatStage(), all_grads, devices, average, pack_bytes, sparse_as_dense,
+                     compression)
 
 
 def broadcast_variables(all_vars, root=0):

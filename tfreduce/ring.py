@@ -25,13 +25,14 @@ import tensorflow as tf
 from tfreduce.contract import shard_sizes
 from tfreduce.frame import Stage, run_stage
 from tfreduce.packing import DEFAULT_PACK_BYTES
-from tfreduce.primitives import ring_all_gather, ring_reduce_scatter
+from tfreduce.primitives import (finish_sum, ring_all_gather, ring_reduce_scatter,
+                                 scale_by_reciprocal)
 
 __all__ = ["RingStage", "allreduce_grads_ring"]
 
 
 def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=DEFAULT_PACK_BYTES,
-                         sparse_as_dense=False):
+                         sparse_as_dense=False, compression=None):
     """All-reduces K x N gradients with a ring reduce-scatter and all-gather.
 
     For each gradient (after packing), on every device: flatten, split into K
@@ -71,6 +72,9 @@ def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=DEFA
         buffers of about this size before reducing (see packing.PackPlan).
       sparse_as_dense: bool; reduce ``tf.IndexedSlices`` as dense tensors
         instead of gathering their rows on one device.
+      compression: None, "fp16" or "bf16": float32/float64 gradients are
+        cast to that 16-bit dtype on their tower before crossing devices and
+        cast back on each tower after (``frame.COMPRESSIONS``).
 
     Returns:
       list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``,
@@ -85,7 +89,8 @@ def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=DEFA
     Raises:
       TypeError, ValueError: bad input, see ``contract.validate_grads``.
     """
-    return run_stage(RingStage(), all_grads, devices, average, pack_bytes, sparse_as_dense)
+    return run_stage(RingStage(), all_grads, devices, average, pack_bytes, sparse_as_dense,
+                     compression)
 
 
 class RingStage(Stage):
@@ -119,9 +124,15 @@ def _ring_entry(column, ctx, m):
         chunks = list(range(num_devices))
     owners = [(j + m) % num_devices for j in chunks]
 
+    # Compressed (ctx.wire_sum): partial sums cross in 16 bits, each piece
+    # prescaled by 1/K when averaging so that no partial sum of a mean overflows.
+    wire = column[0].dtype if ctx.wire_sum and column[0].dtype.size == 2 else None
+    prescale = wire is not None and ctx.average
     pieces = [[None] * num_devices for _ in range(num_devices)]
     for k, (g, d) in enumerate(zip(column, devices)):
         with tf.device(d):
+            if prescale:
+                g = scale_by_reciprocal(g, num_devices)
             # Packed buffers and biases are 1-D already: no reshape op.
             flat = g if g.shape.rank == 1 else tf.reshape(g, [-1], name=f"{name}_dev{k}_flat")
             if static and len(chunks) == 1:
@@ -135,9 +146,10 @@ def _ring_entry(column, ctx, m):
         for owner, part in zip(owners, parts):
             pieces[k][owner] = part
 
-    totals = ring_reduce_scatter(pieces, devices, name)
+    totals = ring_reduce_scatter(pieces, devices, name, wire)
     for c in owners:
-        totals[c] = ctx.finish(totals[c], m, num_devices, devices[c],
+        totals[c] = finish_sum(totals[c], ctx.dtypes[m], num_devices,
+                               ctx.average and not prescale, devices[c],
                                name=f"{name}_chunk{c}_total")
     gathered = ring_all_gather(totals, devices, name)
 

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from tfreduce.allreduce import allreduce_grads, choose_algorithm, make_stage
 from tfreduce.contract import check_flag, shard_sizes
+from tfreduce.frame import check_compression
 from tfreduce.multiworker import (
     CROSS_WORKER_PACK_BYTES,
     allreduce_grads_multiworker,
@@ -89,6 +90,7 @@ class StepOptions:
             options = check_local_options(options)
         else:
             check_flag(options.pop("sparse_as_dense", False), "sparse_as_dense")
+            check_compression(options.pop("compression", None))
         algorithm = self.algorithm
         if algorithm == "auto":
             algorithm = choose_algorithm(self.devices)

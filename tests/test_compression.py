@@ -1,0 +1,114 @@
+"""Wire compression (compression="fp16" / "bf16"): 16 bits cross devices, results back in
+the gradients' dtype, against NumPy."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfreduce
+from helpers import CPU_DEVICES, GPU_DEVICES, placeholders
+
+CPU_ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]
+# Unit roundoff of each wire dtype: a value rounds to within u of itself, relatively.
+UNIT = {"fp16": 2.0**-11, "bf16": 2.0**-8}
+
+
+def reduce_eagerly(arrays, algorithm, average, compression, **options):
+    devices = CPU_DEVICES[:len(arrays)]
+    grads = []
+    for d, row in zip(devices, arrays):
+        with tf.device(d):
+            grads.append([tf.constant(a) for a in row])
+    return tfreduce.allreduce_grads(grads, devices, average=average, algorithm=algorithm,
+                                    compression=compression, **options)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+@pytest.mark.parametrize("num_towers", [2, 3, 8])
+@pytest.mark.parametrize("algorithm", CPU_ALGORITHMS)
+def test_values_within_the_bound_of_16_bit_rounding(algorithm, num_towers, compression):
+    rng = np.random.default_rng(num_towers)
+    arrays = [[rng.normal(size=(4, 5)).astype(np.float32), rng.normal(size=(3,))]
+              for _ in range(num_towers)]  # float32 and float64 gradients
+    for average in (False, True):
+        out = reduce_eagerly(arrays, algorithm, average, compression, pack_bytes=None)
+        scale = 1.0 / num_towers if average else 1.0
+        u = UNIT[compression]
+        for n in range(2):
+            column = np.array([row[n] for row in arrays], np.float64)
+            want = column.sum(axis=0) * scale
+            magnitude = np.abs(column).sum(axis=0) * scale
+            # Each input rounds once to 16 bits and the result once more.
+            # Flat sums in float32; hierarchical too, its group sums rounding
+            # once more before they cross; the ring's partial sums and the
+            # collective's sum round at every hop.
+            bound = {"flat": u * magnitude + u * np.abs(want),
+                     "ring": (num_towers + 1) * u * magnitude,
+                     "hierarchical": 2 * u * magnitude + u * np.abs(want),
+                     "collective": (num_towers + 1) * u * magnitude}[algorithm] + 1e-6
+            for k in range(num_towers):
+                got = out[k][n]
+                assert got.dtype == arrays[0][n].dtype
+                assert got.device.endswith(CPU_DEVICES[k][len("/device"):])
+                error = np.abs(got.numpy() - want)
+                assert np.all(error <= bound), (n, k, error.max(), bound.max())
+
+
+@pytest.mark.parametrize("algorithm", CPU_ALGORITHMS)
+def test_a_mean_of_values_near_the_float16_limit_does_not_overflow(algorithm):
+    # 60000 on each of 8 towers: the float16 sum would be inf (max 65504);
+    # the mean is 60000. Sums are formed in float32, or prescaled by 1/8.
+    arrays = [[np.full((6,), 60000.0, np.float32), np.full((2,), 60000.0, np.float16)]
+              for _ in range(8)]
+    out = reduce_eagerly(arrays, algorithm, True, "fp16")
+    for row in out:
+        assert np.all(np.isfinite(row[0].numpy())) and np.all(np.isfinite(row[1].numpy()))
+        np.testing.assert_allclose(row[0].numpy(), 60000.0, rtol=2**-10)
+        np.testing.assert_allclose(row[1].numpy().astype(np.float32), 60000.0, rtol=2**-10)
+
+
+def test_integer_and_16_bit_gradients_are_left_as_they_are():
+    arrays = [[np.arange(4, dtype=np.int32) * (k + 1), np.full((3,), 0.5, tf.bfloat16.as_numpy_dtype)]
+              for k in range(3)]
+    out = reduce_eagerly(arrays, "flat", False, "fp16")
+    for row in out:
+        assert row[0].dtype == tf.int32 and row[0].numpy().tolist() == [0, 6, 12, 18]
+        assert row[1].dtype == tf.bfloat16 and row[1].numpy().astype(float).tolist() == [1.5] * 3
+
+
+def test_indexed_slices_cross_in_16_bits_and_come_back_in_their_dtype():
+    devices = CPU_DEVICES[:2]
+    grads = []
+    for k, d in enumerate(devices):
+        with tf.device(d):
+            grads.append([tf.IndexedSlices(tf.constant([[1.0, 2.0]]) * (k + 1),
+                                           tf.constant([k]), tf.constant([3, 2]))])
+    out = tfreduce.allreduce_grads(grads, devices, algorithm="flat", compression="bf16")
+    for row in out:
+        assert isinstance(row[0], tf.IndexedSlices) and row[0].values.dtype == tf.float32
+        np.testing.assert_array_equal(tf.convert_to_tensor(row[0]).numpy(),
+                                      [[1.0, 2.0], [2.0, 4.0], [0.0, 0.0]])
+
+
+@pytest.mark.parametrize("algorithm", ["flat", "hierarchical", "ring"])
+def test_traffic_analysis_shows_half_the_bytes(algorithm):
+    def sent(compression):
+        with tf.Graph().as_default():
+            grads = placeholders(GPU_DEVICES[:4], [(256,), (64, 8)])
+            out = tfreduce.allreduce_grads(grads, GPU_DEVICES[:4], average=True,
+                                           algorithm=algorithm, compression=compression)
+            return tfreduce.analyze_traffic(out, inputs=grads).total_bytes
+
+    assert sent("fp16") * 2 == sent(None)
+    assert sent("bf16") * 2 == sent(None)
+
+
+def test_bad_compression_values():
+    with pytest.raises(ValueError, match=r"compression must be None, 'fp16' or 'bf16', got 'int8'"):
+        reduce_eagerly([[np.ones(2, np.float32)]] * 2, "flat", False, "int8")
+    with tf.Graph().as_default():
+        grads = placeholders(GPU_DEVICES[:2], [(4,)])
+        with pytest.raises(TypeError, match=r"algorithm 'nccl' cannot reduce bfloat16 gradients"):
+            tfreduce.allreduce_grads(grads, GPU_DEVICES[:2], algorithm="nccl", compression="bf16")
+    with pytest.raises(ValueError, match=r"compression must be None, 'fp16' or 'bf16', got 16"):
+        tfreduce.CrossDeviceOps("flat", compression=16)
