@@ -112,3 +112,30 @@ def test_bad_compression_values():
             tfreduce.allreduce_grads(grads, GPU_DEVICES[:2], algorithm="nccl", compression="bf16")
     with pytest.raises(ValueError, match=r"compression must be None, 'fp16' or 'bf16', got 16"):
         tfreduce.CrossDeviceOps("flat", compression=16)
+
+
+def test_replicated_trainer_trains_with_compression():
+    import keras
+
+    def model():
+        keras.utils.set_random_seed(3)
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 5)).astype(np.float32), rng.integers(0, 3, 64)
+    weights = {}
+    for compression in (None, "fp16", "bf16"):
+        trainer = tfreduce.ReplicatedTrainer(
+            model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            lambda: keras.optimizers.SGD(0.1), devices=CPU_DEVICES[:4], algorithm="ring",
+            compression=compression)
+        trainer.fit(x, y, epochs=2, batch_size=16, verbose=0)
+        assert trainer.check_replicas() == 0.0  # every tower applies the same update
+        weights[compression] = trainer.models[0].get_weights()[0]
+    # 8 SGD steps of gradients rounded to 16 bits stay close to the float32 run.
+    np.testing.assert_allclose(weights["fp16"], weights[None], atol=2e-3)
+    np.testing.assert_allclose(weights["bf16"], weights[None], atol=2e-2)
+    assert not np.array_equal(weights["bf16"], weights[None])  # it did compress
+    with pytest.raises(ValueError, match=r"compression must be None, 'fp16' or 'bf16', got 'fp8'"):
+        tfreduce.ReplicatedTrainer(model, "mse", lambda: keras.optimizers.SGD(0.1),
+                                   devices=CPU_DEVICES[:2], compression="fp8")
