@@ -139,3 +139,13 @@ def test_replicated_trainer_trains_with_compression():
     with pytest.raises(ValueError, match=r"compression must be None, 'fp16' or 'bf16', got 'fp8'"):
         tfreduce.ReplicatedTrainer(model, "mse", lambda: keras.optimizers.SGD(0.1),
                                    devices=CPU_DEVICES[:2], compression="fp8")
+
+
+def test_the_multi_worker_reduction_refuses_compression():
+    from tfreduce.multiworker import check_local_options
+
+    with pytest.raises(ValueError, match=r"compression='fp16': the multi-worker reduction does "
+                                         r"not compress yet"):
+        check_local_options({"compression": "fp16"})
+    assert check_local_options({"compression": None, "groups": [[0, 1]]}) == {
+        "compression": None, "groups": [[0, 1]]}

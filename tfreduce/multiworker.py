@@ -53,9 +53,15 @@ def check_local_options(local_options):
     """A copy of the local algorithm's options, without those set here.
 
     Raises:
-      ValueError: an option ``allreduce_grads_multiworker`` sets itself.
+      ValueError: an option ``allreduce_grads_multiworker`` sets itself, or
+        ``compression``, which the cross-worker reduction does not take yet.
     """
     local_options = dict(local_options or {})
+    if local_options.get("compression") is not None:
+        raise ValueError(
+            f"compression={local_options['compression']!r}: the multi-worker reduction "
+            f"does not compress yet (its cross-worker step would sum in float32); "
+            f"train without compression, or on one worker")
     own = sorted(set(local_options) & set(_OWN_OPTIONS))
     if own:
         raise ValueError(
