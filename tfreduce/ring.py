@@ -126,7 +126,8 @@ def _ring_entry(column, ctx, m):
 
     # Compressed (ctx.wire_sum): partial sums cross in 16 bits, each piece
     # prescaled by 1/K when averaging so that no partial sum of a mean overflows.
-    wire = column[0].dtype if ctx.wire_sum and column[0].dtype.size == 2 else None
+    dtype = column[0].dtype
+    wire = dtype if ctx.wire_sum and dtype.is_floating and dtype.size == 2 else None
     prescale = wire is not None and ctx.average
     pieces = [[None] * num_devices for _ in range(num_devices)]
     for k, (g, d) in enumerate(zip(column, devices)):
@@ -152,7 +153,11 @@ def _ring_entry(column, ctx, m):
                                ctx.average and not prescale, devices[c],
                                name=f"{name}_chunk{c}_total")
     gathered = ring_all_gather(totals, devices, name)
+    return _reassemble(column, gathered, owners, devices, static, name)
 
+
+def _reassemble(column, gathered, owners, devices, static, name):
+    # Each device's gathered chunks, in order, back into the entry's shape.
     out = []
     for k, d in enumerate(devices):
         with tf.device(d):
