@@ -110,10 +110,11 @@ class ReduceContext:
       upstream_collective: bool, the input comes from a collective stage: a
         stage that reads only some towers' copies must still make the others
         run (see ``Stage.collective``).
-      wire_sum: bool, the call compresses (``compression=``): a stage whose
-        sum crosses devices inside one op sums 16-bit entries in their own
-        dtype, each input prescaled by 1/K when averaging, instead of going
-        up to float32 first.
+      wire_sum: bool, the call compresses (``compression=``): partial sums
+        of 16-bit entries cross devices in 16 bits too (hierarchical group
+        sums, ring hops, the collective's sum), each prescaled by 1/K when
+        averaging so that a mean cannot overflow, instead of going up to
+        float32 first.
     """
 
     def __init__(self, devices, average, dtypes, upstream_collective=False, wire_sum=False):
