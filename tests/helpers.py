@@ -4,11 +4,17 @@ conftest.py configures the 8 logical CPU devices before TensorFlow starts;
 test modules import what they use from here.
 """
 
+import importlib.util
+import os
+
 import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
 NUM_CPUS = 8
+
+#: The image-classification example, which tests import and run.
+EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "image_classification.py")
 
 CPU_DEVICES = [f"/device:CPU:{k}" for k in range(NUM_CPUS)]
 GPU_DEVICES = [f"/device:GPU:{k}" for k in range(NUM_CPUS)]
@@ -173,3 +179,11 @@ def check(values, devices, grads, average, placed_on):
             assert got.shape == want[n].shape, (k, n)
             np.testing.assert_array_equal(got, want[n], err_msg=f"tower {k} variable {n}")
             assert devices[k][n].endswith(placed_on[k]), (k, n, devices[k][n])
+
+
+def load_script(path, name):
+    """Imports the Python file at path (a script, not on sys.path) as module `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

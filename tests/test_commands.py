@@ -1,6 +1,5 @@
 """The command lines as a new user meets them: fast --help, a quiet start, one-line errors."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -10,19 +9,16 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
+from helpers import EXAMPLE, load_script
 from tfreduce.startup import is_startup_noise
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
-EXAMPLE = os.path.join(ROOT, "examples", "image_classification.py")
 PROG = "image_classification.py"
 
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("image_classification", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE, "image_classification")
 
 
 def python(code, *, env=None, timeout=120):

@@ -1,6 +1,5 @@
 """tfreduce.CrossDeviceOps: Keras model.fit under MirroredStrategy on tfreduce's all-reduce."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import tensorflow as tf
 
 import tfreduce
 import tfreduce.distribute
-from helpers import CPU_DEVICES
+from helpers import CPU_DEVICES, load_script
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "keras_fit_worker.py")
 CPU_ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]
@@ -20,14 +19,7 @@ CPU_ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]
 FLOAT32 = dict(rtol=1e-5, atol=1e-6)
 
 
-def load_worker():
-    spec = importlib.util.spec_from_file_location("keras_fit_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = load_worker()
+worker = load_script(WORKER, "keras_fit_worker")
 
 
 @pytest.fixture(scope="module", params=[2, 4])

@@ -1,6 +1,5 @@
 """The image-classification example's command line, on tiny runs."""
 
-import importlib.util
 import json
 import os
 import re
@@ -13,17 +12,13 @@ import tensorflow as tf
 from sklearn.datasets import load_digits
 
 import tfreduce
-from helpers import NUM_CPUS
+from helpers import EXAMPLE, NUM_CPUS, load_script
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "image_classification.py")
 
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("image_classification", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE, "image_classification")
 
 
 def test_digits_run_then_resume(example, tmp_path, capsys):

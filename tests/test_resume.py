@@ -8,7 +8,6 @@ equal bit for bit.
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,7 +17,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "image_classification.py")
+from helpers import EXAMPLE
+
 ARGS = ["--devices", "2", "--limit", "256", "--batch-size", "32", "--epochs", "12", "--quiet"]
 
 
