@@ -11,6 +11,8 @@ thing in a program; ``tower_devices`` then checks the devices a trainer is
 given against what this process has.
 """
 
+import functools
+
 import tensorflow as tf
 
 __all__ = ["normalize_device", "normalize_devices", "is_gpu", "logical_devices",
@@ -158,10 +160,15 @@ def logical_devices(num_devices=None, device_type=None):
             for d in existing[:count]]
 
 
+@functools.lru_cache(maxsize=1)
 def _local_devices():
-    """This process's logical devices as DeviceSpecs with a type and an index."""
+    """This process's logical devices as DeviceSpecs with a type and an index.
+
+    Listing them starts TensorFlow's runtime, after which they cannot change,
+    so the list is made once (an eager all-reduce checks its devices per call).
+    """
     local = [tf.DeviceSpec.from_string(d.name) for d in tf.config.list_logical_devices()]
-    return [s for s in local if s.device_type and s.device_index is not None]
+    return tuple(s for s in local if s.device_type and s.device_index is not None)
 
 
 def check_devices_exist(names, given=None):
