@@ -8,13 +8,14 @@ from tfreduce.trainer.batching import eval_batches, input_batches, worker_batch
 from tfreduce.trainer.checkpoints import TrainerCheckpoint, find_prefix
 from tfreduce.trainer.loop import evaluate_loop, fit_loop, predict_loop
 from tfreduce.trainer.losses import per_example_loss_fn, takes_class_indices
+from tfreduce.trainer.options import StepOptions
 from tfreduce.trainer.signals import StopRequest
-from tfreduce.trainer.step import StepFunctions, StepOptions, make_counters
+from tfreduce.trainer.step import StepFunctions, make_counters
 from tfreduce.trainer.towers import (
     build_towers,
-    describe_variables,
     check_factories,
     create_replicas,
+    describe_variables,
     resolve_cluster,
 )
 

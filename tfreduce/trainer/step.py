@@ -15,116 +15,17 @@ The global batch is split on the host into K contiguous shards, the first
 B % K one example larger (tfreduce.contract.shard_sizes), one per tower.
 """
 
-import dataclasses
 import functools
-from collections.abc import Callable
 
 import tensorflow as tf
 
-from tfreduce.allreduce import allreduce_grads, choose_algorithm, make_stage
-from tfreduce.contract import check_flag, shard_sizes
-from tfreduce.frame import check_compression
-from tfreduce.multiworker import (
-    CROSS_WORKER_PACK_BYTES,
-    allreduce_grads_multiworker,
-    check_local_options,
-)
-from tfreduce.packing import check_pack_bytes
+from tfreduce.contract import shard_sizes
 from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
 from tfreduce.trainer.towers import collectives, sync_functions
 
 # The device that holds the step counter and where the global batch is split
 # and per-tower results are gathered: the host, which every tower can reach.
 HOST = "/device:CPU:0"
-
-
-@dataclasses.dataclass(frozen=True)
-class StepOptions:
-    """The trainer's settings that shape a step's graph.
-
-    Attributes:
-      loss_fn: fn(y_true, y_pred) -> per-example losses.
-      class_indices: bool, the loss takes class indices (whole numbers).
-      average: bool, the all-reduce averages (True) or sums the gradients.
-      total_towers: int T, the towers of all workers.
-      devices: list of K canonical device names, this worker's towers.
-      algorithm: str, a name in tfreduce.ALGORITHMS (the local one in a cluster).
-      allreduce_options: dict passed to tfreduce.allreduce_grads; in a cluster
-        pack_bytes goes to allreduce_grads_multiworker, the rest to its
-        local algorithm.
-      cluster: the started tfreduce.Cluster, or None in a single process.
-    """
-
-    loss_fn: Callable
-    class_indices: bool
-    average: bool
-    total_towers: int
-    devices: list
-    algorithm: str
-    allreduce_options: dict
-    cluster: object
-
-    @property
-    def multiworker(self):
-        """bool: the all-reduces cross workers; loss and counts are then summed over all."""
-        return self.cluster is not None
-
-    def describe(self):
-        """The settings that shape the collectives, as text the workers compare."""
-        options = ", ".join(
-            f"{name}={value!r}" if isinstance(value, (bool, int, float, str, list, tuple))
-            or value is None else f"{name}={type(value).__name__}"
-            for name, value in sorted(self.allreduce_options.items()))
-        return f"algorithm={self.algorithm}, average={self.average}, options: {options}"
-
-    def check(self):
-        """Checks the all-reduce options now, as the first step would build them.
-
-        Raises:
-          TypeError, ValueError: an option the algorithm does not take, or a
-            bad value (pack_bytes, groups that do not fit K, NCCL on CPUs).
-        """
-        options = dict(self.allreduce_options)
-        check_pack_bytes(options.pop("pack_bytes", None))
-        if self.cluster is not None:
-            options = check_local_options(options)
-        else:
-            check_flag(options.pop("sparse_as_dense", False), "sparse_as_dense")
-            check_compression(options.pop("compression", None))
-        algorithm = self.algorithm
-        if algorithm == "auto":
-            algorithm = choose_algorithm(self.devices)
-        make_stage(algorithm, options).bind(self.devices)
-
-    def allreduce(self, all_grads, average):
-        """The trainer's all-reduce: within this process, or across the cluster.
-
-        Args:
-          all_grads: K x N list of tensors, all_grads[k][n] on devices[k].
-          average: bool, mean instead of sum (over the towers of all workers).
-
-        Returns:
-          K x N list, out[k][n] the sum (or mean) over towers, on devices[k].
-        """
-        if self.cluster is None:
-            return allreduce_grads(
-                all_grads,
-                self.devices,
-                average=average,
-                algorithm=self.algorithm,
-                **self.allreduce_options,
-            )
-        local_options = dict(self.allreduce_options)
-        pack_bytes = local_options.pop("pack_bytes", CROSS_WORKER_PACK_BYTES)
-        return allreduce_grads_multiworker(
-            all_grads,
-            self.devices,
-            average=average,
-            cluster=self.cluster,
-            local_algorithm=self.algorithm,
-            local_options=local_options,
-            pack_bytes=pack_bytes,
-        )
 
 
 def make_counters():
