@@ -30,6 +30,7 @@ all workers' towers, and only worker 0 writes logs, checkpoints and curves.
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -123,6 +124,25 @@ def parse_args(argv):
         help="replicated: tfreduce.ReplicatedTrainer; keras: Keras model.fit under "
         "tf.distribute.MirroredStrategy with tfreduce.CrossDeviceOps (one machine)",
     )
+    parser.add_argument(
+        "--compression",
+        choices=("fp16", "bf16", "powersgd"),
+        default=None,
+        help="fp16/bf16: gradients cross devices in 16 bits; powersgd: rank "
+        "--powersgd-rank PowerSGD with error feedback; default none",
+    )
+    parser.add_argument("--powersgd-rank", type=int, default=2, metavar="R",
+                        help="rank of --compression powersgd")
+    parser.add_argument("--accumulate-steps", type=int, default=1, metavar="M",
+                        help="micro-batches of --batch-size per update (gradient accumulation)")
+    parser.add_argument("--on-nonfinite", choices=("raise", "skip"), default="raise",
+                        help="a step with NaN or Inf gradients stops the run, or is skipped")
+    parser.add_argument(
+        "--mixed-precision",
+        choices=("mixed_float16", "mixed_bfloat16"),
+        default=None,
+        help="Keras mixed precision policy (float32 variables, 16-bit compute); default float32",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     parser.add_argument(
         "--verbose",
@@ -130,7 +150,8 @@ def parse_args(argv):
         help="show TensorFlow's start-up and C++ log lines, and tracebacks of run-time errors",
     )
     args = parser.parse_args(argv)
-    for name in ("devices", "epochs", "batch_size", "image_size", "limit"):
+    for name in ("devices", "epochs", "batch_size", "image_size", "limit", "powersgd_rank",
+                 "accumulate_steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -480,6 +501,10 @@ def train_and_evaluate(parser, args):
     # launcher restart, which continues from what the failed run left.
     if args.overwrite and found and not restarted and (cluster is None or cluster.rank == 0):
         remove_run(args.logdir, found)
+    if args.mixed_precision:
+        import keras
+
+        keras.mixed_precision.set_global_policy(args.mixed_precision)  # tfreduce: 16-bit compute
     if args.trainer == "keras":
         return fit_with_keras(parser, args, devices, data)
     return fit_replicated(parser, args, devices, cluster, restarted, data, towers)
@@ -503,6 +528,9 @@ def fit_replicated(parser, args, devices, cluster, restarted, data, towers):
     from tfreduce.trainer.signals import Terminated
 
     train, test, num_classes, input_shape, _ = data
+    compression = args.compression
+    if compression == "powersgd":
+        compression = tfreduce.PowerSGD(rank=args.powersgd_rank)  # tfreduce:
     trainer = ReplicatedTrainer(  # tfreduce:
         model_fn=lambda: image_cnn(input_shape, num_classes, args.seed),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -510,6 +538,9 @@ def fit_replicated(parser, args, devices, cluster, restarted, data, towers):
         devices=devices,
         algorithm=args.algorithm,
         cluster=cluster,  # tfreduce: None trains in this process only
+        accumulate_steps=args.accumulate_steps,
+        on_nonfinite=args.on_nonfinite,
+        **({"compression": compression} if compression else {}),
     )
     algorithm = args.algorithm
     if algorithm == "auto":
@@ -523,6 +554,9 @@ def fit_replicated(parser, args, devices, cluster, restarted, data, towers):
     print(
         f"{len(devices)} devices {trainer.devices}, all-reduce {algorithm}, "
         f"global batch {args.batch_size}"
+        + (f" x {args.accumulate_steps} micro-batches per update"
+           if args.accumulate_steps > 1 else "")
+        + (f", {args.mixed_precision}" if args.mixed_precision else "")
     )
 
     checkpoint_dir = os.path.join(args.logdir, "checkpoints")
@@ -574,7 +608,26 @@ def fit_replicated(parser, args, devices, cluster, restarted, data, towers):
     results = trainer.evaluate(*test) if isinstance(test, tuple) else trainer.evaluate(test)
     report(args, results, run.get("images_per_sec", []), history if trainer.is_chief else None,
            f"{towers} towers, all-reduce {algorithm}", checkpoint_dir)
+    print(f"replica drift (largest difference from tower 0): {trainer.check_replicas():g}")
+    if compression is not None:
+        print(payload_line(trainer, compression))
+    if sum(run.get("skipped_steps", [])):
+        print(f"steps skipped for NaN or Inf gradients: {sum(run['skipped_steps'])}")
     return 0
+
+
+def payload_line(trainer, compression):
+    """What each tower puts into the gradient all-reduce of one update, in bytes."""
+    import tfreduce
+
+    shapes = [v.shape.as_list() for v in trainer.models[0].trainable_variables]
+    full = sum(math.prod(shape) for shape in shapes) * 4  # float32 gradients
+    if isinstance(compression, tfreduce.PowerSGD):
+        sent = compression.payload_elements(shapes)[0] * 4
+    else:
+        sent = full // 2  # 16 bits a number
+    return (f"all-reduce payload per tower and update: {sent} bytes "
+            f"({full} uncompressed, {full / sent:.1f}x less)")
 
 
 def fit_with_keras(parser, args, devices, data):

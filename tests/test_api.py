@@ -42,7 +42,10 @@ EXPORTS = {
     'CrossDeviceOps.batch_reduce_implementation': '(self, reduce_op, value_destination_pairs, options)',
     'CrossDeviceOps.broadcast_implementation': '(self, tensor, destinations)',
     'CrossDeviceOps.reduce_implementation': '(self, reduce_op, per_replica_value, destinations, options)',
-    'ReplicatedTrainer': "(model_fn, loss, optimizer_fn, devices=None, algorithm='auto', average=True, *, bcast_period=0, cluster='auto', **allreduce_options)",
+    'PowerSGD': '(rank=2, *, min_compression_rate=2.0, seed=0)',
+    'PowerSGD.matrix_rank': '(self, shape)',
+    'PowerSGD.payload_elements': '(self, shapes)',
+    'ReplicatedTrainer': "(model_fn, loss, optimizer_fn, devices=None, algorithm='auto', average=True, *, bcast_period=0, cluster='auto', accumulate_steps=1, on_nonfinite='raise', **allreduce_options)",
     'ReplicatedTrainer.broadcast': '(self)',
     'ReplicatedTrainer.check_replicas': '(self)',
     'ReplicatedTrainer.evaluate': '(self, x, y=None, batch_size=256)',
@@ -91,7 +94,7 @@ MODULE_NAMES = {
     'tfreduce.launch.main': '(argv=None)',
     'tfreduce.launch.free_ports': "(count, host='127.0.0.1')",
     'tfreduce.launch.tf_config': '(addresses, index)',
-    'tfreduce.trainer.ReplicatedTrainer': "(model_fn, loss, optimizer_fn, devices=None, algorithm='auto', average=True, *, bcast_period=0, cluster='auto', **allreduce_options)",
+    'tfreduce.trainer.ReplicatedTrainer': "(model_fn, loss, optimizer_fn, devices=None, algorithm='auto', average=True, *, bcast_period=0, cluster='auto', accumulate_steps=1, on_nonfinite='raise', **allreduce_options)",
 }
 
 

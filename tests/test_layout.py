@@ -21,7 +21,7 @@ LAYERS = {
     "tf_config": 0, "startup": 0, "choices": 0, "devices": 1, "contract": 2, "packing": 3,
     "primitives": 4, "collective": 4,
     "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5,
-    "allreduce": 5, "failures": 5, "cluster": 5, "multiworker": 5, "consistency": 5,
+    "allreduce": 5, "powersgd": 5, "failures": 5, "cluster": 5, "multiworker": 5, "consistency": 5,
     "models": 6, "trainer": 6, "distribute": 6,
     "traffic": 7, "launch": 7, "bench": 7,
 }

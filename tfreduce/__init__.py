@@ -37,6 +37,7 @@ _EXPORTS = {
     "broadcast_variables": "tfreduce.replicated",
     "max_replica_difference": "tfreduce.replicated",
     "allreduce_grads_ring": "tfreduce.ring",
+    "PowerSGD": "tfreduce.powersgd",
     "Traffic": "tfreduce.traffic",
     "analyze_traffic": "tfreduce.traffic",
     "ReplicatedTrainer": "tfreduce.trainer",

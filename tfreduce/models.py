@@ -21,8 +21,9 @@ def image_cnn(input_shape, num_classes, seed=0):
       seed: int, seed of the weight initialisers.
 
     Returns:
-      keras.Model mapping float32 [batch, *input_shape] to logits
-      [batch, num_classes].
+      keras.Model mapping float32 [batch, *input_shape] to float32 logits
+      [batch, num_classes]; under a mixed precision policy the hidden
+      layers compute in float16 or bfloat16.
     """
     inputs = keras.Input(input_shape)
     x = inputs
@@ -36,6 +37,9 @@ def image_cnn(input_shape, num_classes, seed=0):
         x = keras.layers.ReLU()(x)
         x = keras.layers.MaxPooling2D(2)(x)
     x = keras.layers.Flatten()(x)
+    # float32 logits under a mixed precision policy too: the softmax and
+    # the loss stay in float32 (Keras' mixed precision guide).
     outputs = keras.layers.Dense(
-        num_classes, kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 2))(x)
+        num_classes, kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 2),
+        dtype="float32")(x)
     return keras.Model(inputs, outputs, name="cnn")

@@ -33,14 +33,19 @@ class TrainerCheckpoint:
       optimizer: tower 0's Keras optimizer, built.
       step: the int64 step counter tf.Variable.
       epoch_totals: the float64 [3] tf.Variable of the epoch's running totals.
+      tower_state: the trainer's update.TowerState, whose per-tower
+        variables (accumulated gradients, PowerSGD's Q and error feedback)
+        are saved for every tower, or None.
     """
 
-    def __init__(self, model, optimizer, step, epoch_totals):
+    def __init__(self, model, optimizer, step, epoch_totals, tower_state=None):
         # The explicit variable list adds what Keras does not track for
         # checkpoints (the random state of Dropout layers), which an exact
         # resume needs.
         parts = dict(model=model, optimizer=optimizer, model_variables=list(model.variables),
                      step=step)
+        if tower_state is not None:
+            parts.update(tower_state.checkpointed())
         self._checkpoint = tf.train.Checkpoint(**parts, epoch_totals=epoch_totals)
         # Checkpoints written before epoch_totals existed restore without it.
         self._without_totals = tf.train.Checkpoint(**parts)

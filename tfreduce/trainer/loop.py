@@ -196,7 +196,8 @@ def fit_epoch(trainer, run, epoch, skip):
       skip: int, the batches of this epoch already trained (on a resume).
 
     Returns:
-      dict: "loss", "accuracy" (when defined) and "images_per_sec".
+      dict: "loss", "accuracy" (when defined), "images_per_sec", and
+      "skipped_steps" with on_nonfinite="skip" or when a step was skipped.
     """
     batches = _epoch_batches(run, epoch, skip)
     if run.verbose == 1:
@@ -215,6 +216,7 @@ def fit_epoch(trainer, run, epoch, skip):
     # Throughput is measured on the wall clock, so it counts batching,
     # logging and tracing too, not just the time inside the step.
     epoch_start = time.perf_counter()
+    skipped_before = trainer.skipped_steps
     for step_in_epoch, (x_batch, y_batch) in enumerate(batches, start=skip + 1):
         start = time.perf_counter()
         loss, correct = trainer._run_train_step(x_batch, y_batch)
@@ -244,6 +246,9 @@ def fit_epoch(trainer, run, epoch, skip):
     if has_accuracy:
         logs["accuracy"] = correct_total / max(seen, 1)
     logs["images_per_sec"] = seen / (time.perf_counter() - epoch_start)
+    skipped = trainer.skipped_steps - skipped_before
+    if skipped or trainer._options.on_nonfinite == "skip":
+        logs["skipped_steps"] = skipped  # updates skipped for NaN or Inf gradients
     return logs
 
 

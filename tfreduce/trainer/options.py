@@ -3,7 +3,7 @@
 import dataclasses
 from collections.abc import Callable
 
-from tfreduce.allreduce import allreduce_grads, choose_algorithm, make_stage
+from tfreduce.allreduce import ALGORITHMS, allreduce_grads, choose_algorithm, make_stage
 from tfreduce.contract import check_flag
 from tfreduce.frame import check_compression
 from tfreduce.multiworker import (
@@ -12,6 +12,37 @@ from tfreduce.multiworker import (
     check_local_options,
 )
 from tfreduce.packing import check_pack_bytes
+from tfreduce.powersgd import PowerSGD
+from tfreduce.trainer.update import check_update_options
+
+
+def check_trainer_options(algorithm, average, bcast_period, accumulate_steps, on_nonfinite,
+                          compression):
+    """Checks the ReplicatedTrainer's arguments that need neither a cluster nor devices.
+
+    Raises:
+      ValueError, TypeError: as ReplicatedTrainer documents.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
+    if isinstance(bcast_period, bool) or not isinstance(bcast_period, int) or bcast_period < 0:
+        raise ValueError(
+            f"bcast_period must be an int >= 0 (0: never re-broadcast), got {bcast_period!r}"
+        )
+    check_flag(average, "average")
+    check_update_options(accumulate_steps, on_nonfinite, compression)
+
+
+def split_powersgd(allreduce_options):
+    """(the all-reduce's options, the PowerSGD or None): PowerSGD is the trainer's part.
+
+    `compression=` takes the all-reduce's wire formats ("fp16", "bf16") and
+    a tfreduce.PowerSGD, which the trainer runs around the all-reduce.
+    """
+    options = dict(allreduce_options)
+    if isinstance(options.get("compression"), PowerSGD):
+        return options, options.pop("compression")
+    return options, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +60,10 @@ class StepOptions:
         pack_bytes goes to allreduce_grads_multiworker, the rest to its
         local algorithm.
       cluster: the started tfreduce.Cluster, or None in a single process.
+      accumulate_steps: int M >= 1, steps per update (gradient accumulation).
+      on_nonfinite: "raise" or "skip", what a step with NaN or Inf
+        gradients does.
+      powersgd: a tfreduce.PowerSGD compressing the all-reduce, or None.
     """
 
     loss_fn: Callable
@@ -39,6 +74,9 @@ class StepOptions:
     algorithm: str
     allreduce_options: dict
     cluster: object
+    accumulate_steps: int = 1
+    on_nonfinite: str = "raise"
+    powersgd: object = None
 
     @property
     def multiworker(self):
@@ -51,7 +89,9 @@ class StepOptions:
             f"{name}={value!r}" if isinstance(value, (bool, int, float, str, list, tuple))
             or value is None else f"{name}={type(value).__name__}"
             for name, value in sorted(self.allreduce_options.items()))
-        return f"algorithm={self.algorithm}, average={self.average}, options: {options}"
+        return (f"algorithm={self.algorithm}, average={self.average}, "
+                f"accumulate_steps={self.accumulate_steps}, on_nonfinite={self.on_nonfinite}, "
+                f"powersgd={self.powersgd!r}, options: {options}")
 
     def check(self):
         """Checks the all-reduce options now, as the first step would build them.

@@ -1,21 +1,16 @@
 """The public ReplicatedTrainer: checks, replicas, and one delegating method per action."""
 
-from tfreduce.allreduce import ALGORITHMS
-from tfreduce.consistency import check_workers_agree
-from tfreduce.contract import check_flag
 from tfreduce.devices import tower_devices
 from tfreduce.trainer.batching import eval_batches, input_batches, worker_batch
-from tfreduce.trainer.checkpoints import TrainerCheckpoint, find_prefix
+from tfreduce.trainer.checkpoints import find_prefix
 from tfreduce.trainer.loop import evaluate_loop, fit_loop, predict_loop
 from tfreduce.trainer.losses import per_example_loss_fn, takes_class_indices
-from tfreduce.trainer.options import StepOptions
+from tfreduce.trainer.options import StepOptions, check_trainer_options, split_powersgd
 from tfreduce.trainer.signals import StopRequest
-from tfreduce.trainer.step import StepFunctions, make_counters
+from tfreduce.trainer.step import build_run, make_counters
 from tfreduce.trainer.towers import (
-    build_towers,
     check_factories,
     create_replicas,
-    describe_variables,
     resolve_cluster,
 )
 
@@ -33,20 +28,19 @@ class ReplicatedTrainer:
     2. runs forward and backward on every tower; tower k's loss is the sum of
        its per-example losses times K/B when `average=True` (the all-reduce
        then divides the sum by K), or times 1/B when `average=False` (the
-       all-reduce sums). Either way the reduced gradient is exactly the
-       gradient of the mean loss over the B examples of the global batch,
-       even for uneven shards: with equal shards, K/B is the shard mean;
-    3. calls `tfreduce.allreduce_grads` once on the K x N gradients;
-    4. applies the reduced gradients with each tower's optimizer. Every tower
-       applies the same update to the same values, so the replicas stay equal;
-    5. replaces the moving mean and variance of every trainable
+       all-reduce sums): the reduced gradient is exactly the gradient of the
+       mean loss over the B examples, even for uneven shards;
+    3. all-reduces the K x N gradients once (`tfreduce.allreduce_grads`, or
+       PowerSGD around it), checks once that the result is finite, and
+       applies it with each tower's optimizer: every tower applies the same
+       update to the same values, or none does (`on_nonfinite`);
+    4. replaces the moving mean and variance of every trainable
        BatchNormalization layer with their average over towers weighted by
-       shard size (one more all-reduce with the same algorithm). For a
-       moving mean this is exactly the update one device makes from the
-       global batch; a moving variance becomes the weighted mean of shard
-       variances, which leaves out the spread between shard means. The
-       normalisation inside a step still uses each shard's own statistics,
-       as in any data-parallel BatchNorm that is not cross-replica.
+       shard size (one more all-reduce). For a moving mean this is exactly
+       the update one device makes from the global batch; a moving variance
+       becomes the weighted mean of shard variances, leaving out the spread
+       between shard means (normalisation inside a step uses each shard's
+       own statistics, as in any BatchNorm that is not cross-replica).
 
     At start, and after `restore`, tower 0's variables (model and optimizer)
     are broadcast to every tower; `bcast_period=n` repeats that every n steps
@@ -76,6 +70,8 @@ class ReplicatedTrainer:
       cluster: the started tfreduce.Cluster, or None in a single process.
       is_chief: bool, True on rank 0 (and in a single process), the
         worker that writes checkpoints and logs.
+      skipped_steps: int, the steps whose update was skipped (non-finite
+        gradients) since this trainer was made.
     """
 
     def __init__(
@@ -89,6 +85,8 @@ class ReplicatedTrainer:
         *,
         bcast_period=0,
         cluster="auto",
+        accumulate_steps=1,
+        on_nonfinite="raise",
         **allreduce_options,
     ):
         """Builds one model replica and one optimizer per device.
@@ -117,26 +115,37 @@ class ReplicatedTrainer:
             otherwise a single process. The cluster is started here, before
             any variable exists, so configure logical devices first. `devices`
             are then this worker's own devices.
+          accumulate_steps: int M >= 1; each step (train_step, or a step of
+            fit) takes one micro-batch, and every M-th reduces the gradients
+            summed on each tower since the last update and applies them: the
+            update for the M micro-batches taken as one batch. The other
+            steps have no cross-device reduction.
+          on_nonfinite: "raise" (default) or "skip": a step whose gradients
+            hold NaN or Inf on any tower raises FloatingPointError naming
+            the step, tower and variable, with no update applied; or skips
+            the update on every tower, counted in fit's logs ("skipped_steps").
+            With a LossScaleOptimizer (mixed_float16) such steps are skipped
+            by it and counted; "raise" then raises on a non-finite loss.
           **allreduce_options: passed to tfreduce.allreduce_grads, such as
-            groups=[[0, 1], [2, 3]] for "hierarchical" or pack_bytes=; in a
-            cluster, pack_bytes goes to allreduce_grads_multiworker and the
-            others to its local algorithm.
+            groups=[[0, 1], [2, 3]] for "hierarchical", pack_bytes= or
+            compression="fp16"; compression=tfreduce.PowerSGD(rank=2)
+            compresses with PowerSGD around the all-reduce. In a cluster,
+            pack_bytes goes to allreduce_grads_multiworker and the others to
+            its local algorithm.
 
         Raises:
           TypeError: model_fn or optimizer_fn is not callable or returns the
             wrong type; loss is not a loss; cluster is not "auto", None or a
             Cluster; average not a bool; an option the algorithm lacks.
           ValueError: unknown algorithm, bad or missing devices, a negative
-            bcast_period, a bad option value, or replicas that differ.
+            bcast_period or accumulate_steps < 1, a bad option value, or
+            replicas that differ.
         """
         check_factories(model_fn, optimizer_fn)
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
-        if isinstance(bcast_period, bool) or not isinstance(bcast_period, int) or bcast_period < 0:
-            raise ValueError(
-                f"bcast_period must be an int >= 0 (0: never re-broadcast), got {bcast_period!r}"
-            )
-        check_flag(average, "average")  # checks that need no cluster come first
+        allreduce_options, powersgd = split_powersgd(allreduce_options)
+        # The checks that need no cluster come first.
+        check_trainer_options(algorithm, average, bcast_period, accumulate_steps, on_nonfinite,
+                              allreduce_options.get("compression"))
         self.cluster = resolve_cluster(cluster)
         self.devices = tower_devices(devices)
         workers = self.cluster.num_workers if self.cluster is not None else 1
@@ -148,8 +157,11 @@ class ReplicatedTrainer:
             total_towers=workers * len(self.devices),
             devices=self.devices,
             algorithm=algorithm,
-            allreduce_options=dict(allreduce_options),
+            allreduce_options=allreduce_options,
             cluster=self.cluster,
+            accumulate_steps=accumulate_steps,
+            on_nonfinite=on_nonfinite,
+            powersgd=powersgd,
         )
         self._options.check()  # a bad option fails here, not at the first step
         self._bcast_period = bcast_period
@@ -160,6 +172,7 @@ class ReplicatedTrainer:
         self._pending_restore = None
         self._stop = StopRequest()  # SIGTERM while fit runs
         self._stopping = False
+        self.skipped_steps = 0
         if all(model.built for model in self.models):
             self._build(None)
 
@@ -174,25 +187,11 @@ class ReplicatedTrainer:
         return self.cluster is None or self.cluster.is_chief
 
     def _build(self, x):
-        """Creates every variable on its tower, checks the replicas, syncs them.
-
-        x: a batch to build unbuilt models with, or None when all are built.
-        """
-        built = build_towers(self.models, self.optimizers, self.devices, x)
-        if self.cluster is not None:
-            # Before the first collective: a worker that differs fails now, on all.
-            check_workers_agree(self.cluster, len(self.devices),
-                                f"{self._options.describe()}, bcast_period={self._bcast_period}",
-                                describe_variables(built.variables[0]))
-        self._checkpoint = TrainerCheckpoint(
-            self.models[0], self.optimizers[0], self._step, self._epoch_totals)
-        if self._pending_restore is not None:
-            # Before the step functions exist: if it fails, the next call builds again.
-            self._checkpoint.restore(self._pending_restore)
-            self._pending_restore = None
-        steps = StepFunctions(built, self._options, self._step, self._epoch_totals)
-        steps.broadcast()
-        self._steps = steps
+        """Builds the towers (x: a batch for unbuilt models, or None), checkpoint and steps."""
+        self._steps, self._checkpoint = build_run(
+            self.models, self.optimizers, self._options, (self._step, self._epoch_totals),
+            x, f"bcast_period={self._bcast_period}", self._pending_restore)
+        self._pending_restore = None
 
     def _built_steps(self, x):
         """The StepFunctions; batch x builds the models first if they are not built."""
@@ -204,7 +203,9 @@ class ReplicatedTrainer:
         """Runs one step; returns (mean loss float, correct count int or None)."""
         x, y, batch = worker_batch(x, y, self.cluster, len(self.devices),
                                    self._options.total_towers, self._options.class_indices)
-        loss, correct, stops = self._built_steps(x).train(x, y, batch, self._stop.requested)
+        loss, correct, stops, skipped = self._built_steps(x).train(
+            x, y, batch, self._stop.requested)
+        self.skipped_steps += int(skipped)
         # In a cluster only the sum over workers counts: all stop after the
         # same step.
         self._stopping = float(stops) > 0 if self.cluster else self._stop.requested
@@ -328,7 +329,8 @@ class ReplicatedTrainer:
           dict of lists, one entry per epoch run by this call: "epoch",
           "loss", "accuracy" (when defined), "val_loss" and "val_accuracy"
           (with validation_data), "images_per_sec" (training images over
-          the epoch's wall time, including the first step's tracing).
+          the epoch's wall time, including the first step's tracing),
+          "skipped_steps" (with on_nonfinite="skip", or when any was skipped).
 
         Raises:
           ValueError: bad arrays or dataset, batch_size smaller than T, an
@@ -375,16 +377,14 @@ class ReplicatedTrainer:
         return predict_loop(input_batches(x, batch_size), self._built_steps)
 
     def save(self, path):
-        """Writes a checkpoint of tower 0's model, optimizer and the step counter.
+        """Writes a checkpoint of tower 0's model and optimizer, the counters and tower state.
 
-        `path` is a directory. Each save writes the files of a new checkpoint
-        `ckpt-<n>` under a number no earlier checkpoint there used, and only
-        then rewrites the small `checkpoint` index file that names the
-        latest one (tf.train.CheckpointManager, which replaces that file
-        atomically). A crash during a save therefore leaves the previous
-        checkpoint as the latest, never a half-written one. The three newest
-        checkpoints are kept. In a cluster only rank 0 writes; the other
-        ranks hold the same values and write nothing.
+        `path` is a directory. Each save writes a new checkpoint `ckpt-<n>`
+        and only then, atomically, the index file that names the latest
+        (tf.train.CheckpointManager), so a crash during a save leaves the
+        previous checkpoint as the latest. The three newest are kept. Each
+        tower's own state (accumulated gradients, PowerSGD's error feedback)
+        is saved per tower. In a cluster only rank 0 writes.
 
         Args:
           path: str, checkpoint directory (created if missing).
@@ -425,6 +425,10 @@ class ReplicatedTrainer:
           ValueError: every checkpoint at path is damaged (each named), or
             the checkpoint does not match this trainer's model.
         """
+        if self.cluster is not None and self._steps is not None:
+            # Only rank 0's own tower state is in the checkpoint: every
+            # worker restarts its state, so all stay consistent.
+            self._steps.reset_state()
         if not self.is_chief:
             # Rank 0's values arrive with the broadcast, at build if the
             # models are not built yet.

@@ -16,12 +16,28 @@ B % K one example larger (tfreduce.contract.shard_sizes), one per tower.
 """
 
 import functools
+import math
 
 import tensorflow as tf
 
+from tfreduce.consistency import check_workers_agree
 from tfreduce.contract import shard_sizes
+from tfreduce.trainer.checkpoints import TrainerCheckpoint
 from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
-from tfreduce.trainer.towers import collectives, sync_functions
+from tfreduce.trainer.towers import (
+    build_towers,
+    collectives,
+    describe_variables,
+    sync_functions,
+)
+from tfreduce.trainer.update import (
+    TowerState,
+    all_finite,
+    apply_gradients,
+    locate_nonfinite,
+    nonfinite_error,
+    scales_loss,
+)
 
 # The device that holds the step counter and where the global batch is split
 # and per-tower results are gathered: the host, which every tower can reach.
@@ -57,8 +73,14 @@ def _split(tensors, num_towers):
         return sizes, [tf.split(t, sizes, num=num_towers) for t in tensors]
 
 
-def _tower_gradients(towers, options, x_shards, y_shards, batch):
+def _tower_gradients(towers, options, x_shards, y_shards, batch, accumulating):
     """Forward and backward on every tower.
+
+    Args:
+      accumulating: bool, the gradients go into sums that the update divides
+        by the examples of all its micro-batches; the loss is then not
+        divided by this batch's size, and the regularisation is weighted by
+        it, so the update is the gradient of the mean over all of them.
 
     Returns:
       (all_grads K x N, loss_sums [K], corrects [K] int64 or None, regs [K]).
@@ -73,13 +95,18 @@ def _tower_gradients(towers, options, x_shards, y_shards, batch):
                 dtype = loss_sum.dtype
                 # Scale before the reduction so that its sum (or mean)
                 # is the gradient of the global-batch mean loss.
-                numerator = options.total_towers if options.average else 1
-                scale = tf.cast(numerator, dtype) / tf.cast(batch, dtype)
+                numerator = tf.cast(options.total_towers if options.average else 1, dtype)
+                per_batch = tf.cast(batch, dtype)
+                scale = numerator if accumulating else numerator / per_batch
                 reg = regularization(model, dtype)
                 # Every tower adds the same regularisation term; a sum
                 # over the T towers would count it T times.
                 reg_weight = 1.0 if options.average else 1.0 / options.total_towers
-                tower_loss = loss_sum * scale + reg * reg_weight
+                if accumulating:
+                    reg_weight = reg_weight * per_batch
+                # Keras' loss scaling (LossScaleOptimizer, loss_scale_factor);
+                # apply_gradients divides it out again.
+                tower_loss = towers.optimizers[k].scale_loss(loss_sum * scale + reg * reg_weight)
             grads = tape.gradient(tower_loss, towers.trainable[k])
         all_grads.append(list(grads))
         loss_sums.append(loss_sum)
@@ -88,50 +115,76 @@ def _tower_gradients(towers, options, x_shards, y_shards, batch):
     return all_grads, loss_sums, corrects, regs
 
 
-def train_graph(towers, options, step, x, y, batch, stop):
-    """One synchronous step; traced once by tf.function.
+def _update(towers, options, state, all_grads, sizes, batch):
+    """The update of a step: reduce, check once, apply, sync BatchNorm statistics.
+
+    Returns:
+      (finite bool scalar, report int32 [K + 1, N] (see locate_nonfinite),
+      the tensors a later collective must run after).
+    """
+    grads = state.take(all_grads, batch)
+    reduced = state.reduce(grads, options.allreduce, options.average, options.total_towers)
+    finite = all_finite(reduced[0], towers.devices[0])
+    report = locate_nonfinite(finite, grads, reduced[0], towers.devices, HOST)
+    apply_gradients(towers, reduced, finite)
+    # Each worker's collectives run one after the other, in the same
+    # order on every worker: independent ones could wait for each other.
+    after = [g for g in reduced[0] if g is not None] if options.multiworker else []
+    return finite, report, sync_moving(towers, sizes, batch, after, options.allreduce)
+
+
+def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
+    """One synchronous step; traced once by tf.function (once more without update).
 
     Args:
       towers: Towers, this worker's K built replicas.
       options: StepOptions.
-      step: the int64 step counter tf.Variable, incremented by one.
+      state: TowerState, the per-tower state of the update.
+      step: the int64 step counter tf.Variable, incremented by one unless
+        the step's gradients are not finite and on_nonfinite is "raise".
       x, y: [b, ...], this worker's part of the global batch (all of it in a
         single process).
       batch: int32 scalar B, the size of the global batch.
       stop: float64 scalar, 1 when this worker was asked to stop (SIGTERM).
+      update: bool, reduce and apply (False: only accumulate, no
+        cross-device op but the cluster's metrics).
 
     Returns:
       (float64 scalar, the mean loss over the global batch plus
       regularisation; int64 scalar, the correct predictions in the global
       batch, -1 when accuracy is not defined; float64 scalar, the workers
-      asked to stop, summed over the cluster).
+      asked to stop, summed over the cluster; bool scalar, the reduced
+      gradients are finite; int32 [K + 1, N], where they are not (see
+      update.locate_nonfinite); float64 [K], each tower's loss sum).
     """
     num_towers = len(towers.devices)
-    allreduce = options.allreduce
     sizes, (x_shards, y_shards) = _split([x, y], num_towers)
     all_grads, loss_sums, corrects, regs = _tower_gradients(
-        towers, options, x_shards, y_shards, batch
-    )
-    reduced = allreduce(all_grads, options.average)
-    for k, (optimizer, device) in enumerate(zip(towers.optimizers, towers.devices)):
-        with tf.device(device), tf.name_scope(f"tower{k}_apply"):
-            optimizer.apply_gradients(zip(reduced[k], towers.trainable[k]))
+        towers, options, x_shards, y_shards, batch, state.accumulate_steps > 1)
+    with tf.device(HOST):
+        tower_losses = tf.stack([tf.cast(loss, tf.float64) for loss in loss_sums])
+    if update:
+        finite, report, after = _update(towers, options, state, all_grads, sizes, batch)
+    else:
+        state.accumulate(all_grads, batch)
+        with tf.device(HOST):
+            finite = tf.constant(True)
+            report = tf.zeros([num_towers + 1, len(all_grads[0])], tf.int32)
+        after = []
     has_accuracy = corrects[0] is not None
-    # Each worker's collectives run one after the other, in the same
-    # order on every worker: independent ones could wait for each other.
-    after = [g for g in reduced[0] if g is not None] if options.multiworker else []
-    after = sync_moving(towers, sizes, batch, after, allreduce)
     if options.multiworker:
         loss_sums, corrects, stop = sum_metrics(
-            towers.devices, loss_sums, corrects, stop, after, allreduce)
+            towers.devices, loss_sums, corrects, stop, after, options.allreduce)
     with tf.device(HOST):
-        step.assign_add(1)
+        # A step that is about to raise is not counted: its update was not applied.
+        counts = options.on_nonfinite == "skip" or scales_loss(towers.optimizers[0])
+        step.assign_add(tf.cast(tf.logical_or(finite, counts), tf.int64))
         dtype = loss_sums[0].dtype
         mean_loss = tf.add_n(loss_sums) / tf.cast(batch, dtype) + tf.cast(regs[0], dtype)
         correct = (
             tf.cast(tf.add_n(corrects), tf.int64) if has_accuracy else tf.constant(-1, tf.int64)
         )
-    return tf.cast(mean_loss, tf.float64), correct, stop
+    return tf.cast(mean_loss, tf.float64), correct, stop, finite, report, tower_losses
 
 
 def sum_metrics(devices, loss_sums, corrects, stop, after, allreduce):
@@ -249,6 +302,7 @@ class StepFunctions:
     Args:
       towers: Towers, this worker's K built replicas.
       options: StepOptions.
+      state: TowerState, the per-tower state of the update.
       step: the int64 step counter tf.Variable.
       epoch_totals: the float64 [3] tf.Variable of the epoch's running loss
         sum, correct count and examples (broadcast with the step).
@@ -258,13 +312,14 @@ class StepFunctions:
         difference between any tower's variable and tower 0's.
     """
 
-    def __init__(self, towers, options, step, epoch_totals):
+    def __init__(self, towers, options, state, step, epoch_totals):
         self._towers = towers
         self._options = options
+        self._state = state
         self._step = step
         self._broadcast_fn, self.difference = sync_functions(
             towers, options.cluster, [step, epoch_totals])
-        self._train_fn = None
+        self._train_fns = {True: None, False: None}  # update -> tf.function
         self._eval_fn = None
         self._predict_fn = None
 
@@ -273,32 +328,63 @@ class StepFunctions:
         with collectives(self._options.cluster):
             self._broadcast_fn()
 
+    def reset_state(self):
+        """Restarts the per-tower state: no accumulated gradients, PowerSGD from its seed."""
+        self._state.reset()
+
     def train(self, x, y, batch, stop=False):
         """Runs train_graph on this worker's part x, y of a global batch of int size `batch`.
 
+        Every `accumulate_steps`-th step (counting from 1) reduces and
+        updates; the others accumulate, with a function of their own that
+        holds no cross-device reduction.
+
         Returns:
           (float64 scalar mean loss, int64 scalar correct count, -1 when
-          accuracy is not defined, float64 scalar workers asked to `stop`),
-          as eager tensors.
+          accuracy is not defined, float64 scalar workers asked to `stop`,
+          bool: the update was skipped), the first three as eager tensors.
+
+        Raises:
+          FloatingPointError: the gradients hold NaN or Inf and on_nonfinite
+            is "raise" (no update was applied; the step is not counted).
         """
-        if self._train_fn is None:
-            self._train_fn = tf.function(
-                functools.partial(train_graph, self._towers, self._options, self._step),
+        number = int(self._step.numpy()) + 1
+        update = number % self._state.accumulate_steps == 0
+        if self._train_fns[update] is None:
+            self._train_fns[update] = tf.function(
+                functools.partial(train_graph, self._towers, self._options, self._state,
+                                  self._step, update=update),
                 input_signature=[signature(x), signature(y), tf.TensorSpec([], tf.int32),
                                  tf.TensorSpec([], tf.float64)],
             )
         with collectives(self._options.cluster):
-            return self._train_fn(x, y, tf.constant(batch, tf.int32),
-                                  tf.constant(float(stop), tf.float64))
+            loss, correct, stops, finite, report, tower_losses = self._train_fns[update](
+                x, y, tf.constant(batch, tf.int32), tf.constant(float(stop), tf.float64))
+        raises = self._options.on_nonfinite == "raise"
+        if scales_loss(self._towers.optimizers[0]):
+            # Non-finite gradients are how a loss scale finds its level; a
+            # non-finite loss is not.
+            bad = [k for k, value in enumerate(tower_losses.numpy()) if not math.isfinite(value)]
+            if raises and bad:
+                raise FloatingPointError(
+                    f"step {number}: tower {bad[0]} ({self._towers.devices[bad[0]]}) computed a "
+                    "NaN or Inf loss; no update was applied and the checkpoints stay as they "
+                    "were")
+        elif raises and not bool(finite):
+            raise nonfinite_error(report.numpy(), number, self._towers, self._options.cluster)
+        return loss, correct, stops, not bool(finite)
 
     def tracing_counts(self):
-        """{"train", "evaluate", "predict"} -> times each was traced (0: never run).
+        """{"train", "accumulate", "evaluate", "predict"} -> times each was traced.
 
+        0: never run ("accumulate" runs only with accumulate_steps > 1).
         Each is traced once for the shapes and dtypes of its first batch; a
         count above 1 means retracing (another dtype or rank of input).
         """
         return {name: 0 if fn is None else fn.experimental_get_tracing_count()
-                for name, fn in (("train", self._train_fn), ("evaluate", self._eval_fn),
+                for name, fn in (("train", self._train_fns[True]),
+                                 ("accumulate", self._train_fns[False]),
+                                 ("evaluate", self._eval_fn),
                                  ("predict", self._predict_fn))}
 
     def evaluate(self, x, y):
@@ -317,3 +403,38 @@ class StepFunctions:
                 functools.partial(predict_graph, self._towers), input_signature=[signature(x)]
             )
         return self._predict_fn(x)
+
+
+def build_run(models, optimizers, options, counters, x, describe, restore=None):
+    """Builds the towers and everything that runs them; syncs the towers.
+
+    Args:
+      models, optimizers: lists of K, the replicas and their optimizers.
+      options: StepOptions.
+      counters: (step counter, epoch totals) tf.Variables.
+      x: a batch [batch, ...] to build unbuilt models with, or None.
+      describe: str, more settings the workers of a cluster must agree on.
+      restore: a checkpoint prefix to restore before the first broadcast, or None.
+
+    Returns:
+      (StepFunctions, TrainerCheckpoint).
+
+    Raises:
+      ValueError: the towers differ, the workers differ, or the checkpoint
+        does not match.
+    """
+    built = build_towers(models, optimizers, options.devices, x)
+    if options.cluster is not None:
+        # Before the first collective: a worker that differs fails now, on all.
+        check_workers_agree(options.cluster, len(options.devices),
+                            f"{options.describe()}, {describe}",
+                            describe_variables(built.variables[0]))
+    state = TowerState(built, options.accumulate_steps, options.powersgd, HOST)
+    checkpoint = TrainerCheckpoint(models[0], optimizers[0], *counters, state)
+    if restore is not None:
+        # Before the step functions exist: if it fails, the next call builds again.
+        checkpoint.restore(restore)
+    steps = StepFunctions(built, options, state, *counters)
+    steps.broadcast()
+    return steps, checkpoint
+

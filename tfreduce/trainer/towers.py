@@ -86,6 +86,9 @@ def check_factories(model_fn, optimizer_fn):
 def create_replicas(model_fn, optimizer_fn, devices):
     """Calls model_fn and optimizer_fn once per tower under that tower's device.
 
+    A model under Keras' mixed_float16 policy gets its optimizer wrapped in
+    a keras.optimizers.LossScaleOptimizer, as `Model.compile` does.
+
     Returns:
       (list of K keras.Model, list of K Keras optimizers).
 
@@ -107,6 +110,11 @@ def create_replicas(model_fn, optimizer_fn, devices):
                 f"optimizer_fn returned {type(optimizer).__name__} for tower {k}; "
                 "it must return a keras.optimizers.Optimizer"
             )
+        if (model.dtype_policy.name == "mixed_float16"
+                and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
+            # As Keras' compile does: float16 gradients underflow without
+            # loss scaling.
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         models.append(model)
         optimizers.append(optimizer)
     return models, optimizers

@@ -1,0 +1,254 @@
+"""From the towers' gradients to the update: accumulation, PowerSGD, the non-finite guard.
+
+One update of a step, in order:
+
+1. gradient accumulation (`accumulate_steps=M`, Horovod's
+   backward_passes_per_step, DDP's no_sync): the M-1 steps between updates
+   only add each tower's gradients into its own sums, with no cross-device
+   op at all; the M-th adds its own, divides by the examples of the M
+   micro-batches and goes on;
+2. the all-reduce: the trainer's (any algorithm, one process or a cluster),
+   or PowerSGD around it (tfreduce.powersgd);
+3. one finiteness check on tower 0's reduced gradients (a NaN or Inf on any
+   tower reaches every tower's sum, so one check sees it) that decides for
+   every tower at once: apply the update, or skip it. What was non-finite
+   (which tower, which variable) is worked out only when the check fails.
+
+The per-tower state (the sums, PowerSGD's Q and error feedback) is never
+broadcast from tower 0: it is each tower's own, and it is checkpointed per
+tower.
+"""
+
+import keras
+import tensorflow as tf
+
+from tfreduce.powersgd import PowerSGD, PowerSGDState, powersgd_allreduce
+
+ON_NONFINITE = ("raise", "skip")
+
+
+def check_update_options(accumulate_steps, on_nonfinite, compression):
+    """Raises ValueError/TypeError for a bad accumulate_steps, on_nonfinite or compression.
+
+    Args:
+      accumulate_steps: int >= 1.
+      on_nonfinite: "raise" or "skip".
+      compression: None, "fp16", "bf16" (checked by the all-reduce) or a
+        tfreduce.PowerSGD.
+    """
+    if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int):
+        raise TypeError(f"accumulate_steps must be an int >= 1, got {accumulate_steps!r}")
+    if accumulate_steps < 1:
+        raise ValueError(
+            f"accumulate_steps must be >= 1 (1: an update every step), got {accumulate_steps}")
+    if on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+    if isinstance(compression, type) and issubclass(compression, PowerSGD):
+        raise TypeError("compression=tfreduce.PowerSGD needs an instance: PowerSGD(rank=2)")
+
+
+def scales_loss(optimizer):
+    """bool: Keras' LossScaleOptimizer, which skips non-finite steps itself."""
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+class TowerState:
+    """The per-tower state of the update, created once the towers are built.
+
+    Args:
+      towers: Towers, built.
+      accumulate_steps: int M >= 1.
+      compression: a tfreduce.PowerSGD, or anything else (no PowerSGD state).
+      host: the device of the count of accumulated examples.
+
+    Attributes:
+      sums: K x N list of tf.Variables (None where M = 1), tower k's sum of
+        the gradients since the last update, on devices[k].
+      examples: float64 scalar tf.Variable, the examples those sums cover.
+      powersgd: PowerSGDState, or None.
+    """
+
+    def __init__(self, towers, accumulate_steps, compression, host):
+        self.devices = towers.devices
+        self.accumulate_steps = accumulate_steps
+        self.sums = None
+        self.examples = None
+        if accumulate_steps > 1:
+            self.sums = []
+            for k, device in enumerate(towers.devices):
+                with tf.device(device), tf.name_scope(f"accumulated_tower{k}"):
+                    self.sums.append([tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                                  name=f"sum{n}")
+                                      for n, v in enumerate(towers.trainable[k])])
+            with tf.device(host):
+                self.examples = tf.Variable(0.0, dtype=tf.float64, trainable=False,
+                                            name="accumulated_examples")
+        self.powersgd = None
+        if isinstance(compression, PowerSGD):
+            self.powersgd = PowerSGDState(compression, towers.devices, towers.trainable[0])
+
+    def tower_variables(self, k):
+        """Tower k's own variables (sums, Q, error feedback), for checkpoints."""
+        own = list(self.sums[k]) if self.sums else []
+        return own + (self.powersgd.tower_variables(k) if self.powersgd else [])
+
+    def checkpointed(self):
+        """{name: trackable} of this state for tf.train.Checkpoint; {} when there is none."""
+        if self.sums is None and self.powersgd is None:
+            return {}
+        parts = {"tower_state": [self.tower_variables(k) for k in range(len(self.devices))]}
+        if self.examples is not None:
+            parts["accumulated_examples"] = self.examples
+        return parts
+
+    def reset(self):
+        """Empties the sums and restarts PowerSGD (Q from its seed, no error)."""
+        if self.sums:
+            for row in self.sums:
+                for v in row:
+                    v.assign(tf.zeros_like(v))
+            self.examples.assign(0.0)
+        if self.powersgd:
+            self.powersgd.reset()
+
+    def accumulate(self, all_grads, batch):
+        """Adds each tower's gradients into its sums (no cross-device op); counts batch."""
+        for k, (grads, sums) in enumerate(zip(all_grads, self.sums)):
+            with tf.device(self.devices[k]), tf.name_scope(f"accumulate_tower{k}"):
+                for g, v in zip(grads, sums):
+                    if g is not None:
+                        # Densified: a sum of IndexedSlices grows every step.
+                        v.assign_add(tf.convert_to_tensor(g))
+        self.examples.assign_add(tf.cast(batch, tf.float64))
+
+    def take(self, all_grads, batch):
+        """The gradients of the update: this step's plus the sums, per example.
+
+        The sums are emptied (read first: the reads come before the
+        assignments in the step's order).
+
+        Returns:
+          K x N list, on each tower; all_grads itself when M = 1.
+        """
+        if self.sums is None:
+            return all_grads
+        examples = self.examples + tf.cast(batch, tf.float64)
+        out = []
+        for k, (grads, sums) in enumerate(zip(all_grads, self.sums)):
+            with tf.device(self.devices[k]), tf.name_scope(f"accumulated_tower{k}"):
+                row = []
+                for g, v in zip(grads, sums):
+                    if g is None:
+                        row.append(None)
+                        continue
+                    total = tf.convert_to_tensor(g) + v.read_value()
+                    row.append(total / tf.cast(examples, total.dtype))
+                out.append(row)
+        with tf.control_dependencies([g for row in out for g in row if g is not None]):
+            for row in self.sums:
+                for v in row:
+                    v.assign(tf.zeros_like(v))
+            self.examples.assign(0.0)
+        return out
+
+    def reduce(self, all_grads, allreduce, average, num_replicas):
+        """The all-reduce of the update: plain, or PowerSGD around `allreduce`."""
+        if self.powersgd is None:
+            return allreduce(all_grads, average)
+        return powersgd_allreduce(all_grads, self.powersgd, allreduce, average, num_replicas)
+
+
+def all_finite(grads, device):
+    """bool scalar: every element of `grads` is finite; one check, on `device`.
+
+    Args:
+      grads: list of N tensors (IndexedSlices and None allowed), tower 0's
+        reduced gradients.
+      device: where the check runs (tower 0's device).
+    """
+    with tf.device(device), tf.name_scope("nonfinite_check"):
+        checks = [tf.reduce_all(tf.math.is_finite(_values(g))) for g in grads
+                  if g is not None and g.dtype.is_floating]
+        return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+
+
+def _values(g):
+    return g.values if isinstance(g, tf.IndexedSlices) else g
+
+
+def locate_nonfinite(finite, all_grads, reduced, devices, host):
+    """int32 [K + 1, N]: 1 where a gradient holds NaN or Inf, computed only if not `finite`.
+
+    Row k is tower k's gradient (before the all-reduce), row K the reduced
+    gradient on tower 0; all zeros when `finite` (a branch not taken costs
+    nothing).
+    """
+    num_towers, num_vars = len(all_grads), len(reduced)
+
+    def find():
+        rows = []
+        for k, grads in enumerate(list(all_grads) + [reduced]):
+            with tf.device(devices[k] if k < num_towers else devices[0]):
+                rows.append([tf.logical_not(tf.reduce_all(tf.math.is_finite(_values(g))))
+                             if g is not None and g.dtype.is_floating else tf.constant(False)
+                             for g in grads])
+        with tf.device(host):
+            return tf.cast(tf.stack([tf.stack(row) for row in rows]), tf.int32)
+
+    with tf.device(host):
+        zeros = tf.zeros([num_towers + 1, num_vars], tf.int32)
+    if not num_vars:
+        return zeros
+    return tf.cond(finite, lambda: zeros, find)
+
+
+def apply_gradients(towers, reduced, finite):
+    """Each tower's optimizer applies its reduced gradients, all or none.
+
+    The update runs only where `finite` is True: one decision for every
+    tower. A LossScaleOptimizer decides itself, from the same reduced values
+    on every tower (and lowers its scale when it skips).
+    """
+    for k, (optimizer, device) in enumerate(zip(towers.optimizers, towers.devices)):
+        pairs = list(zip(reduced[k], towers.trainable[k]))
+        with tf.device(device), tf.name_scope(f"tower{k}_apply"):
+            if scales_loss(optimizer):
+                optimizer.apply_gradients(pairs)
+                continue
+
+            def apply(optimizer=optimizer, pairs=pairs):
+                optimizer.apply_gradients(pairs)
+
+            tf.cond(finite, apply, lambda: None)
+
+
+def nonfinite_error(report, step, towers, cluster):
+    """The FloatingPointError of a step whose gradients are not finite.
+
+    Args:
+      report: np.ndarray int [K + 1, N] from locate_nonfinite.
+      step: int, the 1-based number of the step.
+      towers: Towers, whose variables name the columns.
+      cluster: the tfreduce.Cluster, or None.
+
+    Returns:
+      FloatingPointError naming the step, the first tower and variable.
+    """
+    num_towers = len(towers.devices)
+    names = [v.path for v in towers.trainable[0]]
+    advice = ("no update was applied and the checkpoints stay as they were; lower the "
+              "learning rate, or pass on_nonfinite='skip' to skip such steps")
+    for k in range(num_towers):
+        bad = [names[n] for n in range(len(names)) if report[k][n]]
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            return FloatingPointError(
+                f"step {step}: tower {k} ({towers.devices[k]}) computed NaN or Inf in the "
+                f"gradient of variable {bad[0]!r}{more}; {advice}")
+    bad = [names[n] for n in range(len(names)) if report[num_towers][n]]
+    where = ("a tower of another worker, or the sum overflowed"
+             if cluster is not None else "every tower's gradient is finite: the sum overflowed")
+    return FloatingPointError(
+        f"step {step}: the all-reduced gradient of variable {bad[0] if bad else '?'!r} is NaN "
+        f"or Inf ({where}; compression='fp16' crosses devices in float16, at most 65504); "
+        f"{advice}")
