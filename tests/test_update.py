@@ -5,7 +5,6 @@ import re
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tfreduce
 from helpers import CPU_DEVICES
