@@ -225,3 +225,37 @@ def test_keras_trainer_refuses_a_cluster(example, tmp_path, capsys, monkeypatch)
         "image_classification.py: error: --trainer keras trains on one machine "
         "(MultiWorkerMirroredStrategy takes no cross-device ops); with TF_CONFIG, use "
         "--trainer replicated (see --help)\n")
+
+
+def run_example_process(args, tmp_path):
+    """Runs the example in its own process (a Keras dtype policy is process-wide)."""
+    result = subprocess.run(
+        [sys.executable, EXAMPLE, "--logdir", str(tmp_path / "run"), "--quiet", *args],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_powersgd_rank_2_trains_digits_with_a_fraction_of_the_bytes(tmp_path):
+    out = run_example_process(["--compression", "powersgd", "--powersgd-rank", "2"], tmp_path)
+    accuracy = float(re.search(r"test accuracy: ([0-9.]+)", out).group(1))
+    assert accuracy >= 0.97
+    assert "replica drift (largest difference from tower 0): 0\n" in out
+    sent, full = map(int, re.search(
+        r"all-reduce payload per tower and update: (\d+) bytes \((\d+) uncompressed", out).groups())
+    # The CNN's float32 gradients: two conv kernels 3x3x1x32 and 3x3x32x64,
+    # two BatchNorm gammas and betas, the [256, 10] classifier and its bias.
+    shapes = [[3, 3, 1, 32], [32], [32], [3, 3, 32, 64], [64], [64], [256, 10], [10]]
+    assert full == 4 * sum(int(np.prod(s)) for s in shapes)
+    # At most (rows + cols) * 2 numbers for each matrix, all of every vector.
+    bound = 4 * sum(int(np.prod(s)) if len(s) == 1 else (int(np.prod(s[:-1])) + s[-1]) * 2
+                    for s in shapes)
+    assert sent <= bound < full / 10
+
+
+def test_mixed_float16_trains_digits_with_replicas_equal(tmp_path):
+    out = run_example_process(["--mixed-precision", "mixed_float16"], tmp_path)
+    assert ", mixed_float16\n" in out
+    accuracy = float(re.search(r"test accuracy: ([0-9.]+)", out).group(1))
+    assert accuracy >= 0.97
+    assert "replica drift (largest difference from tower 0): 0\n" in out
