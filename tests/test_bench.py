@@ -1,11 +1,14 @@
 """tfreduce-bench smoke tests: tiny sizes, K=2, few steps; no timed assertions."""
 
 import json
+import re
 
 import numpy as np
 import pytest
 
+import tfreduce
 from tfreduce import bench
+from tfreduce.bench.workloads import gradient_shapes
 
 
 def run(tmp_path, *argv):
@@ -62,6 +65,33 @@ def test_allreduce_mode_sum_half_precision_selected_contenders(tmp_path):
     assert "odd K = 3" in result["skipped"]["tf-hierarchical-copy"]
 
 
+def test_allreduce_mode_compression_axis(tmp_path, capsys):
+    # A small Keras model: PowerSGD compresses matrices, and synthetic
+    # tensors are vectors.
+    result = run(tmp_path, "--model", "MobileNetV3Small", "--devices", "2", "--steps", "2",
+                 "--warmup", "1", "--contenders", "flat,ring", "--packing", "on",
+                 "--compression", "none,fp16,bf16,powersgd1")
+    rows = {r["name"]: r for r in result["results"]}
+    flat = "flat+pack64KiB"
+    assert {flat, f"{flat}+fp16", f"{flat}+bf16", f"{flat}+powersgd1"} <= set(rows)
+    for name in (f"{flat}+fp16", f"{flat}+bf16", "ring+pack64KiB+bf16"):
+        assert rows[name]["correct"] is True, name  # within 16-bit rounding of NumPy
+    assert rows[f"{flat}+powersgd1"]["correct"] is None  # an approximation: not judged
+    cut = {c["name"]: c for c in result["compression"]}
+    assert set(cut) == {f"{a}+pack64KiB+{c}" for a in ("flat", "ring")
+                        for c in ("fp16", "bf16", "powersgd1")}
+    assert cut[f"{flat}+fp16"]["bytes_cut"] == 2.0
+    assert cut["ring+pack64KiB+bf16"]["bytes_cut"] == 2.0
+    sent, full = tfreduce.PowerSGD(rank=1).payload_elements(
+        [list(s) for s in gradient_shapes("MobileNetV3Small")])
+    # Flat on K = 2: the busiest pair carries one tower's whole payload.
+    assert cut[f"{flat}+powersgd1"]["max_pair_bytes"] == 4 * sent < 4 * full / 20
+    assert cut[f"{flat}+fp16"]["time_ratio"] > 0
+    out = capsys.readouterr().out
+    assert re.search(r"flat\+pack64KiB\+fp16: busiest device pair .* \(2\.0x less than "
+                     r"flat\+pack64KiB's", out)
+
+
 def test_scaling_mode(tmp_path, capsys):
     result = run(tmp_path, "--mode", "scaling", "--grid-devices", "2,3", "--grid-tensors",
                  "4,8", "--algorithms", "flat,ring+pack", "--steps", "2")
@@ -115,6 +145,8 @@ def test_format_bytes():
     (["--pack-bytes", "4XB"], "'4XB' is not a byte count"),
     (["--algorithms", "flat+zip"], "--algorithms: unknown ['flat+zip']"),
     (["--devices", "0"], "must be >= 1, got 0"),
+    (["--compression", "fp16,zip"], "--compression: unknown ['zip']; use none, fp16, bf16 "
+                                    "or powersgdR (R the rank, e.g. powersgd4)"),
     (["--device-type", "gpu", "--devices", "99"], "--device-type gpu: this machine has"),
     (["--model", "NoSuchNet"], "unknown Keras application 'NoSuchNet'"),
 ])

@@ -34,7 +34,9 @@ def run(args, log):
       dict with keys mode, config, floor, results (one dict a row: times in
       ms, build time in CPU seconds, op count, cross-device bytes, check
       results), ratios (contender -> contender -> ratio of medians),
-      skipped (name -> reason) and environment.
+      compression (each compressed contender's busiest-pair bytes and step
+      time against its uncompressed base), skipped (name -> reason) and
+      environment.
     """
     dtype = tf.as_dtype(args.dtype)
     devices = device_names(args.devices, args.device_type)
@@ -75,6 +77,7 @@ def run(args, log):
         },
         "results": _results(times, medians, rows, names),
         "ratios": {a: {b: medians[a] / medians[b] for b in names} for a in names},
+        "compression": _compression(rows, medians),
         "skipped": skipped,
         "environment": environment(),
     }
@@ -82,7 +85,8 @@ def run(args, log):
 
 def _select(args):
     # The contenders that run here, narrowed to the --contenders families.
-    chosen, skipped = contenders(args.devices, args.device_type, args.pack_bytes, args.packing)
+    chosen, skipped = contenders(args.devices, args.device_type, args.pack_bytes, args.packing,
+                                 args.compression)
     if args.contenders:
         wanted = set(args.contenders)
         skipped.update({c.name: "not selected by --contenders" for c in chosen
@@ -96,18 +100,19 @@ def _build_graph(chosen, shapes, total_elements, devices, average, dtype, log):
     # its own fetch. Returns (graph, init op, K x N grads, fetches, rows).
     graph = tf.Graph()
     with graph.as_default():
-        variables, grads = make_inputs(shapes, devices, dtype)
-        floor_vars, floor_sum = make_floor(total_elements, devices, dtype)
+        _, grads = make_inputs(shapes, devices, dtype)
+        _, floor_sum = make_floor(total_elements, devices, dtype)
         fetches = {"floor": consume([floor_sum], devices, "floor"),
                    "inputs": consume(grads, devices, "inputs")}
         rows = {}
         for c in chosen:
             rows[c.name] = build_contender(c, graph, grads, devices, average)
+            rows[c.name].update(roundoff=c.roundoff, base=c.base)
             fetches[c.name] = rows[c.name].pop("fetch")
             log(f"built {c.name}: {rows[c.name]['num_ops']} ops in "
                 f"{rows[c.name]['build_s']:.2f} s")
-        init = tf.compat.v1.initializers.variables(
-            [v for row in variables for v in row] + floor_vars)
+        # The inputs, the floor and PowerSGD's state.
+        init = tf.compat.v1.global_variables_initializer()
     return graph, init, grads, fetches, rows
 
 
@@ -119,13 +124,29 @@ def _first_steps(sess, rows, fetches, inputs, average, dtype, log):
         sess.run(fetches[name])
         row["first_step_s"] = time.perf_counter() - start
         if inputs is not None:
-            check(sess, row, fetches[name], inputs, average, dtype)
+            check(sess, row, fetches[name], inputs, average, dtype, row["roundoff"])
             # Ops nothing consumes (tf.distribute's builders leave a few) are
             # pruned by the session; what the check guards is a contender
             # whose reduction was pruned, which its values would show too.
             unused = row["ops_not_run"]
             log(f"checked {name}: largest difference from NumPy {row['max_abs_error']:g}, "
                 + (f"{unused} unused ops of its graph pruned" if unused else "every op ran"))
+
+
+def _compression(rows, medians):
+    # Each compressed contender against its uncompressed base, when it ran.
+    out = []
+    for name, row in rows.items():
+        base = rows.get(row["base"]) if row["base"] else None
+        if base is None:
+            continue
+        out.append({"name": name, "base": row["base"],
+                    "max_pair_bytes": row["max_pair_bytes"],
+                    "base_max_pair_bytes": base["max_pair_bytes"],
+                    "bytes_cut": base["max_pair_bytes"] / max(row["max_pair_bytes"], 1),
+                    "time_ratio": medians[name] / medians[row["base"]],
+                    "relative_error": row.get("relative_error")})
+    return out
 
 
 def _quartiles(samples):
@@ -172,6 +193,14 @@ def print_result(result, out=None):
               f"{'net ms':>7s} {'build s':>8s} {'ops':>7s} {'max sent/dev':>12s} {'hops':>5s} "
               f"{'ok':>3s}")
     print_table(title, header, [_line(r) for r in result["results"]], out)
+    for c in result.get("compression", []):
+        error = c["relative_error"]
+        print(f"{c['name']}: busiest device pair {format_bytes(c['max_pair_bytes'])} "
+              f"({c['bytes_cut']:.1f}x less than {c['base']}'s "
+              f"{format_bytes(c['base_max_pair_bytes'])}), step time {c['time_ratio']:.2f}x "
+              f"{c['base']}'s" + ("" if error is None else
+                                  f", largest error {error:.2g} of the largest value"),
+              file=out)
     for name, reason in result["skipped"].items():
         print(f"skipped {name}: {reason}", file=out)
 
@@ -180,7 +209,7 @@ def _line(r):
     # One table row; floor and inputs (no build) leave the build columns empty.
     extra = ""
     if "build_s" in r:
-        ok = {True: "yes", False: "NO"}.get(r.get("correct"), "-")
+        ok = {True: "yes", False: "NO"}.get(r.get("correct"), "-")  # -: an approximation
         extra = (f" {r['net_ms']:7.2f} {r['build_s']:8.2f} {r['num_ops']:7d} "
                  f"{format_bytes(r['max_sent_bytes']):>12s} {r['longest_hop_chain']:5d} "
                  f"{ok:>3s}")

@@ -8,6 +8,7 @@ only to run it.
 import argparse
 import importlib
 import json
+import re
 import sys
 
 from tfreduce.bench.units import format_bytes, parse_bytes
@@ -89,6 +90,10 @@ def parse_args(argv):
                              f"{format_bytes(DEFAULT_PACK_BYTES)} (packing.DEFAULT_PACK_BYTES)")
     parser.add_argument("--packing", choices=("both", "on", "off"), default="both",
                         help="run tfreduce algorithms unpacked, packed, or both (default)")
+    parser.add_argument("--compression", default=["none"], metavar="C[,C]",
+                        type=lambda s: _parse_list(s, str, "--compression"),
+                        help="allreduce mode: run every tfreduce variant with each of none, "
+                             "fp16, bf16, powersgdR (PowerSGD of rank R); default none")
     parser.add_argument("--contenders", default=None, metavar="NAME[,NAME]",
                         type=lambda s: _parse_list(s, str, "--contenders"),
                         help=f"run only these of {','.join(BENCH_FAMILIES)}; default all")
@@ -132,6 +137,11 @@ def parse_args(argv):
         unknown = sorted(set(args.contenders) - set(BENCH_FAMILIES))
         if unknown:
             parser.error(f"--contenders: unknown {unknown}; choose from {list(BENCH_FAMILIES)}")
+    bad = [c for c in args.compression
+           if not re.fullmatch(r"none|fp16|bf16|powersgd[1-9][0-9]*", c)]
+    if bad:
+        parser.error(f"--compression: unknown {bad}; use none, fp16, bf16 or powersgdR "
+                     "(R the rank, e.g. powersgd4)")
     if args.algorithms:
         known = set(ALGORITHMS)
         bad = [a for a in args.algorithms if a.partition("+")[0] not in known

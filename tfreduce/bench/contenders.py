@@ -1,16 +1,26 @@
 """The all-reduce implementations under test and the ones that cannot run here.
 
-tfreduce's algorithms (unpacked and packed), tensorpack's
-``allreduce_grads_hierarchical`` and tf.distribute's cross-device ops, each
-behind one ``build(grads, devices, average) -> K x N`` callable.
+tfreduce's algorithms (unpacked and packed, uncompressed or with wire
+compression or PowerSGD), tensorpack's ``allreduce_grads_hierarchical`` and
+tf.distribute's cross-device ops, each behind one
+``build(grads, devices, average) -> K x N`` callable.
 """
+
+import re
 
 import tensorflow as tf
 
 import tfreduce
 from tfreduce.bench.units import format_bytes
+from tfreduce.powersgd import PowerSGD, PowerSGDState, powersgd_allreduce
 
-__all__ = ["Contender", "contenders", "tfreduce_builder"]
+__all__ = ["COMPRESSION_ROUNDOFF", "Contender", "contenders", "parse_compression",
+           "tfreduce_builder"]
+
+#: --compression value -> the relative rounding it adds to the result (the
+#: unit roundoff of the wire dtype, for an input and for the result); PowerSGD
+#: ("powersgdR", rank R) approximates and is not checked against NumPy.
+COMPRESSION_ROUNDOFF = {"none": 0.0, "fp16": 2.0**-11, "bf16": 2.0**-8}
 
 
 class Contender:
@@ -21,30 +31,64 @@ class Contender:
       family: str, one of ``choices.BENCH_FAMILIES`` (what ``--contenders`` selects).
       description: str, what it builds.
       build: callable ``(grads, devices, average) -> K x N outputs``.
+      roundoff: float, the relative rounding the contender adds beyond the
+        dtype's (0: exact up to the dtype), or None: an approximation, whose
+        relative error is reported instead of checked.
+      base: the name of the uncompressed contender it compresses, or None.
     """
 
-    def __init__(self, name, family, description, build):
+    def __init__(self, name, family, description, build, roundoff=0.0, base=None):
         self.name = name
         self.family = family
         self.description = description
         self.build = build
+        self.roundoff = roundoff
+        self.base = base
 
 
-def tfreduce_builder(algorithm, pack_bytes):
+def parse_compression(text):
+    """A --compression item: "none", "fp16", "bf16" or "powersgdR" (rank R >= 1).
+
+    Returns:
+      None, "fp16", "bf16" or a tfreduce.PowerSGD.
+
+    Raises:
+      ValueError: anything else.
+    """
+    if text in COMPRESSION_ROUNDOFF:
+        return None if text == "none" else text
+    match = re.fullmatch(r"powersgd([1-9][0-9]*)", text)
+    if not match:
+        raise ValueError(f"unknown compression {text!r}; use none, fp16, bf16 or powersgdR "
+                         "(R the rank, e.g. powersgd4)")
+    return PowerSGD(rank=int(match.group(1)))
+
+
+def tfreduce_builder(algorithm, pack_bytes, compression=None):
     """A contender's build callable for ``tfreduce.allreduce_grads``.
 
     Args:
       algorithm: str, one of ``tfreduce.ALGORITHMS``.
       pack_bytes: int bytes, or None for no packing.
+      compression: None, "fp16", "bf16" (wire compression) or a
+        tfreduce.PowerSGD (its state made per build, starting from its seed).
 
     Returns:
       callable ``(grads, devices, average) -> out``: grads K x N tensors,
       devices K strings, average bool; out[k][n] is the sum (mean) over k of
       grads[k][n], placed on devices[k].
     """
+    wire = compression if isinstance(compression, str) else None
+
     def build(grads, devices, average):
-        return tfreduce.allreduce_grads(grads, devices, average=average, algorithm=algorithm,
-                                        pack_bytes=pack_bytes)
+        def allreduce(all_grads, mean):
+            return tfreduce.allreduce_grads(all_grads, devices, average=mean,
+                                            algorithm=algorithm, pack_bytes=pack_bytes,
+                                            **({"compression": wire} if wire else {}))
+        if not isinstance(compression, PowerSGD):
+            return allreduce(grads, average)
+        state = PowerSGDState(compression, devices, grads[0])
+        return powersgd_allreduce(grads, state, allreduce, average, len(devices))
     return build
 
 
@@ -66,7 +110,7 @@ def _tf_distribute_builder(make_ops):
     return build
 
 
-def contenders(num_devices, device_type, pack_sizes, packing="both"):
+def contenders(num_devices, device_type, pack_sizes, packing="both", compressions=("none",)):
     """The contenders that can run here, and the others with the reason.
 
     Args:
@@ -74,6 +118,8 @@ def contenders(num_devices, device_type, pack_sizes, packing="both"):
       device_type: "cpu" or "gpu".
       pack_sizes: list of int, pack_bytes of the packed variants.
       packing: "both", "on" (packed variants only) or "off".
+      compressions: --compression items; every tfreduce variant runs with
+        each ("none": uncompressed, named without a suffix).
 
     Returns:
       (list of Contender, dict name -> reason skipped).
@@ -83,15 +129,23 @@ def contenders(num_devices, device_type, pack_sizes, packing="both"):
         algorithms.append("nccl")
     out, skipped = [], {}
     for algorithm in algorithms:
+        variants = []
         if packing in ("both", "off"):
-            out.append(Contender(algorithm, algorithm, f"tfreduce {algorithm}, unpacked",
-                                 tfreduce_builder(algorithm, None)))
+            variants.append((algorithm, f"tfreduce {algorithm}, unpacked", None))
         if packing in ("both", "on"):
-            for size in pack_sizes:
+            variants += [(f"{algorithm}+pack{format_bytes(size)}",
+                          f"tfreduce {algorithm}, pack_bytes={size}", size) for size in pack_sizes]
+        for name, description, size in variants:
+            for text in compressions:
+                setting = parse_compression(text)
+                if setting is None:
+                    out.append(Contender(name, algorithm, description,
+                                         tfreduce_builder(algorithm, size)))
+                    continue
                 out.append(Contender(
-                    f"{algorithm}+pack{format_bytes(size)}", algorithm,
-                    f"tfreduce {algorithm}, pack_bytes={size}",
-                    tfreduce_builder(algorithm, size)))
+                    f"{name}+{text}", algorithm, f"{description}, compression={setting!r}",
+                    tfreduce_builder(algorithm, size, setting),
+                    roundoff=COMPRESSION_ROUNDOFF.get(text), base=name))
     try:
         import tensorpack.graph_builder.utils  # noqa: F401
     except ImportError as error:

@@ -256,12 +256,13 @@ def build_contender(contender, graph, grads, devices, average):
     }
 
 
-def check(sess, row, fetch, inputs, average, dtype):
+def check(sess, row, fetch, inputs, average, dtype, roundoff=0.0):
     """One traced run of the timed fetch that also fetches every output.
 
     Compares the values with NumPy and the step stats with the ops built;
-    sets row["max_abs_error"] (float), row["correct"] (bool) and
-    row["ops_not_run"] (int, 0 when nothing was pruned).
+    sets row["max_abs_error"] (float), row["relative_error"] (float, of
+    the largest value), row["correct"] (bool; None for an approximation)
+    and row["ops_not_run"] (int, 0 when nothing was pruned).
 
     Args:
       sess: tf.compat.v1.Session of the graph.
@@ -270,6 +271,9 @@ def check(sess, row, fetch, inputs, average, dtype):
       inputs: K x N NumPy arrays, the input gradients' values.
       average: bool, mean (True) or sum.
       dtype: tf.DType of the gradients.
+      roundoff: float, the relative rounding a compressed contender adds
+        (each input and the result rounded to its wire dtype); None for an
+        approximation (PowerSGD), which is not judged.
     """
     metadata = tf.compat.v1.RunMetadata()
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
@@ -277,9 +281,11 @@ def check(sess, row, fetch, inputs, average, dtype):
     error, scale = _max_error(got, inputs, average)
     # Sums of multiples of 1/4 are exact; allow the rounding of a mean by
     # 1/K and of half-precision sums formed in their own dtype.
-    tolerance = 4 * len(inputs) * float(np.finfo(dtype.as_numpy_dtype).eps) * scale
+    eps = max(float(np.finfo(dtype.as_numpy_dtype).eps), roundoff or 0.0)
+    tolerance = 4 * len(inputs) * eps * scale
     row["max_abs_error"] = error
-    row["correct"] = bool(error <= tolerance)
+    row["relative_error"] = error / scale
+    row["correct"] = None if roundoff is None else bool(error <= tolerance)
     row["ops_not_run"] = len(row["op_names"] - _executed_nodes(metadata))
 
 
