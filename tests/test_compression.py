@@ -141,11 +141,12 @@ def test_replicated_trainer_trains_with_compression():
                                    devices=CPU_DEVICES[:2], compression="fp8")
 
 
-def test_the_multi_worker_reduction_refuses_compression():
+def test_the_multi_worker_reduction_takes_compression_itself():
     from tfreduce.multiworker import check_local_options
 
-    with pytest.raises(ValueError, match=r"compression='fp16': the multi-worker reduction does "
-                                         r"not compress yet"):
+    with pytest.raises(ValueError, match=r"^local_options compression='fp16': pass compression= "
+                                         r"to allreduce_grads_multiworker itself, which "
+                                         r"compresses the cross-worker step"):
         check_local_options({"compression": "fp16"})
     assert check_local_options({"compression": None, "groups": [[0, 1]]}) == {
         "compression": None, "groups": [[0, 1]]}

@@ -127,6 +127,26 @@ def test_structure_half_types_cross_in_float32_and_scale_by_all_towers(graph):
     assert CROSS_WORKER_PACK_BYTES == 4 * 1024 * 1024
 
 
+@pytest.mark.parametrize("compression, wire", [("fp16", tf.float16), ("bf16", tf.bfloat16)])
+def test_structure_compression_crosses_workers_in_16_bits_prescaled(graph, compression, wire):
+    cluster = Cluster(SPEC, "worker", 0)
+    grads = grads_on(GPUS[:2], [(8,), (2, 2)])
+    out = allreduce_grads_multiworker(grads, GPUS[:2], average=True, cluster=cluster,
+                                      local_algorithm="flat", compression=compression)
+    [op] = cross_ops(graph)
+    assert op.inputs[0].dtype == wire
+    cast = op.inputs[0].op
+    assert cast.type == "Cast" and cast.inputs[0].dtype == tf.float32
+    prescale = cast.inputs[0].op  # 1/T before the cast: a mean cannot overflow
+    assert prescale.type == "Mul"
+    assert tf.get_static_value(prescale.inputs[1]) == np.float32(1 / 4)
+    assert [t.dtype for t in out[1]] == [tf.float32, tf.float32]
+    # The result is not scaled again.
+    assert not [o for o in graph.get_operations() if o.name.endswith("_total/scale_1_over_k")]
+    with pytest.raises(ValueError, match="compression must be None, 'fp16' or 'bf16', got 'x'"):
+        allreduce_grads_multiworker(grads, GPUS[:2], cluster=cluster, compression="x")
+
+
 def test_local_collective_keeps_every_local_op_needed(graph):
     # Only one device's local sum feeds the cross hop; the other devices'
     # collective ops must still be reached, or a v1 Session hangs.
@@ -303,7 +323,7 @@ def test_two_workers_reduce_like_numpy(tmp_path, mode):
                     # IndexedSlices are gathered across workers, not densified.
                     assert bool(res[f"{case}/sparse/{k}/{n}"]) == (shape == "slices")
                     checked += 1
-    assert checked == 4 * 12
+    assert checked == 4 * 15
     for r, res in enumerate(results):  # rank 0 tower 0 made 1.0 and 1
         for k in range(2):
             np.testing.assert_array_equal(res[f"broadcast/{k}/0"], np.ones((2, 3), np.float32))
@@ -432,6 +452,19 @@ def test_trainer_resume_reads_rank_0_checkpoint_and_only_rank_0_writes(trainer_r
     assert sorted(os.listdir(logdir)) == ["rank0"]
     assert tf.train.latest_checkpoint(logdir / "rank0" / "ckpt").endswith("ckpt-2")
     assert any(n.startswith("events.out.tfevents") for n in os.listdir(logdir / "rank0"))
+
+
+def test_accumulation_and_powersgd_on_two_workers_match_one_process(tmp_path):
+    options = ["--accumulate-steps", 2, "--powersgd-rank", 1]
+    code, _, err, _ = launch_workers("trainer_worker.py", "--out", tmp_path, *options)
+    assert code == 0, err[-3000:]
+    want = trainer_worker.fit_reference(
+        CPU_DEVICES[:4], **trainer_worker.update_options(accumulate_steps=2, powersgd_rank=1))
+    for r in range(2):
+        got = np.load(tmp_path / f"rank{r}.npz")
+        assert_matches(got, want, r)
+        for key in got.files:
+            np.testing.assert_array_equal(got[key], np.load(tmp_path / "rank0.npz")[key])
 
 
 @pytest.mark.parametrize("mistake, message", [

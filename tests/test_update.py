@@ -8,7 +8,7 @@ import pytest
 
 import tfreduce
 from helpers import CPU_DEVICES
-from test_trainer import LOSS, data, mlp, sgd, single_device_run, values
+from test_trainer import LOSS, bn_mlp, data, mlp, sgd, single_device_run, values
 from tfreduce.trainer import ReplicatedTrainer
 from tfreduce.trainer.update import nonfinite_error
 
@@ -67,6 +67,16 @@ def test_a_step_between_updates_has_no_cross_device_reduction():
     assert traffic[True].pair_bytes[one_to_zero] >= gradient_bytes
     assert not [op.name for op in graphs[False].get_operations() if "allreduce" in op.name]
     assert [op.name for op in graphs[True].get_operations() if "allreduce" in op.name]
+
+
+def test_batchnorm_statistics_stay_equal_between_updates():
+    trainer = ReplicatedTrainer(bn_mlp, LOSS, sgd, devices=CPU_DEVICES[:2], accumulate_steps=3)
+    x, y = data(16)
+    x[8:] += 3.0  # tower 1's shard has other statistics than tower 0's
+    trainer.train_step(x, y)  # no update: the moving statistics are averaged all the same
+    assert trainer.check_replicas() == 0.0
+    moving = trainer.models[0].layers[0].moving_mean.numpy()
+    assert not np.allclose(moving, 0.0)
 
 
 def test_accumulation_state_is_checkpointed_and_restored(tmp_path):

@@ -34,8 +34,9 @@ from tfreduce.collective import (CollectiveChain, CollectiveKeys, CollectiveOpti
                                  broadcast_recv, broadcast_send, in_function)
 from tfreduce.contract import check_variables, nbytes, validate_grads
 from tfreduce.devices import normalize_devices
-from tfreduce.frame import Stage, run_stages
-from tfreduce.primitives import RootBalancer, broadcast, mean_of_sum, sum_order
+from tfreduce.frame import Stage, check_compression, run_stages, wire_dtype
+from tfreduce.primitives import (RootBalancer, broadcast, finish_sum, mean_of_sum,
+                                 scale_by_reciprocal, sum_order)
 
 __all__ = ["CrossWorkerStage", "allreduce_grads_multiworker",
            "broadcast_variables_multiworker", "check_local_options", "CROSS_WORKER_PACK_BYTES"]
@@ -54,14 +55,14 @@ def check_local_options(local_options):
 
     Raises:
       ValueError: an option ``allreduce_grads_multiworker`` sets itself, or
-        ``compression``, which the cross-worker reduction does not take yet.
+        ``compression``, which it takes itself (for the cross-worker step).
     """
     local_options = dict(local_options or {})
     if local_options.get("compression") is not None:
         raise ValueError(
-            f"compression={local_options['compression']!r}: the multi-worker reduction "
-            f"does not compress yet (its cross-worker step would sum in float32); "
-            f"train without compression, or on one worker")
+            f"local_options compression={local_options['compression']!r}: pass "
+            f"compression= to allreduce_grads_multiworker itself, which compresses the "
+            f"cross-worker step (the local sums stay float32)")
     own = sorted(set(local_options) & set(_OWN_OPTIONS))
     if own:
         raise ValueError(
@@ -106,26 +107,33 @@ class CrossWorkerStage(Stage):
     (T = W * K towers) and cast back, ``entry{m}_total``; then
     ``entry{m}_dev{k}_out``, the copy to each of the worker's devices.
 
+    With ``compression``, the local sum of a float32/float64 entry is scaled
+    by 1/T first when averaging (so a mean cannot overflow), cast to the
+    16-bit wire dtype, all-reduced across workers in it, and cast back:
+    half the bytes cross the network.
+
     Args:
       cluster: tfreduce.Cluster of this worker.
       options: collective.CollectiveOptions, with a timeout.
       keys: CollectiveKeys that hand out the same keys on every worker.
+      compression: None, "fp16" or "bf16" (frame.COMPRESSIONS).
     """
 
     name = "cross_worker"
     collective = True
     needs_function = True
 
-    def __init__(self, cluster, options, keys):
+    def __init__(self, cluster, options, keys, compression=None):
         self.cluster = cluster
         self.options = options
         self.keys = keys
+        self.compression = compression
         self._chain = None
         self._towers = None
 
     def bind(self, devices):
         # A fresh chain for each call, shared by its dense and sparse entries.
-        bound = CrossWorkerStage(self.cluster, self.options, self.keys)
+        bound = CrossWorkerStage(self.cluster, self.options, self.keys, self.compression)
         bound._chain = CollectiveChain(self.options)
         bound._towers = self.cluster.num_workers * len(devices)  # T
         return bound
@@ -171,21 +179,39 @@ class CrossWorkerStage(Stage):
             # tf.compat.v1 session hangs.
             others = ([buffers[k][m] for k in range(num_local) if k != r]
                       if ctx.upstream_collective else [])
+            wire = wire_dtype(ctx.dtypes[m], self.compression)
+            local_sum = buffers[r][m]
+            if wire != ctx.dtypes[m]:
+                local_sum = _to_wire(local_sum, wire, ctx.average and self._towers, devices[r], m)
             with chain.after_previous(devices[r], extra=others):
-                summed = chain.all_reduce(buffers[r][m], devices[r], num_workers, group_keys[r],
+                summed = chain.all_reduce(local_sum, devices[r], num_workers, group_keys[r],
                                           self.keys.instance_key(),
                                           name=f"entry{m}_cross_worker")
-            total = ctx.finish(summed, m, num_workers * num_local, devices[r],
+            if wire != ctx.dtypes[m]:
+                with tf.device(devices[r]):
+                    summed = tf.cast(summed, buffers[r][m].dtype)
+            # Prescaled entries are means already.
+            total = finish_sum(summed, ctx.dtypes[m], self._towers,
+                               ctx.average and wire == ctx.dtypes[m], devices[r],
                                name=f"entry{m}_total")
             for k, t in enumerate(broadcast(total, devices, name_fmt=f"entry{m}_dev{{}}_out")):
                 out[k][m] = t
         return out
 
 
+def _to_wire(local_sum, wire, prescale, device, m):
+    # The local sum in the 16-bit wire dtype, scaled by 1/T first when
+    # averaging (prescale = T): only the cross-worker hop is compressed.
+    with tf.device(device):
+        if prescale:
+            local_sum = scale_by_reciprocal(local_sum, prescale)
+        return tf.cast(local_sum, wire, name=f"entry{m}_to_{wire.name}")
+
+
 def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=None,
                                 local_algorithm="auto", local_options=None,
                                 pack_bytes=CROSS_WORKER_PACK_BYTES, communication="auto",
-                                keys=None, timeout=None):
+                                keys=None, timeout=None, compression=None):
     """All-reduces the gradients of every tower of every worker.
 
     Every worker of ``cluster`` calls this with its own K towers' gradients,
@@ -241,6 +267,11 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
       timeout: float seconds or None (``cluster.timeout``) a cross-worker
         collective waits for its peers before failing; run steps inside
         ``cluster.detect_lost_workers()`` to name the worker that was lost.
+      compression: None, "fp16" or "bf16": float32/float64 gradients cross
+        workers in 16 bits (each worker's local sum, prescaled by 1/T when
+        averaging, summed across workers in the wire dtype, as Horovod's
+        Compression.fp16); the local sums stay float32. IndexedSlices and
+        16-bit gradients are not compressed.
 
     Returns:
       list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``
@@ -260,6 +291,7 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
         raise ValueError(f"local_algorithm must be one of {ALGORITHMS}, got "
                          f"{local_algorithm!r}")
     local_options = check_local_options(local_options)
+    check_compression(compression)
     options, keys = _cross_worker_options(cluster, communication, timeout, keys)
     grads = validate_grads(all_grads, devices)
     # Full names: the ops stay on this worker, and a local collective
@@ -270,7 +302,7 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
     # The reduction as data: the local stage sums this worker's towers, the
     # cross-worker stage sums across workers and copies back.
     stages = [make_stage(local_algorithm, local_options),
-              CrossWorkerStage(cluster, options, keys)]
+              CrossWorkerStage(cluster, options, keys, compression)]
     return run_stages(grads, stages, average, scope="allreduce_multiworker",
                       pack_bytes=pack_bytes)
 

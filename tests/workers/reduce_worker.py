@@ -33,6 +33,12 @@ CASES = {
                             {"local_algorithm": "collective", "pack_bytes": None}),
     "auto_i32_sum": ("int32", [(6,), (2, 2)], False, {}),
     "sparse_f32_mean": ("float32", ["slices", (3,)], True, {"local_algorithm": "flat"}),
+    # 16 bits across workers: local sums prescaled by 1/4 are multiples of
+    # 1/16 up to 1, and bfloat16 holds sums up to 8 in quarters, exactly.
+    "flat_f32_mean_fp16": ("float32", [(3, 4), (5,)], True,
+                           {"local_algorithm": "flat", "compression": "fp16"}),
+    "hier_f64_sum_bf16": ("float64", [(2, 3)], False,
+                          {"local_algorithm": "hierarchical", "compression": "bf16"}),
 }
 
 

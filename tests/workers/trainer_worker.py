@@ -95,10 +95,20 @@ def run(trainer, epochs, logdir):
     return out
 
 
-def fit_reference(devices, epochs=1):
+def update_options(accumulate_steps=1, powersgd_rank=0):
+    """The trainer options of --accumulate-steps and --powersgd-rank (0: none)."""
+    from tfreduce.powersgd import PowerSGD
+
+    options = {"accumulate_steps": accumulate_steps}
+    if powersgd_rank:
+        options["compression"] = PowerSGD(rank=powersgd_rank, min_compression_rate=0)
+    return options
+
+
+def fit_reference(devices, epochs=1, **options):
     """One process with len(devices) towers, hierarchical over pairs."""
     trainer = make_trainer(
-        devices, 0, None, algorithm="hierarchical", groups=[[0, 1], [2, 3]]
+        devices, 0, None, algorithm="hierarchical", groups=[[0, 1], [2, 3]], **options
     )
     return run(trainer, epochs, None)
 
@@ -110,6 +120,8 @@ def main(argv=None):
     parser.add_argument("--logdir", default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--out", required=True, help="directory for rank<r>.npz")
+    parser.add_argument("--accumulate-steps", type=int, default=1)
+    parser.add_argument("--powersgd-rank", type=int, default=0, help="0: no PowerSGD")
     parser.add_argument("--rank1-devices", type=int, default=None,
                         help="rank 1 uses this many devices instead (a mistake to detect)")
     parser.add_argument("--rank1-hidden", type=int, default=HIDDEN,
@@ -126,7 +138,8 @@ def main(argv=None):
     devices = [f"/cpu:{k}" for k in range(num_devices)]
     hidden = args.rank1_hidden if rank == 1 else HIDDEN
     # Every rank starts from other weights: only the broadcast makes them agree.
-    trainer = make_trainer(devices, rank, "auto", hidden=hidden, algorithm="flat")
+    trainer = make_trainer(devices, rank, "auto", hidden=hidden, algorithm="flat",
+                           **update_options(args.accumulate_steps, args.powersgd_rank))
     assert trainer.cluster.rank == rank and trainer.is_chief == (rank == 0)
     logdir = None if args.logdir is None else os.path.join(args.logdir, f"rank{rank}")
     if args.resume:

@@ -1,6 +1,6 @@
 """tfreduce-bench: all-reduce speed against tensorpack, tf.distribute and the memory floor.
 
-Three modes, all on K logical CPU devices (default) or K real GPUs:
+Five modes, on K logical CPU devices (default) or K real GPUs:
 
 ``allreduce`` (default)
   Gradient shapes from a Keras application model (ResNet50 by default, built
@@ -18,7 +18,9 @@ Three modes, all on K logical CPU devices (default) or K real GPUs:
     ``PerReplica`` values, as MirroredStrategy calls them.
 
   TF collective ops (``CollectiveReduceV2``, TF's ring on CPUs) are the
-  tfreduce ``collective`` contender.
+  tfreduce ``collective`` contender. ``--compression none,fp16,bf16,powersgd4``
+  runs every tfreduce variant with each compression and reports its
+  busiest device pair's bytes and step time against the uncompressed one.
 
   Two reference rows are timed in the same run: ``floor``, one ``add_n`` on
   device 0 of K buffers of S bytes each (S = one tower's gradients), which
@@ -36,6 +38,15 @@ Three modes, all on K logical CPU devices (default) or K real GPUs:
 ``scaling``
   Build time, op count and step time of tfreduce algorithms for K devices x
   N small tensors over a grid of K and N, and both per K*N.
+
+``soak``
+  ``--soak-steps`` of ``fit``, watching retracing and memory.
+
+``multiworker``
+  W worker processes on 127.0.0.1 through the launcher, K devices each: one
+  collective per tensor over all W x K devices (MultiWorkerMirroredStrategy's
+  way) against ``allreduce_grads_multiworker``, uncompressed, with fp16
+  across workers and with PowerSGD.
 
 How it measures (allreduce and scaling): each contender's outputs are
 consumed by one ``NoOp`` per device with control dependencies on that
@@ -65,7 +76,8 @@ Modules, one job each: ``cli`` (options, ``main``), ``units`` (byte counts),
 ``workloads`` (gradient shapes), ``contenders`` (what is timed), ``harness``
 (session, inputs, consumption, checks, timed rounds), ``tables`` (the
 printed tables' frame), and one module per mode: ``allreduce_mode``,
-``train_mode``, ``scaling_mode``.
+``train_mode``, ``scaling_mode``, ``soak_mode``, ``multiworker_mode`` (and
+``multiworker_worker``, what each of its workers runs).
 """
 
 from tfreduce.bench.cli import main, parse_args

@@ -143,7 +143,9 @@ def _compression(rows, medians):
         out.append({"name": name, "base": row["base"],
                     "max_pair_bytes": row["max_pair_bytes"],
                     "base_max_pair_bytes": base["max_pair_bytes"],
-                    "bytes_cut": base["max_pair_bytes"] / max(row["max_pair_bytes"], 1),
+                    # None: the bytes move inside a collective op, unseen by the analysis.
+                    "bytes_cut": (base["max_pair_bytes"] / max(row["max_pair_bytes"], 1)
+                                  if base["max_pair_bytes"] else None),
                     "time_ratio": medians[name] / medians[row["base"]],
                     "relative_error": row.get("relative_error")})
     return out
@@ -195,11 +197,12 @@ def print_result(result, out=None):
     print_table(title, header, [_line(r) for r in result["results"]], out)
     for c in result.get("compression", []):
         error = c["relative_error"]
-        print(f"{c['name']}: busiest device pair {format_bytes(c['max_pair_bytes'])} "
-              f"({c['bytes_cut']:.1f}x less than {c['base']}'s "
-              f"{format_bytes(c['base_max_pair_bytes'])}), step time {c['time_ratio']:.2f}x "
-              f"{c['base']}'s" + ("" if error is None else
-                                  f", largest error {error:.2g} of the largest value"),
+        moved = (f"busiest device pair {format_bytes(c['max_pair_bytes'])} "
+                 f"({c['bytes_cut']:.1f}x less than {c['base']}'s "
+                 f"{format_bytes(c['base_max_pair_bytes'])})" if c["bytes_cut"] is not None
+                 else "bytes move inside the collective op (not counted)")
+        print(f"{c['name']}: {moved}, step time {c['time_ratio']:.2f}x {c['base']}'s"
+              + ("" if error is None else f", largest error {error:.2g} of the largest value"),
               file=out)
     for name, reason in result["skipped"].items():
         print(f"skipped {name}: {reason}", file=out)

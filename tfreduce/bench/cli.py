@@ -19,7 +19,7 @@ from tfreduce.startup import ArgumentParser, import_tensorflow
 __all__ = ["MODES", "main", "parse_args"]
 
 #: ``--mode`` values; mode M runs ``tfreduce.bench.M_mode`` (run, print_result).
-MODES = ("allreduce", "train", "scaling", "soak")
+MODES = ("allreduce", "train", "scaling", "soak", "multiworker")
 
 
 def _parse_list(text, convert, what):
@@ -61,9 +61,18 @@ def parse_args(argv):
                         help="allreduce (default): reductions of model gradients; train: "
                              "ReplicatedTrainer vs MirroredStrategy model.fit; scaling: "
                              "cost over a grid of K and N; soak: --soak-steps of fit, "
-                             "watching retracing and memory")
-    parser.add_argument("--devices", type=_positive_int, default=8, metavar="K",
-                        help="number of devices (towers); default %(default)s")
+                             "watching retracing and memory; multiworker: --workers "
+                             "processes on 127.0.0.1 through the launcher, the per-tensor "
+                             "collective against tfreduce, fp16 and PowerSGD")
+    parser.add_argument("--devices", type=_positive_int, default=None, metavar="K",
+                        help="number of devices (towers); default 8, multiworker mode 2 "
+                             "per worker")
+    parser.add_argument("--workers", type=_positive_int, default=2, metavar="W",
+                        help="multiworker mode: worker processes on 127.0.0.1; default "
+                             "%(default)s")
+    parser.add_argument("--powersgd-rank", type=_positive_int, default=4, metavar="R",
+                        help="multiworker mode: rank of the PowerSGD contender; default "
+                             "%(default)s")
     parser.add_argument("--device-type", choices=("cpu", "gpu"), default="cpu",
                         help="cpu (default): K logical CPU devices; gpu: the first K GPUs")
     parser.add_argument("--model", default="resnet50",
@@ -131,6 +140,8 @@ def parse_args(argv):
     parser.add_argument("--verbose", action="store_true",
                         help="show TensorFlow's start-up and C++ log lines (hidden by default)")
     args = parser.parse_args(argv)
+    if args.devices is None:
+        args.devices = 2 if args.mode == "multiworker" else 8
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.contenders:

@@ -57,8 +57,8 @@ class StepOptions:
       devices: list of K canonical device names, this worker's towers.
       algorithm: str, a name in tfreduce.ALGORITHMS (the local one in a cluster).
       allreduce_options: dict passed to tfreduce.allreduce_grads; in a cluster
-        pack_bytes goes to allreduce_grads_multiworker, the rest to its
-        local algorithm.
+        pack_bytes and compression go to allreduce_grads_multiworker, the
+        rest to its local algorithm.
       cluster: the started tfreduce.Cluster, or None in a single process.
       accumulate_steps: int M >= 1, steps per update (gradient accumulation).
       on_nonfinite: "raise" or "skip", what a step with NaN or Inf
@@ -102,11 +102,11 @@ class StepOptions:
         """
         options = dict(self.allreduce_options)
         check_pack_bytes(options.pop("pack_bytes", None))
+        check_compression(options.pop("compression", None))
         if self.cluster is not None:
             options = check_local_options(options)
         else:
             check_flag(options.pop("sparse_as_dense", False), "sparse_as_dense")
-            check_compression(options.pop("compression", None))
         algorithm = self.algorithm
         if algorithm == "auto":
             algorithm = choose_algorithm(self.devices)
@@ -132,6 +132,8 @@ class StepOptions:
             )
         local_options = dict(self.allreduce_options)
         pack_bytes = local_options.pop("pack_bytes", CROSS_WORKER_PACK_BYTES)
+        # Compressed across workers, where the bytes cross the network.
+        compression = local_options.pop("compression", None)
         return allreduce_grads_multiworker(
             all_grads,
             self.devices,
@@ -140,4 +142,5 @@ class StepOptions:
             local_algorithm=self.algorithm,
             local_options=local_options,
             pack_bytes=pack_bytes,
+            compression=compression,
         )

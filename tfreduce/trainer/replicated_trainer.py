@@ -119,7 +119,7 @@ class ReplicatedTrainer:
             fit) takes one micro-batch, and every M-th reduces the gradients
             summed on each tower since the last update and applies them: the
             update for the M micro-batches taken as one batch. The other
-            steps have no cross-device reduction.
+            steps reduce no gradients (only BatchNorm statistics, if any).
           on_nonfinite: "raise" (default) or "skip": a step whose gradients
             hold NaN or Inf on any tower raises FloatingPointError naming
             the step, tower and variable, with no update applied; or skips

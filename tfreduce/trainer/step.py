@@ -115,8 +115,8 @@ def _tower_gradients(towers, options, x_shards, y_shards, batch, accumulating):
     return all_grads, loss_sums, corrects, regs
 
 
-def _update(towers, options, state, all_grads, sizes, batch):
-    """The update of a step: reduce, check once, apply, sync BatchNorm statistics.
+def _update(towers, options, state, all_grads, batch):
+    """The update of a step: reduce, check once, apply.
 
     Returns:
       (finite bool scalar, report int32 [K + 1, N] (see locate_nonfinite),
@@ -129,8 +129,7 @@ def _update(towers, options, state, all_grads, sizes, batch):
     apply_gradients(towers, reduced, finite)
     # Each worker's collectives run one after the other, in the same
     # order on every worker: independent ones could wait for each other.
-    after = [g for g in reduced[0] if g is not None] if options.multiworker else []
-    return finite, report, sync_moving(towers, sizes, batch, after, options.allreduce)
+    return finite, report, [g for g in reduced[0] if g is not None] if options.multiworker else []
 
 
 def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
@@ -146,8 +145,9 @@ def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
         single process).
       batch: int32 scalar B, the size of the global batch.
       stop: float64 scalar, 1 when this worker was asked to stop (SIGTERM).
-      update: bool, reduce and apply (False: only accumulate, no
-        cross-device op but the cluster's metrics).
+      update: bool, reduce and apply (False: only accumulate; the only
+        cross-device reductions are then BatchNorm's moving statistics and,
+        in a cluster, the step's metrics).
 
     Returns:
       (float64 scalar, the mean loss over the global batch plus
@@ -164,13 +164,16 @@ def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
     with tf.device(HOST):
         tower_losses = tf.stack([tf.cast(loss, tf.float64) for loss in loss_sums])
     if update:
-        finite, report, after = _update(towers, options, state, all_grads, sizes, batch)
+        finite, report, after = _update(towers, options, state, all_grads, batch)
     else:
         state.accumulate(all_grads, batch)
         with tf.device(HOST):
             finite = tf.constant(True)
             report = tf.zeros([num_towers + 1, len(all_grads[0])], tf.int32)
         after = []
+    # Every step, between updates too: each forward pass moved every tower's
+    # BatchNorm statistics, and the replicas must stay equal.
+    after = sync_moving(towers, sizes, batch, after, options.allreduce)
     has_accuracy = corrects[0] is not None
     if options.multiworker:
         loss_sums, corrects, stop = sum_metrics(

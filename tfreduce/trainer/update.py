@@ -4,8 +4,8 @@ One update of a step, in order:
 
 1. gradient accumulation (`accumulate_steps=M`, Horovod's
    backward_passes_per_step, DDP's no_sync): the M-1 steps between updates
-   only add each tower's gradients into its own sums, with no cross-device
-   op at all; the M-th adds its own, divides by the examples of the M
+   only add each tower's gradients into its own sums, reducing no
+   gradient; the M-th adds its own, divides by the examples of the M
    micro-batches and goes on;
 2. the all-reduce: the trainer's (any algorithm, one process or a cluster),
    or PowerSGD around it (tfreduce.powersgd);
@@ -112,7 +112,7 @@ class TowerState:
             self.powersgd.reset()
 
     def accumulate(self, all_grads, batch):
-        """Adds each tower's gradients into its sums (no cross-device op); counts batch."""
+        """Adds each tower's gradients into its sums, on its device; counts batch."""
         for k, (grads, sums) in enumerate(zip(all_grads, self.sums)):
             with tf.device(self.devices[k]), tf.name_scope(f"accumulate_tower{k}"):
                 for g, v in zip(grads, sums):
