@@ -92,6 +92,30 @@ def test_allreduce_mode_compression_axis(tmp_path, capsys):
                      r"flat\+pack64KiB's", out)
 
 
+def test_multiworker_mode_two_workers_through_the_launcher(tmp_path, capsys):
+    result = run(tmp_path, "--mode", "multiworker", "--model", "MobileNetV3Small",
+                 "--steps", "1", "--warmup", "0", "--powersgd-rank", "2")
+    assert result["config"]["workers"] == 2 and result["config"]["devices_per_worker"] == 2
+    rows = result["results"]
+    assert list(rows) == ["per-tensor collective", "tfreduce", "tfreduce+fp16",
+                          "tfreduce+powersgd2"]
+    for name in ("per-tensor collective", "tfreduce", "tfreduce+fp16"):
+        assert rows[name]["relative_error"] == 0, name  # quarters: exact, fp16 included
+    shapes = [list(s) for s in gradient_shapes("MobileNetV3Small")]
+    full = 4 * sum(int(np.prod(s)) for s in shapes)
+    # What each worker puts into collectives: every local device's copy for
+    # the per-tensor collective, one local sum for tfreduce, half of it in
+    # float16, PowerSGD's payload.
+    assert rows["per-tensor collective"]["cross_worker_bytes"] == 2 * full
+    assert rows["tfreduce"]["cross_worker_bytes"] == full
+    assert rows["tfreduce+fp16"]["cross_worker_bytes"] == full // 2
+    sent, _ = tfreduce.PowerSGD(rank=2).payload_elements(shapes)
+    assert rows["tfreduce+powersgd2"]["cross_worker_bytes"] == 4 * sent
+    assert rows["tfreduce"]["x_tfreduce"] == 1.0
+    out = capsys.readouterr().out
+    assert "2 workers x 2 devices on 127.0.0.1" in out and "vs per-tensor" in out
+
+
 def test_scaling_mode(tmp_path, capsys):
     result = run(tmp_path, "--mode", "scaling", "--grid-devices", "2,3", "--grid-tensors",
                  "4,8", "--algorithms", "flat,ring+pack", "--steps", "2")

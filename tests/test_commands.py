@@ -122,6 +122,10 @@ def usage_error(example, capsys, argv):
     (["--batch-size", "64", "--limit", "50"], "--batch-size 64 is larger than the 50 training "
                                               "images of --dataset digits --limit 50"),
     (["--resume", "--overwrite"], "argument --overwrite: not allowed with argument --resume"),
+    (["--accumulate-steps", "0"], "--accumulate-steps must be at least 1, got 0"),
+    (["--powersgd-rank", "0"], "--powersgd-rank must be at least 1, got 0"),
+    (["--mixed-precision", "fp8"], "argument --mixed-precision: invalid choice: 'fp8' (choose "
+                                   "from 'mixed_float16', 'mixed_bfloat16')"),
 ])
 def test_bad_usage_is_one_line_and_exit_2(example, capsys, tmp_path, argv, message):
     code, err = usage_error(example, capsys, argv + ["--logdir", str(tmp_path / "run")])

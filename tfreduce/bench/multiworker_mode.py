@@ -88,8 +88,8 @@ def print_result(result, out=None):
              f"{cfg['workers']} workers x {cfg['devices_per_worker']} devices on 127.0.0.1; "
              f"median of {cfg['steps']} rounds")
     header = (f"{'contender':26s} {'median ms':>10s} {'vs per-tensor':>14s} "
-              f"{'vs tfreduce':>12s} {'cross-worker/worker':>20s} {'rel. error':>10s}")
+              f"{'vs tfreduce':>12s} {'into collectives/worker':>24s} {'rel. error':>10s}")
     lines = [f"{name:26s} {r['median_ms']:10.1f} {r['x_per_tensor']:13.2f}x "
-             f"{r['x_tfreduce']:11.2f}x {format_bytes(r['cross_worker_bytes']):>20s} "
+             f"{r['x_tfreduce']:11.2f}x {format_bytes(r['cross_worker_bytes']):>24s} "
              f"{r['relative_error']:10.2g}" for name, r in result["results"].items()]
     print_table(title, header, lines, out)

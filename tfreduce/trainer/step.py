@@ -378,17 +378,18 @@ class StepFunctions:
         return loss, correct, stops, not bool(finite)
 
     def tracing_counts(self):
-        """{"train", "accumulate", "evaluate", "predict"} -> times each was traced.
+        """{"train", "evaluate", "predict"} -> times each was traced (0: never run).
 
-        0: never run ("accumulate" runs only with accumulate_steps > 1).
-        Each is traced once for the shapes and dtypes of its first batch; a
-        count above 1 means retracing (another dtype or rank of input).
+        With accumulate_steps > 1, "accumulate" too (the steps between
+        updates). Each is traced once for the shapes and dtypes of its first
+        batch; a count above 1 means retracing (another dtype or rank of input).
         """
+        functions = [("train", self._train_fns[True]), ("evaluate", self._eval_fn),
+                     ("predict", self._predict_fn)]
+        if self._state.accumulate_steps > 1:
+            functions.append(("accumulate", self._train_fns[False]))
         return {name: 0 if fn is None else fn.experimental_get_tracing_count()
-                for name, fn in (("train", self._train_fns[True]),
-                                 ("accumulate", self._train_fns[False]),
-                                 ("evaluate", self._eval_fn),
-                                 ("predict", self._predict_fn))}
+                for name, fn in functions}
 
     def evaluate(self, x, y):
         """Runs eval_graph on the global batch x, y."""
