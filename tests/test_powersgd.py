@@ -1,5 +1,7 @@
 """PowerSGD (tfreduce.powersgd): the reduction against NumPy, its state, its bytes, its errors."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -175,3 +177,12 @@ def test_bad_settings(kwargs, error, message):
 def test_state_needs_an_instance():
     with pytest.raises(TypeError, match="compression state needs a tfreduce.PowerSGD, got 2"):
         PowerSGDState(2, CPU_DEVICES[:2], [])
+
+
+def test_the_stateless_reductions_point_to_the_trainer():
+    grads = [[tf.zeros([4, 4])], [tf.zeros([4, 4])]]
+    with pytest.raises(ValueError, match=re.escape(
+            "compression must be None, 'fp16' or 'bf16', got PowerSGD(rank=2, "
+            "min_compression_rate=2.0, seed=0) (PowerSGD keeps state between steps: it is a "
+            "ReplicatedTrainer option, compression=tfreduce.PowerSGD(rank=2))")):
+        tfreduce.allreduce_grads(grads, CPU_DEVICES[:2], compression=PowerSGD())

@@ -328,7 +328,9 @@ COMPRESSIONS = {"fp16": tf.float16, "bf16": tf.bfloat16}
 def check_compression(compression):
     """Raises ValueError unless compression is None or a key of COMPRESSIONS."""
     if compression is not None and compression not in COMPRESSIONS:
-        raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {compression!r}")
+        raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {compression!r} "
+                         "(PowerSGD keeps state between steps: it is a ReplicatedTrainer "
+                         "option, compression=tfreduce.PowerSGD(rank=2))")
 
 
 def wire_dtype(dtype, compression):
