@@ -18,12 +18,12 @@ PACKAGE = pathlib.Path(tfreduce.__file__).parent
 # Each module's layer (DESIGN.md): a module imports only modules of a
 # smaller layer, or of its own layer where the pair is listed below.
 LAYERS = {
-    "tf_config": 0, "startup": 0, "choices": 0, "devices": 1, "contract": 2, "packing": 3,
+    "tf_config": 0, "startup": 0, "choices": 0, "topology": 0, "devices": 1, "contract": 2, "packing": 3,
     "primitives": 4, "collective": 4,
     "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5,
     "allreduce": 5, "powersgd": 5, "failures": 5, "cluster": 5, "multiworker": 5, "consistency": 5,
     "models": 6, "trainer": 6, "distribute": 6,
-    "traffic": 7, "launch": 7, "bench": 7,
+    "traffic": 7, "costmodel": 7, "launch": 7, "bench": 7,
 }
 # Same-layer imports that are part of the design: the algorithms build on
 # the frame, the dispatcher registers the algorithms, the cluster uses the
@@ -34,7 +34,7 @@ SAME_LAYER = {
     ("nccl_ops", "frame"), ("allreduce", "frame"), ("allreduce", "replicated"),
     ("allreduce", "hierarchical"), ("allreduce", "ring"), ("allreduce", "nccl_ops"),
     ("cluster", "failures"), ("multiworker", "frame"), ("multiworker", "allreduce"),
-    ("multiworker", "cluster"), ("bench", "traffic"),
+    ("multiworker", "cluster"), ("bench", "traffic"), ("costmodel", "traffic"),
 }
 
 

@@ -38,8 +38,10 @@ _EXPORTS = {
     "max_replica_difference": "tfreduce.replicated",
     "allreduce_grads_ring": "tfreduce.ring",
     "PowerSGD": "tfreduce.powersgd",
+    "Topology": "tfreduce.topology",
     "Traffic": "tfreduce.traffic",
     "analyze_traffic": "tfreduce.traffic",
+    "predict": "tfreduce.costmodel",
     "ReplicatedTrainer": "tfreduce.trainer",
 }
 

@@ -1,0 +1,118 @@
+"""The topology cost model: closed forms, presets, NCCL against nccl-tests, errors."""
+
+import re
+
+import pytest
+import tensorflow as tf
+
+import tfreduce
+from helpers import GPU_DEVICES
+from tfreduce.costmodel import predict
+from tfreduce.topology import PRESETS, Topology
+
+GB = 1e9
+
+
+def build(algorithm, num_devices, size_bytes, **options):
+    """One float32 gradient of size_bytes per device, reduced; built on "/gpu:k", not run."""
+    graph = tf.Graph()
+    devices = GPU_DEVICES[:num_devices]
+    with graph.as_default():
+        grads = []
+        for d in devices:
+            with tf.device(d):
+                grads.append([tf.zeros([size_bytes // 4])])
+        out = tfreduce.allreduce_grads(grads, devices, algorithm=algorithm, **options)
+    return out, grads
+
+
+@pytest.mark.parametrize("num_devices", [2, 4, 8])
+@pytest.mark.parametrize("bandwidth, latency", [(10 * GB, 2e-6), (1 * GB, 0.0)])
+def test_uniform_machine_gives_the_alpha_beta_formulas(num_devices, bandwidth, latency):
+    size = 4 * 2**20
+    topology = Topology.fully_connected(num_devices, bandwidth, latency)
+    hop = latency + size / bandwidth
+    formulas = {
+        # to the root and back
+        "flat": 2 * hop,
+        # 2(K-1) steps of S/K between ring neighbours
+        "ring": 2 * (num_devices - 1) * (latency + size / num_devices / bandwidth),
+        # inside the group, to the combining root, back to the other root,
+        # back inside the group (one group each for K=2)
+        "hierarchical": (2 if num_devices == 2 else 4) * hop,
+    }
+    for algorithm, want in formulas.items():
+        out, grads = build(algorithm, num_devices, size, pack_bytes=None)
+        got = predict(out, topology, inputs=grads)
+        assert got.seconds == pytest.approx(want, rel=1e-12), algorithm
+        assert got.bytes_per_device == size and got.num_devices == num_devices
+        assert got.bus_bandwidth == pytest.approx(
+            size * 2 * (num_devices - 1) / num_devices / want, rel=1e-12)
+
+
+def test_a_ring_moves_2_k_minus_1_over_k_of_s_per_device():
+    size, bandwidth, num_devices = 8 * 2**20, 5 * GB, 8
+    out, grads = build("ring", num_devices, size, pack_bytes=None)
+    got = predict(out, Topology.fully_connected(num_devices, bandwidth), inputs=grads)
+    for k in range(num_devices):
+        sent = sum(busy for name, busy in got.link_busy.items() if name.startswith(f"gpu{k}->"))
+        assert sent * bandwidth == pytest.approx(2 * (num_devices - 1) / num_devices * size)
+    # The critical path is the ring's 2(K-1) hops, each followed by its add or copy.
+    assert sum(kind == "transfer" for kind, *_ in got.critical_path) == 2 * (num_devices - 1)
+
+
+def test_nccl_ring_on_dgx_a100_matches_nccl_tests():
+    # nccl-tests all_reduce_perf on 8 x A100 SXM (NVSwitch) reports a bus
+    # bandwidth of about 230 GB/s at 1 GB (NVIDIA's DGX A100 figures).
+    out, grads = build("nccl", 8, 2**30, pack_bytes=None)
+    got = predict(out, "dgx-a100", inputs=grads)
+    assert got.bus_bandwidth == pytest.approx(230 * GB, rel=0.15)
+    assert [kind for kind, *_ in got.critical_path if kind == "collective"]
+
+
+def test_presets_route_over_their_links():
+    v100 = Topology.preset("dgx1-v100")
+    assert [link.bandwidth for link in v100.route(0, 3)] == [40 * GB]  # two NVLinks
+    assert [link.bandwidth for link in v100.route(0, 1)] == [20 * GB]
+    # No NVLink between 0 and 5: PCIe to the CPU, QPI, PCIe; never through a GPU.
+    route = v100.route(0, 5)
+    assert [link.name for link in route] == ["gpu0->pcie0", "pcie0->cpu0", "cpu0->cpu1",
+                                             "cpu1->pcie2", "pcie2->gpu5"]
+    assert min(link.bandwidth for link in route) == 6 * GB
+    p100 = Topology.preset("dgx1-p100")
+    assert {k for k in range(1, 8) if len(p100.route(0, k)) == 1} == {1, 2, 3, 4}
+    a100 = Topology.preset("dgx-a100")
+    assert all(link.bandwidth == 240 * GB for k in range(1, 8) for link in a100.route(0, k))
+    assert sorted(PRESETS) == ["dgx-a100", "dgx-h100", "dgx1-p100", "dgx1-v100", "pcie3x8",
+                               "pcie4x8"]
+    two = Topology.cluster("dgx-a100", nodes=2, nic_bandwidth=24 * GB)
+    assert two.num_devices == 16
+    across = two.route(1, 9)
+    assert "m0.nic->net" in [link.name for link in across]
+    assert min(link.bandwidth for link in across) == 24 * GB
+    assert [link.name for link in two.route(1, 2)] == ["gpu1->m0.nvswitch", "m0.nvswitch->gpu2"]
+
+
+def test_compute_costs_memory_passes_and_launches():
+    topology = Topology(2, [("gpu0", "gpu1", 1 * GB, 0.0)], memory_bandwidth=100 * GB,
+                        launch_cost=1e-5)
+    out, grads = build("flat", 2, 4 * 2**20, pack_bytes=None)
+    got = predict(out, topology, inputs=grads)
+    size = 4 * 2**20
+    # Two transfers, and the root's add of two inputs into one output (3 S moved).
+    assert got.seconds == pytest.approx(2 * size / GB + 1e-5 + 3 * size / (100 * GB))
+
+
+def test_errors():
+    with pytest.raises(ValueError, match=re.escape("unknown topology preset 'dgx-9'; choose one "
+                                                   "of ['dgx-a100', 'dgx-h100'")):
+        Topology.preset("dgx-9")
+    out, grads = build("flat", 4, 1024, pack_bytes=None)
+    with pytest.raises(ValueError, match=r"is on /device:GPU:([23]), device \1, but topology "
+                                         r"'fully_connected\(2\)' has 2 devices; use a "
+                                         r"topology of as many devices as the graph"):
+        predict(out, Topology.fully_connected(2, GB), inputs=grads)
+    with pytest.raises(ValueError, match="link gpu0->gpu1: bandwidth must be > 0 bytes/s"):
+        Topology(2, [("gpu0", "gpu1", 0, 0.0)])
+    with pytest.raises(ValueError, match="topology 'custom': no route from device 0 to device 1"):
+        Topology(2, [("gpu0", "switch", GB, 0.0)])

@@ -1,0 +1,314 @@
+"""Predicts how long a built reduction takes on a machine described by a Topology.
+
+``predict`` reads the same graph as ``analyze_traffic`` (nothing runs) and
+simulates it, event by event:
+
+- every op that touches data costs ``launch_cost`` plus the bytes it reads
+  and writes over ``memory_bandwidth``, on its device, one op at a time per
+  device (a GPU's compute stream); ops that only rename or alias a tensor
+  (Identity, Reshape, NoOp, constants, variable handles and reads) are free;
+- every cross-device edge (one transfer per tensor and receiving device, as
+  TF's partitioner makes) crosses the links of its route: it starts when its
+  producer is done and every link of the route is free (each link carries
+  one transfer at a time, in the order they were asked for), holds them for
+  bytes / the route's narrowest bandwidth, and arrives one latency sum later
+  (the alpha-beta model of Thakur, Rabenseifner & Gropp, 2005);
+- collective ops (NcclAllReduce, CollectiveReduceV2), whose transfers are
+  inside one op, start when every member is ready and take NCCL's ring time
+  2(G-1) (alpha + S / (G * B)) over the ring of their devices, B the
+  narrowest route between ring neighbours.
+
+The prediction is the time the last op ends; ``bus_bandwidth`` is
+S * 2(K-1)/K / t, the definition of nccl-tests, with S the bytes one device
+reduces.
+"""
+
+import collections
+import heapq
+import math
+
+import tensorflow as tf
+
+from tfreduce.topology import Topology
+from tfreduce.traffic import _as_graph, _static_bytes, _tensors, _walk_back
+
+__all__ = ["Prediction", "predict", "device_index"]
+
+# Ops that move no data of their own: renames, aliases, metadata, handles.
+FREE_OPS = frozenset({
+    "NoOp", "Identity", "IdentityN", "Const", "Placeholder", "Reshape", "Squeeze", "ExpandDims",
+    "VarHandleOp", "ReadVariableOp", "Shape", "ShapeN", "StopGradient", "Size", "Rank",
+    "_Arg", "_Retval", "PlaceholderWithDefault"})
+COLLECTIVE_OPS = frozenset({"NcclAllReduce", "CollectiveReduceV2"})
+
+
+class Prediction:
+    """What ``predict`` found.
+
+    Attributes:
+      seconds: float, predicted time from the first op to the last.
+      critical_path: list of (kind, name, start s, end s), the chain of ops
+        and transfers that ends last, first to last; kind is "op",
+        "transfer" or "collective".
+      link_busy: dict link name ("gpu0->gpu1") -> seconds it carried data.
+      bytes_per_device: int S, the bytes each device reduces.
+      num_devices: int K, the devices holding outputs.
+      bus_bandwidth: float bytes/s, S * 2(K-1)/K / seconds (nccl-tests).
+    """
+
+    def __init__(self, seconds, critical_path, link_busy, bytes_per_device, num_devices):
+        self.seconds = seconds
+        self.critical_path = critical_path
+        self.link_busy = link_busy
+        self.bytes_per_device = bytes_per_device
+        self.num_devices = num_devices
+        factor = 2 * (num_devices - 1) / num_devices if num_devices else 0.0
+        self.bus_bandwidth = bytes_per_device * factor / seconds if seconds > 0 else math.inf
+
+    def __repr__(self):
+        return (f"Prediction({self.seconds * 1e3:.3f} ms, bus {self.bus_bandwidth / 1e9:.1f} "
+                f"GB/s, {len(self.critical_path)} steps on the critical path)")
+
+
+def device_index(device, devices_per_task=None):
+    """The topology index of a device name: "/gpu:k" (or CPU:k) is k.
+
+    With ``devices_per_task`` G, "/job:worker/task:w/device:GPU:k" is w*G + k.
+    Returns None for an op without a device.
+    """
+    if not device:
+        return None
+    spec = tf.DeviceSpec.from_string(device)
+    index = spec.device_index or 0
+    if devices_per_task and spec.task is not None:
+        index += spec.task * devices_per_task
+    return index
+
+
+def predict(target, topology, inputs=None, devices_per_task=None):
+    """Predicts the time of a built reduction on a machine (see the module docstring).
+
+    Args:
+      target: the outputs of a reduction (a K x N list, as for
+        ``analyze_traffic``) or a graph (tf.Graph, a concrete function).
+      topology: a tfreduce.Topology, or a preset name ("dgx-a100"; see
+        ``tfreduce.topology.PRESETS``).
+      inputs: for outputs only; the K x N inputs, where the walk back stops
+        (they are ready at time 0), and whose tower 0 gives S.
+      devices_per_task: int G for multi-worker device names (task w's
+        device k is topology device w*G + k), or None.
+
+    Returns:
+      Prediction.
+
+    Raises:
+      ValueError: a device index beyond the topology's devices, no tensor.
+      TypeError: target or inputs hold something that is not a tensor.
+    """
+    if isinstance(topology, str):
+        topology = Topology.preset(topology)
+    ops, outputs, stop = _ops(target, inputs)
+    sim = _Simulation(ops, topology, devices_per_task, sources=stop)
+    seconds = sim.run()
+    return Prediction(seconds, sim.critical_path(), dict(sim.link_busy),
+                      _bytes_per_device(outputs, inputs), sim.num_output_devices(outputs))
+
+
+def _ops(target, inputs):
+    graph = _as_graph(target)
+    if graph is not None:
+        return list(graph.get_operations()), [], set()
+    outputs = _tensors(target, "target")
+    if not outputs:
+        raise ValueError("target holds no tensor: pass the outputs of a reduction or a graph")
+    stop = {t.op for t in _tensors(inputs, "inputs")} if inputs is not None else set()
+    walked = _walk_back([t.op for t in outputs], stop)
+    # The inputs' ops take part as sources, free and ready at time 0, so
+    # the transfers out of them are costed.
+    read = {t.op for op in walked for t in op.inputs} & stop
+    return walked + sorted(read, key=lambda op: op.name), outputs, stop
+
+
+def _bytes_per_device(outputs, inputs):
+    # S: tower 0's inputs when given, else the outputs on the first device.
+    if inputs is not None and isinstance(inputs, (list, tuple)) and inputs:
+        first = inputs[0] if isinstance(inputs[0], (list, tuple)) else inputs
+        return sum(_static_bytes(t) or 0 for t in _tensors(first, "inputs"))
+    if not outputs:
+        return 0
+    device = outputs[0].device
+    return sum(_static_bytes(t) or 0 for t in outputs if t.device == device)
+
+
+class _Simulation:
+    """The event-driven run of one graph on one topology."""
+
+    def __init__(self, ops, topology, devices_per_task, sources=()):
+        self.topology = topology
+        self.sources = set(sources)
+        self.per_task = devices_per_task
+        self.ops = ops
+        members = set(ops)
+        self.device = {op: self._index(op) for op in ops}
+        # A source's own inputs are not simulated: it is ready at time 0.
+        # Consumers of each op within the analysed set; pending inputs per op.
+        self.pending = {op: 0 for op in ops}
+        self.consumers = collections.defaultdict(list)  # op -> [(consumer, tensor or None)]
+        for op in ops:
+            if op in self.sources:
+                continue
+            for t in op.inputs:
+                if t.op in members:
+                    self.consumers[t.op].append((op, t))
+                    self.pending[op] += 1
+            for dep in op.control_inputs:
+                if dep in members:
+                    self.consumers[dep].append((op, None))
+                    self.pending[op] += 1
+        self.groups = self._collective_groups(ops)
+        self.link_free = collections.defaultdict(float)
+        self.link_busy = collections.Counter()
+        self.device_free = collections.defaultdict(float)
+        self.end = {}
+        # op or (tensor name, device) -> (kind, name, start, end, previous cause)
+        self.cause = {}
+
+    def _index(self, op):
+        index = device_index(op.device, self.per_task)
+        if index is not None and index >= self.topology.num_devices:
+            raise ValueError(f"op {op.name!r} is on {op.device}, device {index}, but topology "
+                             f"{self.topology.name!r} has {self.topology.num_devices} devices; "
+                             f"use a topology of as many devices as the graph (or "
+                             f"Topology.cluster), and devices_per_task for multi-worker names")
+        return index
+
+    @staticmethod
+    def _collective_groups(ops):
+        groups = collections.defaultdict(list)
+        for op in ops:
+            if op.type == "NcclAllReduce":
+                groups[("nccl", op.get_attr("shared_name"))].append(op)
+            elif op.type == "CollectiveReduceV2":
+                key = tf.get_static_value(op.inputs[3])
+                groups[("collective", None if key is None else int(key))].append(op)
+        return {op: members for members in groups.values() for op in members}
+
+    def run(self):
+        events = []  # (time, order, kind, payload)
+        order = 0
+
+        def push(time, kind, payload):
+            nonlocal order
+            heapq.heappush(events, (time, order, kind, payload))
+            order += 1
+
+        for op in self.ops:
+            if self.pending[op] == 0:
+                push(0.0, "ready", (op, None))
+        waiting = collections.defaultdict(list)  # collective group id -> ready members
+        while events:
+            now, _, kind, payload = heapq.heappop(events)
+            if kind == "ready":
+                op, previous = payload
+                if op in self.groups:
+                    members = self.groups[op]
+                    waiting[id(members)].append((op, previous))
+                    if len(waiting[id(members)]) == len(members):
+                        self._collective(waiting.pop(id(members)), now, push)
+                    continue
+                self._compute(op, previous, now, push)
+            elif kind == "done":
+                self._deliver(payload, now, push)
+            else:  # "arrive": (consumer, the transfer's key)
+                consumer, transfer = payload
+                self._input_ready(consumer, transfer, now, push)
+        return max(self.end.values(), default=0.0)
+
+    def _compute(self, op, previous, now, push):
+        duration = self._cost(op)
+        device = self.device[op]
+        start = now
+        if duration > 0 and device is not None:
+            start = max(now, self.device_free[device])
+            self.device_free[device] = start + duration
+        self.end[op] = start + duration
+        self.cause[op] = ("op", op.name, start, start + duration, previous)
+        push(start + duration, "done", op)
+
+    def _cost(self, op):
+        if op.type in FREE_OPS or op in self.sources:
+            return 0.0
+        moved = sum(_static_bytes(t) or 0 for t in list(op.inputs) + list(op.outputs))
+        bandwidth = self.topology.memory_bandwidth
+        return self.topology.launch_cost + (moved / bandwidth if math.isfinite(bandwidth) else 0)
+
+    def _collective(self, members, now, push):
+        ops = [op for op, _ in members]
+        devices = sorted({self.device[op] for op in ops if self.device[op] is not None})
+        size = max((_static_bytes(op.inputs[0]) or 0) for op in ops)
+        seconds = _ring_time(self.topology, devices, size)
+        previous = max(members, key=lambda m: self.end.get(m[1], 0.0))[1]
+        for op in ops:
+            self.end[op] = now + seconds
+            self.cause[op] = ("collective", op.name, now, now + seconds, previous)
+            push(now + seconds, "done", op)
+
+    def _deliver(self, producer, now, push):
+        sent = {}
+        for consumer, tensor in self.consumers[producer]:
+            src, dst = self.device[producer], self.device[consumer]
+            if tensor is None or src is None or dst is None or src == dst:
+                self._input_ready(consumer, producer, now, push)
+                continue
+            key = (tensor.name, dst)
+            if key not in sent:  # one transfer per tensor and receiving device
+                sent[key] = self._transfer(tensor, src, dst, now, producer)
+            push(sent[key], "arrive", (consumer, key))
+
+    def _transfer(self, tensor, src, dst, now, producer):
+        route = self.topology.route(src, dst)
+        size = _static_bytes(tensor) or 0
+        narrowest = min(link.bandwidth for link in route)
+        start = max([now] + [self.link_free[link.name] for link in route])
+        hold = size / narrowest
+        for link in route:
+            self.link_free[link.name] = start + hold
+            self.link_busy[link.name] += hold
+        arrival = start + hold + sum(link.latency for link in route)
+        self.cause[(tensor.name, dst)] = ("transfer", f"{tensor.name} -> device {dst}", start,
+                                          arrival, producer)
+        return arrival
+
+    def _input_ready(self, consumer, cause, now, push):
+        # cause: the producing op, or the key of the transfer that brought the input.
+        self.pending[consumer] -= 1
+        if self.pending[consumer] == 0:
+            # The last input to arrive decides when the consumer can start.
+            push(now, "ready", (consumer, cause))
+
+    def critical_path(self):
+        """The chain of causes that ends last, first to last."""
+        if not self.end:
+            return []
+        node = max(self.end, key=self.end.get)
+        path = []
+        while node is not None and node in self.cause:
+            kind, name, start, end, previous = self.cause[node]
+            path.append((kind, name, start, end))
+            node = previous
+        return path[::-1]
+
+    def num_output_devices(self, outputs):
+        return len({self.device.get(t.op, device_index(t.device, self.per_task))
+                    for t in outputs} - {None})
+
+
+def _ring_time(topology, devices, size):
+    # NCCL's ring all-reduce: 2(G-1) steps of S/G bytes between neighbours.
+    count = len(devices)
+    if count < 2:
+        return 0.0
+    routes = [topology.route(a, b) for a, b in zip(devices, devices[1:] + devices[:1])]
+    bandwidth = min(link.bandwidth for route in routes for link in route)
+    latency = max(sum(link.latency for link in route) for route in routes)
+    return 2 * (count - 1) * (latency + size / count / bandwidth)

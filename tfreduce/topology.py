@@ -1,0 +1,260 @@
+"""Machines as data: devices, links, routes, memory bandwidth and per-op cost.
+
+A ``Topology`` is what ``tfreduce.predict`` costs a built reduction on. Its
+nodes are the K devices (indices 0..K-1, "/gpu:k" is device k) and, for
+routing only, switches, CPU sockets and NICs. Each link is directed, with a
+bandwidth in bytes/s and a latency in seconds; a physical link is two of
+them, one per direction. A transfer between two devices follows the widest
+route (largest bottleneck bandwidth, then fewest hops) that passes through
+no other device: a copy between two GPUs without NVLink goes over PCIe and
+the CPUs, never through a third GPU.
+
+Standard library only: presets answer without TensorFlow.
+
+Link figures of the presets are those of NCCL's topology model
+(``src/graph/topo.h``: usable GB/s per NVLink of SM60 18, SM70 20, SM80 20,
+SM90 20.6; PCIe gen3 x16 12; Broadwell QPI 6, Skylake UPI 10; 12 per 100
+Gb/s of network) and NVIDIA's documents for the layouts (DGX-1: hybrid
+cube-mesh, P100 with 4 NVLinks and V100 with 6, some pairs doubled; DGX
+A100/H100: 12/18 NVLinks per GPU into NVSwitches). HBM bandwidths are the
+data-sheet figures (P100 732, V100 900, A100 1555, H100 SXM 3350 GB/s).
+Latencies (1 us per NVLink or PCIe hop, 5 us per network hop) and the
+per-op launch cost (5 us) are round estimates, stated as such.
+"""
+
+import heapq
+import math
+
+__all__ = ["Link", "Topology", "PRESETS"]
+
+GB = 1e9
+US = 1e-6
+_NVLINK_LATENCY = 1e-6
+_PCIE_LATENCY = 1e-6
+_NET_LATENCY = 5e-6
+_LAUNCH = 5e-6
+
+# DGX-1 with V100 (nvidia-smi topo -m): NVLinks between each pair, 0 = none.
+_DGX1V_LINKS = {(0, 1): 1, (0, 2): 1, (0, 3): 2, (0, 4): 2, (1, 2): 2, (1, 3): 1, (1, 5): 2,
+                (2, 3): 2, (2, 6): 1, (3, 7): 1, (4, 5): 1, (4, 6): 1, (4, 7): 2, (5, 6): 2,
+                (5, 7): 1, (6, 7): 2}
+# DGX-1 with P100: each quad fully connected, plus i <-> i+4; one NVLink each.
+_DGX1P_LINKS = {**{(a, b): 1 for q in (0, 4) for a in range(q, q + 4)
+                   for b in range(a + 1, q + 4)}, **{(i, i + 4): 1 for i in range(4)}}
+
+
+class Link:
+    """One direction of a link: ``bandwidth`` bytes/s, ``latency`` seconds.
+
+    Attributes:
+      src, dst: node names ("gpu3", "pcie0", "cpu1", "nic0", "net").
+      bandwidth: float, bytes per second in this direction.
+      latency: float, seconds.
+      name: str, "src->dst".
+    """
+
+    def __init__(self, src, dst, bandwidth, latency):
+        if not bandwidth > 0 or not latency >= 0:
+            raise ValueError(f"link {src}->{dst}: bandwidth must be > 0 bytes/s and latency "
+                             f">= 0 s, got {bandwidth!r} and {latency!r}")
+        self.src, self.dst = src, dst
+        self.bandwidth = float(bandwidth)
+        self.latency = float(latency)
+        self.name = f"{src}->{dst}"
+
+    def __repr__(self):
+        return f"Link({self.name}, {self.bandwidth / GB:g} GB/s, {self.latency / US:g} us)"
+
+
+class Topology:
+    """Devices and the links between them, with each device's compute costs.
+
+    Args:
+      num_devices: int K >= 1; the devices are nodes "gpu0".."gpu{K-1}".
+      links: list of (a, b, bandwidth bytes/s, latency s): a physical link
+        between nodes a and b, the same figures in each direction (nodes
+        that are not devices are switches, sockets or NICs).
+      memory_bandwidth: float bytes/s each device reads and writes its own
+        memory at (math.inf: compute is free).
+      launch_cost: float seconds each op that touches data costs on top.
+      name: str.
+
+    Raises:
+      ValueError: K < 1, a bad link, or two devices with no route between them.
+    """
+
+    def __init__(self, num_devices, links, memory_bandwidth=math.inf, launch_cost=0.0,
+                 name="custom"):
+        if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+            raise ValueError(f"num_devices must be an int >= 1, got {num_devices!r}")
+        if not memory_bandwidth > 0 or not launch_cost >= 0:
+            raise ValueError(f"memory_bandwidth must be > 0 bytes/s and launch_cost >= 0 s, "
+                             f"got {memory_bandwidth!r} and {launch_cost!r}")
+        self.num_devices = num_devices
+        self.name = name
+        self.memory_bandwidth = float(memory_bandwidth)
+        self.launch_cost = float(launch_cost)
+        self.links = []
+        for a, b, bandwidth, latency in links:
+            self.links += [Link(a, b, bandwidth, latency), Link(b, a, bandwidth, latency)]
+        self._out = {}
+        for i, link in enumerate(self.links):
+            self._out.setdefault(link.src, []).append(i)
+        self._routes = {}
+        for k in range(num_devices):
+            self._routes.update(self._widest_routes(k))
+
+    def __repr__(self):
+        return (f"Topology({self.name!r}, {self.num_devices} devices, "
+                f"{len(self.links) // 2} links)")
+
+    @staticmethod
+    def device_node(k):
+        """The node name of device k."""
+        return f"gpu{k}"
+
+    def route(self, src, dst):
+        """The links (list of Link) a transfer from device src to device dst crosses."""
+        return [self.links[i] for i in self._routes[(src, dst)]]
+
+    def _widest_routes(self, src):
+        # Dijkstra on (-bottleneck bandwidth, hops) from device src, never
+        # passing through another device.
+        start = self.device_node(src)
+        best = {start: (-math.inf, 0, [])}
+        heap = [(-math.inf, 0, start, [])]
+        while heap:
+            neg_bw, hops, node, path = heapq.heappop(heap)
+            if (neg_bw, hops) > best[node][:2]:
+                continue
+            if node != start and node.startswith("gpu"):
+                continue  # a device ends a route, it does not forward
+            for i in self._out.get(node, []):
+                link = self.links[i]
+                key = (max(neg_bw, -link.bandwidth), hops + 1)
+                if link.dst not in best or key < best[link.dst][:2]:
+                    best[link.dst] = (*key, path + [i])
+                    heapq.heappush(heap, (*key, link.dst, path + [i]))
+        routes = {}
+        for k in range(self.num_devices):
+            if k == src:
+                continue
+            node = self.device_node(k)
+            if node not in best:
+                raise ValueError(f"topology {self.name!r}: no route from device {src} to "
+                                 f"device {k}")
+            routes[(src, k)] = best[node][2]
+        return routes
+
+    # ---------------------------------------------------------------- builders
+
+    @classmethod
+    def fully_connected(cls, num_devices, bandwidth, latency=0.0):
+        """K devices, a direct link of ``bandwidth`` bytes/s and ``latency`` s between
+        every pair, and free compute: the textbook alpha-beta machine.
+        """
+        links = [(cls.device_node(a), cls.device_node(b), bandwidth, latency)
+                 for a in range(num_devices) for b in range(a + 1, num_devices)]
+        return cls(num_devices, links, name=f"fully_connected({num_devices})")
+
+    @classmethod
+    def preset(cls, name):
+        """The topology of a named machine (see ``PRESETS``).
+
+        Raises:
+          ValueError: an unknown name; the message lists the presets.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown topology preset {name!r}; choose one of "
+                             f"{sorted(PRESETS)} or 'host' (tfreduce.costmodel.host_topology)")
+        return PRESETS[name]()
+
+    @classmethod
+    def cluster(cls, preset, nodes, nic_bandwidth=12 * GB, latency=_NET_LATENCY):
+        """W machines of one preset, one NIC each, joined by a network switch.
+
+        Device w*G + k is GPU k of machine w (G GPUs per machine), so
+        "/job:worker/task:w/device:GPU:k" maps to it. Each NIC hangs off
+        its machine's first PCIe switch; traffic between machines crosses
+        nic{w} -> net -> nic{v}.
+
+        Args:
+          preset: str, a name in PRESETS, or a Topology of one machine.
+          nodes: int W >= 1.
+          nic_bandwidth: float bytes/s per NIC per direction (NCCL counts
+            12e9 usable per 100 Gb/s; 24e9 for 200, 48e9 for 400 Gb/s).
+          latency: float seconds per network hop.
+        """
+        one = cls.preset(preset) if isinstance(preset, str) else preset
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+            raise ValueError(f"nodes must be an int >= 1, got {nodes!r}")
+        per = one.num_devices
+        links = []
+        for w in range(nodes):
+            def rename(node, w=w):
+                return (cls.device_node(w * per + int(node[3:])) if node.startswith("gpu")
+                        else f"m{w}.{node}")
+            seen = set()
+            for link in one.links:
+                pair = tuple(sorted((link.src, link.dst)))
+                if pair in seen:
+                    continue
+                seen.add(pair)
+                links.append((rename(link.src), rename(link.dst), link.bandwidth, link.latency))
+            attach = "m{}.pcie0".format(w) if any(
+                link.src == "pcie0" for link in one.links) else rename(cls.device_node(0))
+            links.append((f"m{w}.nic", attach, max(nic_bandwidth, 12 * GB), _PCIE_LATENCY))
+            links.append((f"m{w}.nic", "net", nic_bandwidth, latency))
+        return cls(nodes * per, links, one.memory_bandwidth, one.launch_cost,
+                   name=f"{nodes} x {one.name}")
+
+
+def _device_links(pairs, per_link, latency):
+    return [(Topology.device_node(a), Topology.device_node(b), count * per_link, latency)
+            for (a, b), count in pairs.items()]
+
+
+def _pcie_tree(num_devices, per_switch, bandwidth, socket_link):
+    # GPUs behind PCIe switches, switches under two CPU sockets, sockets
+    # joined by QPI/UPI (socket_link bytes/s).
+    switches = num_devices // per_switch
+    links = [(Topology.device_node(k), f"pcie{k // per_switch}", bandwidth, _PCIE_LATENCY)
+             for k in range(num_devices)]
+    links += [(f"pcie{s}", f"cpu{s * 2 // switches}", bandwidth, _PCIE_LATENCY)
+              for s in range(switches)]
+    links.append(("cpu0", "cpu1", socket_link, _PCIE_LATENCY))
+    return links
+
+
+def _dgx1(name, links, nvlink_bw, hbm):
+    return lambda: Topology(
+        8, _device_links(links, nvlink_bw, _NVLINK_LATENCY) + _pcie_tree(8, 2, 12 * GB, 6 * GB),
+        memory_bandwidth=hbm, launch_cost=_LAUNCH, name=name)
+
+
+def _nvswitch(name, links_per_gpu, nvlink_bw, hbm):
+    return lambda: Topology(
+        8, [(Topology.device_node(k), "nvswitch", links_per_gpu * nvlink_bw, _NVLINK_LATENCY)
+            for k in range(8)] + _pcie_tree(8, 2, 24 * GB, 10 * GB),
+        memory_bandwidth=hbm, launch_cost=_LAUNCH, name=name)
+
+
+def _pcie(name, bandwidth, socket_link, hbm):
+    return lambda: Topology(8, _pcie_tree(8, 4, bandwidth, socket_link), memory_bandwidth=hbm,
+                            launch_cost=_LAUNCH, name=name)
+
+
+#: Preset name -> function () -> Topology. dgx1-p100 / dgx1-v100: hybrid
+#: cube-mesh NVLink (18 / 20 GB/s per link, V100's doubled pairs at 40),
+#: other pairs over PCIe gen3 (12 GB/s) and Broadwell QPI (6 GB/s);
+#: dgx-a100 / dgx-h100: 12 / 18 NVLinks per GPU into NVSwitch (240 / 371
+#: GB/s per GPU per direction); pcie3x8 / pcie4x8: 8 GPUs, 4 per PCIe switch
+#: (gen3 12 / gen4 24 GB/s), two sockets (UPI 10 / 22 GB/s).
+PRESETS = {
+    "dgx1-p100": _dgx1("dgx1-p100", _DGX1P_LINKS, 18 * GB, 732 * GB),
+    "dgx1-v100": _dgx1("dgx1-v100", _DGX1V_LINKS, 20 * GB, 900 * GB),
+    "dgx-a100": _nvswitch("dgx-a100", 12, 20 * GB, 1555 * GB),
+    "dgx-h100": _nvswitch("dgx-h100", 18, 20.6 * GB, 3350 * GB),
+    "pcie3x8": _pcie("pcie3x8", 12 * GB, 10 * GB, 900 * GB),
+    "pcie4x8": _pcie("pcie4x8", 24 * GB, 22 * GB, 1555 * GB),
+}
