@@ -116,6 +116,24 @@ def test_multiworker_mode_two_workers_through_the_launcher(tmp_path, capsys):
     assert "2 workers x 2 devices on 127.0.0.1" in out and "vs per-tensor" in out
 
 
+def test_allreduce_mode_predicts_on_presets_and_the_host(tmp_path, capsys):
+    result = run(tmp_path, "--model", "synthetic", "--num-tensors", "4", "--total-bytes",
+                 "16KB", "--devices", "2", "--steps", "2", "--warmup", "1",
+                 "--contenders", "flat,ring", "--packing", "off",
+                 "--predict", "host,dgx-a100,pcie3x8")
+    predictions = result["predictions"]
+    assert set(predictions) == {"host", "dgx-a100", "pcie3x8"}
+    for preset, seconds in predictions.items():
+        assert set(seconds) == {"flat", "ring"}, preset
+        assert all(s > 0 for s in seconds.values()), preset
+    # 16 KB over PCIe gen3 takes longer than over NVSwitch.
+    assert predictions["pcie3x8"]["flat"] > predictions["dgx-a100"]["flat"]
+    out = capsys.readouterr().out
+    assert "predicted step ms (tfreduce.predict; a model, see README)" in out
+    assert re.search(r"host model: predicted/measured [0-9.]+-[0-9.]+; orders \d+ of \d+ "
+                     r"pairs", out)
+
+
 def test_scaling_mode(tmp_path, capsys):
     result = run(tmp_path, "--mode", "scaling", "--grid-devices", "2,3", "--grid-tensors",
                  "4,8", "--algorithms", "flat,ring+pack", "--steps", "2")
@@ -169,6 +187,7 @@ def test_format_bytes():
     (["--pack-bytes", "4XB"], "'4XB' is not a byte count"),
     (["--algorithms", "flat+zip"], "--algorithms: unknown ['flat+zip']"),
     (["--devices", "0"], "must be >= 1, got 0"),
+    (["--predict", "dgx-2"], "--predict: unknown ['dgx-2']; choose from host, dgx-a100"),
     (["--compression", "fp16,zip"], "--compression: unknown ['zip']; use none, fp16, bf16 "
                                     "or powersgdR (R the rank, e.g. powersgd4)"),
     (["--device-type", "gpu", "--devices", "99"], "--device-type gpu: this machine has"),

@@ -116,3 +116,43 @@ def test_errors():
         Topology(2, [("gpu0", "gpu1", 0, 0.0)])
     with pytest.raises(ValueError, match="topology 'custom': no route from device 0 to device 1"):
         Topology(2, [("gpu0", "switch", GB, 0.0)])
+
+
+def test_collectives_take_the_widest_ring_and_share_its_links():
+    # DGX-1 with V100: the pairs with two NVLinks form a ring through all 8
+    # GPUs, so NCCL's ring runs at 40 GB/s per link (not 6 over QPI).
+    out, grads = build("nccl", 8, 2**30, pack_bytes=None)
+    got = predict(out, "dgx1-v100", inputs=grads)
+    assert got.bus_bandwidth == pytest.approx(40 * GB, rel=0.01)
+    # Two all-reduces of S/2 each use the same links: one after the other.
+    graph = tf.Graph()
+    with graph.as_default():
+        grads = []
+        for d in GPU_DEVICES[:8]:
+            with tf.device(d):
+                grads.append([tf.zeros([2**27]), tf.zeros([2**27])])
+        two = tfreduce.allreduce_grads(grads, GPU_DEVICES[:8], algorithm="nccl", pack_bytes=None)
+    both = predict(two, "dgx1-v100", inputs=grads)
+    assert both.seconds == pytest.approx(got.seconds, rel=0.01)
+
+
+def test_shared_compute_lanes_cache_and_collective_cost():
+    size = 4 * 2**20
+    out, grads = build("flat", 4, size, pack_bytes=None)
+    free = Topology.fully_connected(4, 1e30)
+    own = Topology.fully_connected(4, 1e30, memory_bandwidth=GB)
+    shared = Topology.fully_connected(4, 1e30, memory_bandwidth=GB, compute_lanes=1)
+    cached = Topology.fully_connected(4, 1e30, memory_bandwidth=GB, cache=(2**30, 10 * GB))
+    times = {name: predict(out, t, inputs=grads).seconds
+             for name, t in [("free", free), ("own", own), ("shared", shared), ("cached", cached)]}
+    assert times["free"] == pytest.approx(0, abs=1e-12)
+    assert times["own"] == pytest.approx(5 * size / GB)  # the root's add_n: 4 in, 1 out
+    assert times["shared"] == pytest.approx(times["own"])  # one op: nothing to share
+    assert times["cached"] == pytest.approx(5 * size / (10 * GB))
+    with pytest.raises(ValueError, match="compute_lanes must be None or an int >= 1, got 0"):
+        Topology.fully_connected(2, GB, compute_lanes=0)
+    with pytest.raises(ValueError, match=r"cache must be None or \(bytes >= 0, bandwidth > 0\)"):
+        Topology.fully_connected(2, GB, cache=(1, 0))
+    nccl_out, nccl_grads = build("nccl", 2, size, pack_bytes=None)
+    slow = Topology.fully_connected(2, 1e30, collective_cost=1e-3)
+    assert predict(nccl_out, slow, inputs=nccl_grads).seconds == pytest.approx(1e-3)

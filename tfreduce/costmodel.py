@@ -14,9 +14,11 @@ simulates it, event by event:
   bytes / the route's narrowest bandwidth, and arrives one latency sum later
   (the alpha-beta model of Thakur, Rabenseifner & Gropp, 2005);
 - collective ops (NcclAllReduce, CollectiveReduceV2), whose transfers are
-  inside one op, start when every member is ready and take NCCL's ring time
-  2(G-1) (alpha + S / (G * B)) over the ring of their devices, B the
-  narrowest route between ring neighbours.
+  inside one op, start when every member is ready and the links of their
+  ring are free, and take NCCL's ring time 2(G-1) (alpha + S / (G * B)),
+  B the narrowest route between ring neighbours, over the ring order with
+  the widest such B (NCCL searches its rings the same way; one ring, where
+  NCCL may run several side by side).
 
 The prediction is the time the last op ends; ``bus_bandwidth`` is
 S * 2(K-1)/K / t, the definition of nccl-tests, with S the bytes one device
@@ -25,14 +27,16 @@ reduces.
 
 import collections
 import heapq
+import itertools
 import math
+import time
 
 import tensorflow as tf
 
 from tfreduce.topology import Topology
 from tfreduce.traffic import _as_graph, _static_bytes, _tensors, _walk_back
 
-__all__ = ["Prediction", "predict", "device_index"]
+__all__ = ["Prediction", "predict", "device_index", "host_topology"]
 
 # Ops that move no data of their own: renames, aliases, metadata, handles.
 FREE_OPS = frozenset({
@@ -92,7 +96,8 @@ def predict(target, topology, inputs=None, devices_per_task=None):
       target: the outputs of a reduction (a K x N list, as for
         ``analyze_traffic``) or a graph (tf.Graph, a concrete function).
       topology: a tfreduce.Topology, or a preset name ("dgx-a100"; see
-        ``tfreduce.topology.PRESETS``).
+        ``tfreduce.topology.PRESETS``), or "host": this machine's logical
+        CPU devices, measured by a probe (``host_topology``).
       inputs: for outputs only; the K x N inputs, where the walk back stops
         (they are ready at time 0), and whose tower 0 gives S.
       devices_per_task: int G for multi-worker device names (task w's
@@ -105,13 +110,95 @@ def predict(target, topology, inputs=None, devices_per_task=None):
       ValueError: a device index beyond the topology's devices, no tensor.
       TypeError: target or inputs hold something that is not a tensor.
     """
-    if isinstance(topology, str):
-        topology = Topology.preset(topology)
     ops, outputs, stop = _ops(target, inputs)
+    if topology == "host":
+        used = {device_index(op.device, devices_per_task) for op in ops} - {None}
+        topology = host_topology(max(used, default=0) + 1)
+    elif isinstance(topology, str):
+        topology = Topology.preset(topology)
     sim = _Simulation(ops, topology, devices_per_task, sources=stop)
     seconds = sim.run()
     return Prediction(seconds, sim.critical_path(), dict(sim.link_busy),
                       _bytes_per_device(outputs, inputs), sim.num_output_devices(outputs))
+
+
+def host_topology(num_devices, repeats=5):
+    """The "host" preset: K logical CPU devices of this machine, measured now.
+
+    A short probe (a few seconds; run it on a quiet machine) measures, as
+    medians of ``repeats`` runs: the memory bandwidth of one large add
+    (3 x 64 MiB moved, every core helping); the cost of one op and the
+    bandwidth of cache-sized ones (chains of adds of 1 KiB and 64 KiB
+    tensors); the cost of one cross-device edge (a chain of adds alternating
+    between CPU:0 and CPU:1, less the op) and of one collective op (a chain
+    of CollectiveReduceV2 over CPU:0 and CPU:1). Logical CPU devices share
+    one memory: a transfer passes a pointer (no bytes move; it costs the
+    edge), and every op of every device shares one compute lane.
+
+    Args:
+      num_devices: int K, logical CPU devices this process has (made with
+        tfreduce.logical_devices before TensorFlow started).
+      repeats: int, runs per measurement.
+
+    Returns:
+      Topology named "host".
+    """
+    p = _probe(min(num_devices, 2), repeats)
+    return Topology.fully_connected(
+        num_devices, math.inf, p["edge"], memory_bandwidth=p["memory"], launch_cost=p["op"],
+        compute_lanes=1, cache=(_CACHE_PROBE_BYTES, p["cache"]),
+        collective_cost=p["collective"], name="host")
+
+
+# An add of two 64 KiB tensors moves 192 KiB: the probe's cache-sized op.
+_CACHE_PROBE_BYTES = 3 * 64 * 2**10
+
+
+def _median_seconds(function, args, repeats):
+    function(*args)  # traced and warmed up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function(*args)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _chain(count, elements, num_devices):
+    # count dependent adds of `elements` floats, alternating over the devices.
+    def run(x):
+        for i in range(count):
+            with tf.device(f"/device:CPU:{i % num_devices}"):
+                x = x + 1.0
+        return x
+    return tf.function(run), tf.zeros([elements])
+
+
+def _probe(num_devices, repeats):
+    from tfreduce.nccl_ops import allreduce_grads_collective
+
+    chain, elements = 1000, 16 * 2**20
+    with tf.device("/device:CPU:0"):
+        a, b = tf.ones([elements]), tf.ones([elements])
+        # Reads a and b, writes the sum: 3 x 64 MiB.
+        memory = 3 * 4 * elements / _median_seconds(tf.function(lambda a, b: a + b), (a, b),
+                                                    repeats)
+        op = _median_seconds(*_chain(chain, 256, 1), repeats) / chain
+        small = _median_seconds(*_chain(chain, 16 * 2**10, 1), repeats) / chain
+    cache = _CACHE_PROBE_BYTES / max(small - op, 1e-9)
+    edge = collective = 0.0
+    if num_devices > 1:
+        edge = max(_median_seconds(*_chain(chain, 256, 2), repeats) / chain - op, 0.0)
+        devices = [f"/device:CPU:{k}" for k in range(2)]
+        count = 50
+        grads = []
+        for d in devices:
+            with tf.device(d):
+                grads.append([tf.zeros([256]) for _ in range(count)])
+        reduce = tf.function(lambda: allreduce_grads_collective(grads, devices, pack_bytes=None))
+        collective = _median_seconds(reduce, (), repeats) / count
+    return {"memory": memory, "op": op, "cache": cache, "edge": edge,
+            "collective": collective}
 
 
 def _ops(target, inputs):
@@ -167,6 +254,7 @@ class _Simulation:
                     self.pending[op] += 1
         self.groups = self._collective_groups(ops)
         self.link_free = collections.defaultdict(float)
+        self.rings = {}  # device set -> the ring order collectives use
         self.link_busy = collections.Counter()
         self.device_free = collections.defaultdict(float)
         self.end = {}
@@ -229,8 +317,12 @@ class _Simulation:
         device = self.device[op]
         start = now
         if duration > 0 and device is not None:
-            start = max(now, self.device_free[device])
-            self.device_free[device] = start + duration
+            # One op at a time per device, or per shared lane (the earliest free).
+            lane = device if self.topology.compute_lanes is None else min(
+                range(self.topology.compute_lanes), key=lambda i: self.device_free[("lane", i)])
+            lane = lane if self.topology.compute_lanes is None else ("lane", lane)
+            start = max(now, self.device_free[lane])
+            self.device_free[lane] = start + duration
         self.end[op] = start + duration
         self.cause[op] = ("op", op.name, start, start + duration, previous)
         push(start + duration, "done", op)
@@ -240,18 +332,31 @@ class _Simulation:
             return 0.0
         moved = sum(_static_bytes(t) or 0 for t in list(op.inputs) + list(op.outputs))
         bandwidth = self.topology.memory_bandwidth
+        cache = self.topology.cache
+        if cache is not None and moved <= cache[0]:
+            bandwidth = cache[1]
         return self.topology.launch_cost + (moved / bandwidth if math.isfinite(bandwidth) else 0)
 
     def _collective(self, members, now, push):
         ops = [op for op, _ in members]
-        devices = sorted({self.device[op] for op in ops if self.device[op] is not None})
+        devices = {self.device[op] for op in ops if self.device[op] is not None}
         size = max((_static_bytes(op.inputs[0]) or 0) for op in ops)
-        seconds = _ring_time(self.topology, devices, size)
-        previous = max(members, key=lambda m: self.end.get(m[1], 0.0))[1]
+        ring = _best_ring(self.topology, sorted(devices), self.rings)
+        links = [link for a, b in zip(ring, ring[1:] + ring[:1])
+                 for link in self.topology.route(a, b)]
+        # The ring's links carry 2(G-1)/G of S each: collectives that share
+        # links wait for each other, like transfers.
+        start = max([now] + [self.link_free[link.name] for link in links])
+        seconds, hold = _ring_time(self.topology, ring, size)
+        for link in links:
+            self.link_free[link.name] = start + hold
+            self.link_busy[link.name] += hold
+        end = start + self.topology.collective_cost + seconds
+        previous = members[-1][1]  # the member that arrived last
         for op in ops:
-            self.end[op] = now + seconds
-            self.cause[op] = ("collective", op.name, now, now + seconds, previous)
-            push(now + seconds, "done", op)
+            self.end[op] = end
+            self.cause[op] = ("collective", op.name, start, end, previous)
+            push(end, "done", op)
 
     def _deliver(self, producer, now, push):
         sent = {}
@@ -303,12 +408,28 @@ class _Simulation:
                     for t in outputs} - {None})
 
 
-def _ring_time(topology, devices, size):
+def _ring_time(topology, ring, size):
     # NCCL's ring all-reduce: 2(G-1) steps of S/G bytes between neighbours.
-    count = len(devices)
+    # Returns (seconds, seconds each ring link carries data).
+    count = len(ring)
     if count < 2:
-        return 0.0
-    routes = [topology.route(a, b) for a, b in zip(devices, devices[1:] + devices[:1])]
+        return 0.0, 0.0
+    routes = [topology.route(a, b) for a, b in zip(ring, ring[1:] + ring[:1])]
     bandwidth = min(link.bandwidth for route in routes for link in route)
     latency = max(sum(link.latency for link in route) for route in routes)
-    return 2 * (count - 1) * (latency + size / count / bandwidth)
+    hold = 2 * (count - 1) * size / count / bandwidth
+    return 2 * (count - 1) * latency + hold, hold
+
+
+def _best_ring(topology, devices, cache):
+    # The ring order with the widest narrowest link, as NCCL searches for
+    # its rings: every order for up to 8 devices, the given order beyond.
+    key = tuple(devices)
+    if key not in cache:
+        def narrowest(order):
+            return min(min(link.bandwidth for link in topology.route(a, b))
+                       for a, b in zip(order, order[1:] + order[:1]))
+        orders = ([devices[:1] + list(rest) for rest in itertools.permutations(devices[1:])]
+                  if 2 < len(devices) <= 8 else [devices])
+        cache[key] = max(orders, key=narrowest)
+    return cache[key]

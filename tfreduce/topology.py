@@ -78,13 +78,20 @@ class Topology:
         memory at (math.inf: compute is free).
       launch_cost: float seconds each op that touches data costs on top.
       name: str.
+      compute_lanes: None (each device computes on its own, as GPUs do) or
+        int: the devices share this many lanes, each running one op at a
+        time (logical CPU devices sharing a machine's cores and memory).
+      cache: None, or (bytes, bandwidth bytes/s): an op that moves at most
+        that many bytes runs at that bandwidth instead (a CPU's caches).
+      collective_cost: float seconds each collective op (NCCL, TF
+        collective) costs on top of its transfers.
 
     Raises:
       ValueError: K < 1, a bad link, or two devices with no route between them.
     """
 
     def __init__(self, num_devices, links, memory_bandwidth=math.inf, launch_cost=0.0,
-                 name="custom"):
+                 name="custom", compute_lanes=None, cache=None, collective_cost=0.0):
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise ValueError(f"num_devices must be an int >= 1, got {num_devices!r}")
         if not memory_bandwidth > 0 or not launch_cost >= 0:
@@ -94,6 +101,16 @@ class Topology:
         self.name = name
         self.memory_bandwidth = float(memory_bandwidth)
         self.launch_cost = float(launch_cost)
+        if compute_lanes is not None and (isinstance(compute_lanes, bool) or not isinstance(
+                compute_lanes, int) or compute_lanes < 1):
+            raise ValueError(f"compute_lanes must be None or an int >= 1, got {compute_lanes!r}")
+        self.compute_lanes = compute_lanes
+        if cache is not None and not (len(cache) == 2 and cache[0] >= 0 and cache[1] > 0):
+            raise ValueError(f"cache must be None or (bytes >= 0, bandwidth > 0), got {cache!r}")
+        self.cache = None if cache is None else (int(cache[0]), float(cache[1]))
+        if not collective_cost >= 0:
+            raise ValueError(f"collective_cost must be >= 0 seconds, got {collective_cost!r}")
+        self.collective_cost = float(collective_cost)
         self.links = []
         for a, b, bandwidth, latency in links:
             self.links += [Link(a, b, bandwidth, latency), Link(b, a, bandwidth, latency)]
@@ -149,13 +166,19 @@ class Topology:
     # ---------------------------------------------------------------- builders
 
     @classmethod
-    def fully_connected(cls, num_devices, bandwidth, latency=0.0):
+    def fully_connected(cls, num_devices, bandwidth, latency=0.0, **compute):
         """K devices, a direct link of ``bandwidth`` bytes/s and ``latency`` s between
-        every pair, and free compute: the textbook alpha-beta machine.
+        every pair: the textbook alpha-beta machine.
+
+        Args:
+          num_devices, bandwidth, latency: as described.
+          **compute: memory_bandwidth, launch_cost, compute_lanes, cache,
+            collective_cost, name (see Topology); by default compute is free.
         """
         links = [(cls.device_node(a), cls.device_node(b), bandwidth, latency)
                  for a in range(num_devices) for b in range(a + 1, num_devices)]
-        return cls(num_devices, links, name=f"fully_connected({num_devices})")
+        compute.setdefault("name", f"fully_connected({num_devices})")
+        return cls(num_devices, links, **compute)
 
     @classmethod
     def preset(cls, name):

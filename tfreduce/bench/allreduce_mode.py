@@ -15,6 +15,7 @@ from tfreduce.bench.contenders import contenders
 from tfreduce.bench.harness import (build_contender, check, consume, device_names,
                                     environment, graph_session_config, make_floor,
                                     make_inputs, time_rounds, warm_up)
+from tfreduce.bench.prediction import predict_rows, print_predictions
 from tfreduce.bench.tables import print_table
 from tfreduce.bench.units import format_bytes
 from tfreduce.bench.workloads import gradient_shapes
@@ -62,6 +63,9 @@ def run(args, log):
 
     medians = {name: statistics.median(t) for name, t in times.items()}
     names = [c.name for c in chosen]
+    # Reads the built graph; the host probe runs eagerly, outside it.
+    predictions = predict_rows(rows, grads, args.predict, args.devices, log) if args.predict \
+        else {}
     return {
         "mode": "allreduce",
         "config": {
@@ -78,6 +82,7 @@ def run(args, log):
         "results": _results(times, medians, rows, names),
         "ratios": {a: {b: medians[a] / medians[b] for b in names} for a in names},
         "compression": _compression(rows, medians),
+        "predictions": predictions,
         "skipped": skipped,
         "environment": environment(),
     }
@@ -204,6 +209,7 @@ def print_result(result, out=None):
         print(f"{c['name']}: {moved}, step time {c['time_ratio']:.2f}x {c['base']}'s"
               + ("" if error is None else f", largest error {error:.2g} of the largest value"),
               file=out)
+    print_predictions(result, out)
     for name, reason in result["skipped"].items():
         print(f"skipped {name}: {reason}", file=out)
 

@@ -15,6 +15,7 @@ from tfreduce.bench.units import format_bytes, parse_bytes
 from tfreduce.bench.workloads import keras_application
 from tfreduce.choices import ALGORITHMS, BENCH_FAMILIES, DEFAULT_PACK_BYTES
 from tfreduce.startup import ArgumentParser, import_tensorflow
+from tfreduce.topology import PRESETS
 
 __all__ = ["MODES", "main", "parse_args"]
 
@@ -103,6 +104,11 @@ def parse_args(argv):
                         type=lambda s: _parse_list(s, str, "--compression"),
                         help="allreduce mode: run every tfreduce variant with each of none, "
                              "fp16, bf16, powersgdR (PowerSGD of rank R); default none")
+    parser.add_argument("--predict", default=None, metavar="PRESET[,PRESET]",
+                        type=lambda s: _parse_list(s, str, "--predict"),
+                        help="allreduce mode: also print tfreduce.predict's times per contender "
+                             "on these topology presets (host: this machine, measured by a "
+                             f"probe; {', '.join(sorted(PRESETS))})")
     parser.add_argument("--contenders", default=None, metavar="NAME[,NAME]",
                         type=lambda s: _parse_list(s, str, "--contenders"),
                         help=f"run only these of {','.join(BENCH_FAMILIES)}; default all")
@@ -148,6 +154,10 @@ def parse_args(argv):
         unknown = sorted(set(args.contenders) - set(BENCH_FAMILIES))
         if unknown:
             parser.error(f"--contenders: unknown {unknown}; choose from {list(BENCH_FAMILIES)}")
+    unknown = sorted(set(args.predict or []) - set(PRESETS) - {"host"})
+    if unknown:
+        parser.error(f"--predict: unknown {unknown}; choose from host, "
+                     f"{', '.join(sorted(PRESETS))}")
     bad = [c for c in args.compression
            if not re.fullmatch(r"none|fp16|bf16|powersgd[1-9][0-9]*", c)]
     if bad:
