@@ -156,3 +156,12 @@ def test_shared_compute_lanes_cache_and_collective_cost():
     nccl_out, nccl_grads = build("nccl", 2, size, pack_bytes=None)
     slow = Topology.fully_connected(2, 1e30, collective_cost=1e-3)
     assert predict(nccl_out, slow, inputs=nccl_grads).seconds == pytest.approx(1e-3)
+
+
+def test_the_host_probe_measures_this_machine():
+    host = tfreduce.costmodel.host_topology(4, repeats=3)
+    assert host.name == "host" and host.num_devices == 4 and host.compute_lanes == 1
+    assert 1e8 < host.memory_bandwidth < 1e12  # bytes/s of a real memory
+    assert 0 < host.launch_cost < 1e-3
+    assert host.cache[1] > 0 and host.collective_cost > 0
+    assert host.copy_cost > 0 and host.links[0].bandwidth == float("inf")

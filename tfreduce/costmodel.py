@@ -145,60 +145,70 @@ def host_topology(num_devices, repeats=5):
     """
     p = _probe(min(num_devices, 2), repeats)
     return Topology.fully_connected(
-        num_devices, math.inf, p["edge"], memory_bandwidth=p["memory"], launch_cost=p["op"],
+        num_devices, math.inf, 0.0, memory_bandwidth=p["memory"], launch_cost=p["op"],
         compute_lanes=1, cache=(_CACHE_PROBE_BYTES, p["cache"]),
-        collective_cost=p["collective"], name="host")
+        collective_cost=p["collective"], copy_cost=p["edge"], name="host")
 
 
 # An add of two 64 KiB tensors moves 192 KiB: the probe's cache-sized op.
 _CACHE_PROBE_BYTES = 3 * 64 * 2**10
 
 
-def _median_seconds(function, args, repeats):
-    function(*args)  # traced and warmed up
+def _probe(num_devices, repeats):
+    # Measured in a tf.compat.v1.Session of its own with num_devices CPU
+    # devices (so it works in eager programs and in graph ones alike), with
+    # Grappler off, so that the chains are run as built.
+    from tfreduce.nccl_ops import allreduce_grads_collective
+
+    chain, elements, count = 1000, 16 * 2**20, 50
+    graph = tf.Graph()
+    with graph.as_default():
+        feeds = {size: tf.compat.v1.placeholder(tf.float32, [size]) for size in (256, 16384)}
+        with tf.device("/device:CPU:0"):
+            big = tf.Variable(tf.ones([elements]))
+            fetches = {"memory": (big + big).op, "op": _chain(feeds[256], chain, 1),
+                       "small": _chain(feeds[16384], chain, 1)}
+        if num_devices > 1:
+            fetches["edge"] = _chain(feeds[256], chain, 2)
+            devices = ["/device:CPU:0", "/device:CPU:1"]
+            grads = [[feeds[256] * float(i + k) for i in range(count)] for k in range(2)]
+            for k, row in enumerate(grads):
+                with tf.device(devices[k]):
+                    grads[k] = [tf.identity(g) for g in row]
+            fetches["collective"] = [t.op for row in allreduce_grads_collective(
+                grads, devices, pack_bytes=None) for t in row]
+        init = tf.compat.v1.global_variables_initializer()
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": num_devices})
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    feed = {feeds[size]: [0.0] * size for size in feeds}
+    with tf.compat.v1.Session(graph=graph, config=config) as session:
+        session.run(init)
+        seconds = {name: _median_seconds(session, fetch, feed, repeats)
+                   for name, fetch in fetches.items()}
+    op = seconds["op"] / chain
+    return {"memory": 3 * 4 * elements / seconds["memory"], "op": op,
+            "cache": _CACHE_PROBE_BYTES / max(seconds["small"] / chain - op, 1e-9),
+            "edge": max(seconds.get("edge", 0.0) / chain - op, 0.0),
+            # Two members an instance.
+            "collective": seconds.get("collective", 0.0) / count / 2}
+
+
+def _median_seconds(session, fetch, feed, repeats):
+    session.run(fetch, feed)  # warmed up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        function(*args)
+        session.run(fetch, feed)
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
 
-def _chain(count, elements, num_devices):
-    # count dependent adds of `elements` floats, alternating over the devices.
-    def run(x):
-        for i in range(count):
-            with tf.device(f"/device:CPU:{i % num_devices}"):
-                x = x + 1.0
-        return x
-    return tf.function(run), tf.zeros([elements])
-
-
-def _probe(num_devices, repeats):
-    from tfreduce.nccl_ops import allreduce_grads_collective
-
-    chain, elements = 1000, 16 * 2**20
-    with tf.device("/device:CPU:0"):
-        a, b = tf.ones([elements]), tf.ones([elements])
-        # Reads a and b, writes the sum: 3 x 64 MiB.
-        memory = 3 * 4 * elements / _median_seconds(tf.function(lambda a, b: a + b), (a, b),
-                                                    repeats)
-        op = _median_seconds(*_chain(chain, 256, 1), repeats) / chain
-        small = _median_seconds(*_chain(chain, 16 * 2**10, 1), repeats) / chain
-    cache = _CACHE_PROBE_BYTES / max(small - op, 1e-9)
-    edge = collective = 0.0
-    if num_devices > 1:
-        edge = max(_median_seconds(*_chain(chain, 256, 2), repeats) / chain - op, 0.0)
-        devices = [f"/device:CPU:{k}" for k in range(2)]
-        count = 50
-        grads = []
-        for d in devices:
-            with tf.device(d):
-                grads.append([tf.zeros([256]) for _ in range(count)])
-        reduce = tf.function(lambda: allreduce_grads_collective(grads, devices, pack_bytes=None))
-        collective = _median_seconds(reduce, (), repeats) / count
-    return {"memory": memory, "op": op, "cache": cache, "edge": edge,
-            "collective": collective}
+def _chain(x, count, num_devices):
+    # count dependent adds on x, alternating over the devices; the last op.
+    for i in range(count):
+        with tf.device(f"/device:CPU:{i % num_devices}"):
+            x = x + 1.0
+    return x.op
 
 
 def _ops(target, inputs):
@@ -318,14 +328,24 @@ class _Simulation:
         start = now
         if duration > 0 and device is not None:
             # One op at a time per device, or per shared lane (the earliest free).
-            lane = device if self.topology.compute_lanes is None else min(
-                range(self.topology.compute_lanes), key=lambda i: self.device_free[("lane", i)])
-            lane = lane if self.topology.compute_lanes is None else ("lane", lane)
+            lane = device if self.topology.compute_lanes is None else self._lane()
             start = max(now, self.device_free[lane])
             self.device_free[lane] = start + duration
         self.end[op] = start + duration
         self.cause[op] = ("op", op.name, start, start + duration, previous)
         push(start + duration, "done", op)
+
+    def _lane(self):
+        # The shared compute lane that is free first.
+        return min((("lane", i) for i in range(self.topology.compute_lanes)),
+                   key=lambda lane: self.device_free[lane])
+
+    def _on_lane(self, earliest, seconds):
+        # Takes the first free lane for `seconds` from `earliest`; returns the end.
+        lane = self._lane()
+        start = max(earliest, self.device_free[lane])
+        self.device_free[lane] = start + seconds
+        return start + seconds
 
     def _cost(self, op):
         if op.type in FREE_OPS or op in self.sources:
@@ -351,7 +371,11 @@ class _Simulation:
         for link in links:
             self.link_free[link.name] = start + hold
             self.link_busy[link.name] += hold
-        end = start + self.topology.collective_cost + seconds
+        cost = self.topology.collective_cost
+        if self.topology.compute_lanes is not None and cost:
+            # Each member's work takes a shared lane.
+            cost = max(self._on_lane(start, cost) for _ in ops) - start
+        end = start + cost + seconds
         previous = members[-1][1]  # the member that arrived last
         for op in ops:
             self.end[op] = end
@@ -375,6 +399,9 @@ class _Simulation:
         size = _static_bytes(tensor) or 0
         narrowest = min(link.bandwidth for link in route)
         start = max([now] + [self.link_free[link.name] for link in route])
+        if self.topology.copy_cost:
+            # The send and receive are CPU work, on a shared lane.
+            start = self._on_lane(start, self.topology.copy_cost)
         hold = size / narrowest
         for link in route:
             self.link_free[link.name] = start + hold

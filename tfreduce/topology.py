@@ -84,14 +84,19 @@ class Topology:
       cache: None, or (bytes, bandwidth bytes/s): an op that moves at most
         that many bytes runs at that bandwidth instead (a CPU's caches).
       collective_cost: float seconds each collective op (NCCL, TF
-        collective) costs on top of its transfers.
+        collective) costs on top of its transfers; with compute_lanes, the
+        work of each member, on a lane.
+      copy_cost: float seconds of a compute lane each cross-device transfer
+        takes (with compute_lanes: on CPUs the runtime's send and receive
+        are work of the cores; GPUs copy with DMA engines, 0).
 
     Raises:
       ValueError: K < 1, a bad link, or two devices with no route between them.
     """
 
     def __init__(self, num_devices, links, memory_bandwidth=math.inf, launch_cost=0.0,
-                 name="custom", compute_lanes=None, cache=None, collective_cost=0.0):
+                 name="custom", compute_lanes=None, cache=None, collective_cost=0.0,
+                 copy_cost=0.0):
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise ValueError(f"num_devices must be an int >= 1, got {num_devices!r}")
         if not memory_bandwidth > 0 or not launch_cost >= 0:
@@ -111,6 +116,10 @@ class Topology:
         if not collective_cost >= 0:
             raise ValueError(f"collective_cost must be >= 0 seconds, got {collective_cost!r}")
         self.collective_cost = float(collective_cost)
+        if not copy_cost >= 0 or (copy_cost and compute_lanes is None):
+            raise ValueError(f"copy_cost must be >= 0 seconds, and needs compute_lanes, got "
+                             f"{copy_cost!r} with compute_lanes={compute_lanes!r}")
+        self.copy_cost = float(copy_cost)
         self.links = []
         for a, b, bandwidth, latency in links:
             self.links += [Link(a, b, bandwidth, latency), Link(b, a, bandwidth, latency)]
@@ -173,7 +182,8 @@ class Topology:
         Args:
           num_devices, bandwidth, latency: as described.
           **compute: memory_bandwidth, launch_cost, compute_lanes, cache,
-            collective_cost, name (see Topology); by default compute is free.
+            collective_cost, copy_cost, name (see Topology); by default
+            compute is free.
         """
         links = [(cls.device_node(a), cls.device_node(b), bandwidth, latency)
                  for a in range(num_devices) for b in range(a + 1, num_devices)]

@@ -37,11 +37,11 @@ def predict_rows(rows, grads, presets, num_devices, log):
     for name in presets:
         if name == "host":
             topology = host_topology(num_devices)
-            edge = topology.links[0].latency if topology.links else 0.0
+            edge = topology.copy_cost
             log(f"host probe: memory {topology.memory_bandwidth / 1e9:.1f} GB/s, cache-sized "
                 f"ops {topology.cache[1] / 1e9:.1f} GB/s, {topology.launch_cost * 1e6:.1f} us "
                 f"per op, {edge * 1e6:.1f} us per cross-device edge, "
-                f"{topology.collective_cost * 1e6:.1f} us per collective op")
+                f"{topology.collective_cost * 1e6:.1f} us per collective member")
         else:
             topology = Topology.preset(name)
         if topology.num_devices < num_devices:
