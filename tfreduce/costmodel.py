@@ -122,12 +122,12 @@ def predict(target, topology, inputs=None, devices_per_task=None):
                       _bytes_per_device(outputs, inputs), sim.num_output_devices(outputs))
 
 
-def host_topology(num_devices, repeats=5):
+def host_topology(num_devices, repeats=9):
     """The "host" preset: K logical CPU devices of this machine, measured now.
 
     A short probe (a few seconds; run it on a quiet machine) measures, as
-    medians of ``repeats`` runs: the memory bandwidth of one large add
-    (3 x 64 MiB moved, every core helping); the cost of one op and the
+    medians of ``repeats`` runs: the memory bandwidth of an add_n of eight
+    8 MiB buffers (72 MiB moved, every core helping); the cost of one op and the
     bandwidth of cache-sized ones (chains of adds of 1 KiB and 64 KiB
     tensors); the cost of one cross-device edge (a chain of adds alternating
     between CPU:0 and CPU:1, less the op) and of one collective op (a chain
@@ -160,13 +160,14 @@ def _probe(num_devices, repeats):
     # Grappler off, so that the chains are run as built.
     from tfreduce.nccl_ops import allreduce_grads_collective
 
-    chain, elements, count = 1000, 16 * 2**20, 50
+    chain, elements, count = 1000, 2 * 2**20, 50
     graph = tf.Graph()
     with graph.as_default():
         feeds = {size: tf.compat.v1.placeholder(tf.float32, [size]) for size in (256, 16384)}
         with tf.device("/device:CPU:0"):
-            big = tf.Variable(tf.ones([elements]))
-            fetches = {"memory": (big + big).op, "op": _chain(feeds[256], chain, 1),
+            # A gradient-sized add_n of 8 buffers of 8 MiB: reads 64, writes 8 MiB.
+            big = [tf.Variable(tf.fill([elements], float(i))) for i in range(8)]
+            fetches = {"memory": tf.add_n(big).op, "op": _chain(feeds[256], chain, 1),
                        "small": _chain(feeds[16384], chain, 1)}
         if num_devices > 1:
             fetches["edge"] = _chain(feeds[256], chain, 2)
@@ -186,7 +187,7 @@ def _probe(num_devices, repeats):
         seconds = {name: _median_seconds(session, fetch, feed, repeats)
                    for name, fetch in fetches.items()}
     op = seconds["op"] / chain
-    return {"memory": 3 * 4 * elements / seconds["memory"], "op": op,
+    return {"memory": 9 * 4 * elements / seconds["memory"], "op": op,
             "cache": _CACHE_PROBE_BYTES / max(seconds["small"] / chain - op, 1e-9),
             "edge": max(seconds.get("edge", 0.0) / chain - op, 0.0),
             # Two members an instance.
