@@ -165,3 +165,24 @@ def test_the_host_probe_measures_this_machine():
     assert 0 < host.launch_cost < 1e-3
     assert host.cache[1] > 0 and host.collective_cost > 0
     assert host.copy_cost > 0 and host.links[0].bandwidth == float("inf")
+
+
+def test_plan_allreduce_picks_the_fastest_predicted_candidate():
+    shapes = [[3, 3, 64, 64], [64], [2048, 1000], [1000]]
+    dgx1 = tfreduce.plan_allreduce(shapes, GPU_DEVICES[:8], "dgx1-v100")
+    a100 = tfreduce.plan_allreduce(shapes, GPU_DEVICES[:8], "dgx-a100")
+    cpu = tfreduce.plan_allreduce(shapes, [f"/cpu:{k}" for k in range(8)], "dgx-a100")
+    for plan in (dgx1, a100, cpu):
+        assert plan.seconds == min(seconds for *_, seconds in plan.table)
+        assert plan.kwargs()["algorithm"] == plan.algorithm
+    # NCCL's ring over the doubled NVLinks, or the NVSwitch, beats every
+    # graph algorithm; NCCL is a candidate on GPU names only.
+    assert dgx1.algorithm == "nccl" and a100.algorithm == "nccl"
+    assert "nccl" not in {algorithm for algorithm, *_ in cpu.table}
+    # On a DGX-1 the hierarchical roots pair over NVLink: faster than flat.
+    best = {}
+    for algorithm, options, seconds in dgx1.table:
+        best[algorithm] = min(best.get(algorithm, seconds), seconds)
+    assert best["hierarchical"] < best["flat"]
+    with pytest.raises(ValueError, match="topology 'dgx-a100' has 8 devices, fewer than the 16"):
+        tfreduce.plan_allreduce(shapes, [f"/gpu:{k}" for k in range(16)], "dgx-a100")

@@ -41,6 +41,7 @@ _EXPORTS = {
     "Topology": "tfreduce.topology",
     "Traffic": "tfreduce.traffic",
     "analyze_traffic": "tfreduce.traffic",
+    "plan_allreduce": "tfreduce.planner",
     "predict": "tfreduce.costmodel",
     "ReplicatedTrainer": "tfreduce.trainer",
 }

@@ -132,8 +132,9 @@ def host_topology(num_devices, repeats=9):
     tensors); the cost of one cross-device edge (a chain of adds alternating
     between CPU:0 and CPU:1, less the op) and of one collective op (a chain
     of CollectiveReduceV2 over CPU:0 and CPU:1). Logical CPU devices share
-    one memory: a transfer passes a pointer (no bytes move; it costs the
-    edge), and every op of every device shares one compute lane.
+    one memory: a graph transfer passes a pointer (no bytes move; it costs
+    the edge), a collective copies its ring's bytes at memory bandwidth,
+    and every op of every device shares one compute lane.
 
     Args:
       num_devices: int K, logical CPU devices this process has (made with
@@ -147,7 +148,8 @@ def host_topology(num_devices, repeats=9):
     return Topology.fully_connected(
         num_devices, math.inf, 0.0, memory_bandwidth=p["memory"], launch_cost=p["op"],
         compute_lanes=1, cache=(_CACHE_PROBE_BYTES, p["cache"]),
-        collective_cost=p["collective"], copy_cost=p["edge"], name="host")
+        collective_cost=p["collective"], copy_cost=p["edge"],
+        collective_bandwidth=p["memory"], name="host")
 
 
 # An add of two 64 KiB tensors moves 192 KiB: the probe's cache-sized op.
@@ -350,7 +352,8 @@ class _Simulation:
 
     def _cost(self, op):
         if op.type in FREE_OPS or op in self.sources:
-            return 0.0
+            # No bytes; on CPUs (shared lanes) the executor still runs the op.
+            return self.topology.launch_cost if self.topology.compute_lanes else 0.0
         moved = sum(_static_bytes(t) or 0 for t in list(op.inputs) + list(op.outputs))
         bandwidth = self.topology.memory_bandwidth
         cache = self.topology.cache
@@ -443,7 +446,8 @@ def _ring_time(topology, ring, size):
     if count < 2:
         return 0.0, 0.0
     routes = [topology.route(a, b) for a, b in zip(ring, ring[1:] + ring[:1])]
-    bandwidth = min(link.bandwidth for route in routes for link in route)
+    bandwidth = min([link.bandwidth for route in routes for link in route]
+                    + [topology.collective_bandwidth])
     latency = max(sum(link.latency for link in route) for route in routes)
     hold = 2 * (count - 1) * size / count / bandwidth
     return 2 * (count - 1) * latency + hold, hold

@@ -86,6 +86,9 @@ class Topology:
       collective_cost: float seconds each collective op (NCCL, TF
         collective) costs on top of its transfers; with compute_lanes, the
         work of each member, on a lane.
+      collective_bandwidth: float bytes/s, a ceiling on a collective
+        op's ring (a CPU collective copies through memory); default no
+        ceiling.
       copy_cost: float seconds of a compute lane each cross-device transfer
         takes (with compute_lanes: on CPUs the runtime's send and receive
         are work of the cores; GPUs copy with DMA engines, 0).
@@ -96,7 +99,7 @@ class Topology:
 
     def __init__(self, num_devices, links, memory_bandwidth=math.inf, launch_cost=0.0,
                  name="custom", compute_lanes=None, cache=None, collective_cost=0.0,
-                 copy_cost=0.0):
+                 copy_cost=0.0, collective_bandwidth=math.inf):
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise ValueError(f"num_devices must be an int >= 1, got {num_devices!r}")
         if not memory_bandwidth > 0 or not launch_cost >= 0:
@@ -120,6 +123,10 @@ class Topology:
             raise ValueError(f"copy_cost must be >= 0 seconds, and needs compute_lanes, got "
                              f"{copy_cost!r} with compute_lanes={compute_lanes!r}")
         self.copy_cost = float(copy_cost)
+        if not collective_bandwidth > 0:
+            raise ValueError(f"collective_bandwidth must be > 0 bytes/s, got "
+                             f"{collective_bandwidth!r}")
+        self.collective_bandwidth = float(collective_bandwidth)
         self.links = []
         for a, b, bandwidth, latency in links:
             self.links += [Link(a, b, bandwidth, latency), Link(b, a, bandwidth, latency)]
@@ -182,8 +189,8 @@ class Topology:
         Args:
           num_devices, bandwidth, latency: as described.
           **compute: memory_bandwidth, launch_cost, compute_lanes, cache,
-            collective_cost, copy_cost, name (see Topology); by default
-            compute is free.
+            collective_cost, copy_cost, collective_bandwidth, name (see
+            Topology); by default compute is free.
         """
         links = [(cls.device_node(a), cls.device_node(b), bandwidth, latency)
                  for a in range(num_devices) for b in range(a + 1, num_devices)]
