@@ -8,6 +8,7 @@ import tensorflow as tf
 import tfreduce
 from helpers import GPU_DEVICES
 from tfreduce.costmodel import predict
+from tfreduce.hostprobe import host_topology
 from tfreduce.topology import PRESETS, Topology
 
 GB = 1e9
@@ -159,7 +160,7 @@ def test_shared_compute_lanes_cache_and_collective_cost():
 
 
 def test_the_host_probe_measures_this_machine():
-    host = tfreduce.costmodel.host_topology(4, repeats=3)
+    host = host_topology(4, repeats=3)
     assert host.name == "host" and host.num_devices == 4 and host.compute_lanes == 1
     assert 1e8 < host.memory_bandwidth < 1e12  # bytes/s of a real memory
     assert 0 < host.launch_cost < 1e-3

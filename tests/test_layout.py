@@ -23,7 +23,7 @@ LAYERS = {
     "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5,
     "allreduce": 5, "powersgd": 5, "failures": 5, "cluster": 5, "multiworker": 5, "consistency": 5,
     "models": 6, "trainer": 6, "distribute": 6,
-    "traffic": 7, "costmodel": 7, "planner": 7, "launch": 7, "bench": 7,
+    "traffic": 7, "costmodel": 7, "hostprobe": 7, "planner": 7, "launch": 7, "bench": 7,
 }
 # Same-layer imports that are part of the design: the algorithms build on
 # the frame, the dispatcher registers the algorithms, the cluster uses the
@@ -34,7 +34,8 @@ SAME_LAYER = {
     ("nccl_ops", "frame"), ("allreduce", "frame"), ("allreduce", "replicated"),
     ("allreduce", "hierarchical"), ("allreduce", "ring"), ("allreduce", "nccl_ops"),
     ("cluster", "failures"), ("multiworker", "frame"), ("multiworker", "allreduce"),
-    ("multiworker", "cluster"), ("bench", "traffic"), ("costmodel", "traffic"), ("planner", "costmodel"),
+    ("multiworker", "cluster"), ("bench", "traffic"), ("costmodel", "traffic"), ("costmodel", "hostprobe"), ("planner", "costmodel"),
+    ("bench", "costmodel"), ("bench", "hostprobe"),
 }
 
 

@@ -10,7 +10,8 @@ does (pairs within 10% of each other in either are near-ties, not counted).
 import itertools
 
 from tfreduce.bench.tables import print_table
-from tfreduce.costmodel import host_topology, predict
+from tfreduce.costmodel import predict
+from tfreduce.hostprobe import host_topology
 from tfreduce.topology import Topology
 
 __all__ = ["predict_rows", "print_predictions"]

@@ -1,0 +1,107 @@
+"""The "host" topology: this machine's logical CPU devices, measured by a short probe.
+
+What ``tfreduce.predict(..., "host")`` and ``tfreduce-bench --predict host``
+cost graphs on, so that the cost model can be checked against times
+measured here.
+"""
+
+import math
+import time
+
+import tensorflow as tf
+
+from tfreduce.topology import Topology
+
+__all__ = ["host_topology"]
+
+
+def host_topology(num_devices, repeats=9):
+    """The "host" preset: K logical CPU devices of this machine, measured now.
+
+    A short probe (a few seconds; run it on a quiet machine) measures, as
+    medians of ``repeats`` runs: the memory bandwidth of an add_n of eight
+    8 MiB buffers (72 MiB moved, every core helping); the cost of one op and the
+    bandwidth of cache-sized ones (chains of adds of 1 KiB and 64 KiB
+    tensors); the cost of one cross-device edge (a chain of adds alternating
+    between CPU:0 and CPU:1, less the op) and of one collective op (a chain
+    of CollectiveReduceV2 over CPU:0 and CPU:1). Logical CPU devices share
+    one memory: a graph transfer passes a pointer (no bytes move; it costs
+    the edge), a collective copies its ring's bytes at memory bandwidth,
+    and every op of every device shares one compute lane.
+
+    Args:
+      num_devices: int K, logical CPU devices this process has (made with
+        tfreduce.logical_devices before TensorFlow started).
+      repeats: int, runs per measurement.
+
+    Returns:
+      Topology named "host".
+    """
+    p = _probe(min(num_devices, 2), repeats)
+    return Topology.fully_connected(
+        num_devices, math.inf, 0.0, memory_bandwidth=p["memory"], launch_cost=p["op"],
+        compute_lanes=1, cache=(_CACHE_PROBE_BYTES, p["cache"]),
+        collective_cost=p["collective"], copy_cost=p["edge"],
+        collective_bandwidth=p["memory"], name="host")
+
+
+# An add of two 64 KiB tensors moves 192 KiB: the probe's cache-sized op.
+_CACHE_PROBE_BYTES = 3 * 64 * 2**10
+
+
+def _probe(num_devices, repeats):
+    # Measured in a tf.compat.v1.Session of its own with num_devices CPU
+    # devices (so it works in eager programs and in graph ones alike), with
+    # Grappler off, so that the chains are run as built.
+    from tfreduce.nccl_ops import allreduce_grads_collective
+
+    chain, elements, count = 1000, 2 * 2**20, 50
+    graph = tf.Graph()
+    with graph.as_default():
+        feeds = {size: tf.compat.v1.placeholder(tf.float32, [size]) for size in (256, 16384)}
+        with tf.device("/device:CPU:0"):
+            # A gradient-sized add_n of 8 buffers of 8 MiB: reads 64, writes 8 MiB.
+            big = [tf.Variable(tf.fill([elements], float(i))) for i in range(8)]
+            fetches = {"memory": tf.add_n(big).op, "op": _chain(feeds[256], chain, 1),
+                       "small": _chain(feeds[16384], chain, 1)}
+        if num_devices > 1:
+            fetches["edge"] = _chain(feeds[256], chain, 2)
+            devices = ["/device:CPU:0", "/device:CPU:1"]
+            grads = [[feeds[256] * float(i + k) for i in range(count)] for k in range(2)]
+            for k, row in enumerate(grads):
+                with tf.device(devices[k]):
+                    grads[k] = [tf.identity(g) for g in row]
+            fetches["collective"] = [t.op for row in allreduce_grads_collective(
+                grads, devices, pack_bytes=None) for t in row]
+        init = tf.compat.v1.global_variables_initializer()
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": num_devices})
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    feed = {feeds[size]: [0.0] * size for size in feeds}
+    with tf.compat.v1.Session(graph=graph, config=config) as session:
+        session.run(init)
+        seconds = {name: _median_seconds(session, fetch, feed, repeats)
+                   for name, fetch in fetches.items()}
+    op = seconds["op"] / chain
+    return {"memory": 9 * 4 * elements / seconds["memory"], "op": op,
+            "cache": _CACHE_PROBE_BYTES / max(seconds["small"] / chain - op, 1e-9),
+            "edge": max(seconds.get("edge", 0.0) / chain - op, 0.0),
+            # Two members an instance.
+            "collective": seconds.get("collective", 0.0) / count / 2}
+
+
+def _median_seconds(session, fetch, feed, repeats):
+    session.run(fetch, feed)  # warmed up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        session.run(fetch, feed)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _chain(x, count, num_devices):
+    # count dependent adds on x, alternating over the devices; the last op.
+    for i in range(count):
+        with tf.device(f"/device:CPU:{i % num_devices}"):
+            x = x + 1.0
+    return x.op
