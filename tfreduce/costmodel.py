@@ -38,11 +38,13 @@ from tfreduce.traffic import _as_graph, _static_bytes, _tensors, _walk_back
 
 __all__ = ["Prediction", "predict", "device_index"]
 
-# Ops that move no data of their own: renames, aliases, metadata, handles.
+# Ops that move no data of their own: renames, aliases, metadata, handles,
+# and splits along the first axis (TF hands out aligned slices of the input
+# buffer without copying).
 FREE_OPS = frozenset({
     "NoOp", "Identity", "IdentityN", "Const", "Placeholder", "Reshape", "Squeeze", "ExpandDims",
     "VarHandleOp", "ReadVariableOp", "Shape", "ShapeN", "StopGradient", "Size", "Rank",
-    "_Arg", "_Retval", "PlaceholderWithDefault"})
+    "_Arg", "_Retval", "PlaceholderWithDefault", "Split", "SplitV", "Unpack"})
 COLLECTIVE_OPS = frozenset({"NcclAllReduce", "CollectiveReduceV2"})
 
 
