@@ -20,14 +20,14 @@ def host_topology(num_devices, repeats=9):
 
     A short probe (a few seconds; run it on a quiet machine) measures, as
     medians of ``repeats`` runs: the memory bandwidth of an add_n of eight
-    8 MiB buffers (72 MiB moved, every core helping; the best run); the cost of one op and the
-    bandwidth of cache-sized ones (chains of adds of 1 KiB and 64 KiB
-    tensors); the cost of one cross-device edge (a chain of adds alternating
-    between CPU:0 and CPU:1, less the op) and of one collective op (a chain
-    of CollectiveReduceV2 over CPU:0 and CPU:1). Logical CPU devices share
-    one memory: a graph transfer passes a pointer (no bytes move; it costs
-    the edge), a collective copies its ring's bytes at memory bandwidth,
-    and every op of every device shares one compute lane.
+    8 MiB buffers (72 MiB moved, every core helping; the best run); the
+    cost of one op and the bandwidth of cache-sized ones (chains of adds of
+    1 KiB and 64 KiB tensors); the cost of one cross-device edge (a chain
+    of adds alternating between CPU:0 and CPU:1, less the op) and of one
+    collective member (a chain of CollectiveReduceV2 over CPU:0 and CPU:1).
+    Logical CPU devices share one memory: a graph transfer passes a pointer
+    (no bytes move; it costs the edge), a collective copies its ring's bytes
+    at memory bandwidth, and every op of every device shares one compute lane.
 
     Args:
       num_devices: int K, logical CPU devices this process has (made with

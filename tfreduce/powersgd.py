@@ -59,8 +59,8 @@ class PowerSGD:
         if (isinstance(min_compression_rate, bool)
                 or not isinstance(min_compression_rate, (int, float))
                 or not math.isfinite(min_compression_rate) or min_compression_rate < 0):
-            raise ValueError(
-                f"PowerSGD min_compression_rate must be a number >= 0, got {min_compression_rate!r}")
+            raise ValueError(f"PowerSGD min_compression_rate must be a number >= 0, "
+                             f"got {min_compression_rate!r}")
         self.rank = rank
         self.min_compression_rate = float(min_compression_rate)
         self.seed = seed
