@@ -6,7 +6,10 @@ TensorFlow takes seconds). The modules that implement a choice import it
 from here; ``allreduce`` checks at import that ``ALGORITHMS`` names its stages.
 """
 
-__all__ = ["ALGORITHMS", "BENCH_FAMILIES", "DEFAULT_PACK_BYTES", "GPU_ONLY_ALGORITHMS"]
+import re
+
+__all__ = ["ALGORITHMS", "BENCH_FAMILIES", "DEFAULT_PACK_BYTES", "GPU_ONLY_ALGORITHMS",
+           "bench_compression"]
 
 #: Names ``allreduce_grads(algorithm=...)`` accepts: "auto" and one per Stage
 #: class (``allreduce.STAGES``, in the same order).
@@ -31,3 +34,20 @@ DEFAULT_PACK_BYTES = 64 * 2**10
 #: the peers' (tensorpack, tf.distribute).
 BENCH_FAMILIES = ("flat", "hierarchical", "ring", "collective", "nccl", "tensorpack",
                   "tf-hierarchical-copy", "tf-reduction-to-one-device")
+
+
+def bench_compression(text):
+    """A ``tfreduce-bench --compression`` item: "none", "fp16", "bf16" or "powersgdR".
+
+    Returns:
+      (name, rank): ("none", None), ("fp16", None), ("bf16", None) or
+      ("powersgd", R) with R >= 1.
+
+    Raises:
+      ValueError: anything else.
+    """
+    match = re.fullmatch(r"(none|fp16|bf16)|powersgd([1-9][0-9]*)", text)
+    if not match:
+        raise ValueError(f"unknown compression {text!r}; use none, fp16, bf16 or powersgdR "
+                         "(R the rank, e.g. powersgd4)")
+    return (match.group(1), None) if match.group(1) else ("powersgd", int(match.group(2)))

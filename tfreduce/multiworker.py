@@ -182,7 +182,7 @@ class CrossWorkerStage(Stage):
             wire = wire_dtype(ctx.dtypes[m], self.compression)
             local_sum = buffers[r][m]
             if wire != ctx.dtypes[m]:
-                local_sum = _to_wire(local_sum, wire, ctx.average and self._towers, devices[r], m)
+                local_sum = _to_wire(local_sum, wire, ctx.average, self._towers, devices[r], m)
             with chain.after_previous(devices[r], extra=others):
                 summed = chain.all_reduce(local_sum, devices[r], num_workers, group_keys[r],
                                           self.keys.instance_key(),
@@ -199,12 +199,12 @@ class CrossWorkerStage(Stage):
         return out
 
 
-def _to_wire(local_sum, wire, prescale, device, m):
+def _to_wire(local_sum, wire, average, num_towers, device, m):
     # The local sum in the 16-bit wire dtype, scaled by 1/T first when
-    # averaging (prescale = T): only the cross-worker hop is compressed.
+    # averaging (a mean cannot overflow): only the cross-worker hop is compressed.
     with tf.device(device):
-        if prescale:
-            local_sum = scale_by_reciprocal(local_sum, prescale)
+        if average:
+            local_sum = scale_by_reciprocal(local_sum, num_towers)
         return tf.cast(local_sum, wire, name=f"entry{m}_to_{wire.name}")
 
 

@@ -1,7 +1,7 @@
 """Choosing the all-reduce for a machine: every candidate built and costed by the model.
 
 ``plan_allreduce`` builds each candidate reduction of the given gradient
-shapes on the given device names in a scratch graph (nothing runs, no
+shapes on the given device names in one scratch graph (nothing runs, no
 device is needed), predicts its time on the topology with
 ``tfreduce.predict`` and returns the fastest, with the whole table, so the
 choice can be read and checked.
@@ -86,14 +86,15 @@ def plan_allreduce(shapes, devices, topology, dtype=tf.float32, average=True):
         raise ValueError(f"plan_allreduce: topology {topology.name!r} has "
                          f"{topology.num_devices} devices, fewer than the {len(devices)} given")
     table = []
-    for algorithm, options in candidates(len(devices), all(map(is_gpu, devices))):
-        graph = tf.Graph()
-        with graph.as_default():
-            grads = []
-            for d in devices:
-                with tf.device(d):
-                    grads.append([tf.zeros(s, dtype) for s in shapes])
+    # One scratch graph: every candidate reduces the same inputs, and each
+    # prediction walks back from its own outputs to them.
+    with tf.Graph().as_default():
+        grads = []
+        for d in devices:
+            with tf.device(d):
+                grads.append([tf.zeros(s, dtype) for s in shapes])
+        for algorithm, options in candidates(len(devices), all(map(is_gpu, devices))):
             out = allreduce_grads(grads, devices, average=average, algorithm=algorithm,
                                   **options)
-        table.append((algorithm, options, predict(out, topology, inputs=grads).seconds))
+            table.append((algorithm, options, predict(out, topology, inputs=grads).seconds))
     return Plan(table)

@@ -229,6 +229,8 @@ class Topology:
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise ValueError(f"nodes must be an int >= 1, got {nodes!r}")
         per = one.num_devices
+        # The NIC's place in each machine: its first PCIe switch, else GPU 0.
+        attach = "pcie0" if any(link.src == "pcie0" for link in one.links) else "gpu0"
         links = []
         for w in range(nodes):
             def rename(node, w=w):
@@ -241,9 +243,7 @@ class Topology:
                     continue
                 seen.add(pair)
                 links.append((rename(link.src), rename(link.dst), link.bandwidth, link.latency))
-            attach = "m{}.pcie0".format(w) if any(
-                link.src == "pcie0" for link in one.links) else rename(cls.device_node(0))
-            links.append((f"m{w}.nic", attach, max(nic_bandwidth, 12 * GB), _PCIE_LATENCY))
+            links.append((f"m{w}.nic", rename(attach), nic_bandwidth, _PCIE_LATENCY))
             links.append((f"m{w}.nic", "net", nic_bandwidth, latency))
         return cls(nodes * per, links, one.memory_bandwidth, one.launch_cost,
                    name=f"{nodes} x {one.name}")

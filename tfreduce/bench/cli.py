@@ -8,12 +8,11 @@ only to run it.
 import argparse
 import importlib
 import json
-import re
 import sys
 
 from tfreduce.bench.units import format_bytes, parse_bytes
 from tfreduce.bench.workloads import keras_application
-from tfreduce.choices import ALGORITHMS, BENCH_FAMILIES, DEFAULT_PACK_BYTES
+from tfreduce.choices import ALGORITHMS, BENCH_FAMILIES, DEFAULT_PACK_BYTES, bench_compression
 from tfreduce.startup import ArgumentParser, import_tensorflow
 from tfreduce.topology import PRESETS
 
@@ -158,8 +157,12 @@ def parse_args(argv):
     if unknown:
         parser.error(f"--predict: unknown {unknown}; choose from host, "
                      f"{', '.join(sorted(PRESETS))}")
-    bad = [c for c in args.compression
-           if not re.fullmatch(r"none|fp16|bf16|powersgd[1-9][0-9]*", c)]
+    bad = []
+    for item in args.compression:
+        try:
+            bench_compression(item)
+        except ValueError:
+            bad.append(item)
     if bad:
         parser.error(f"--compression: unknown {bad}; use none, fp16, bf16 or powersgdR "
                      "(R the rank, e.g. powersgd4)")

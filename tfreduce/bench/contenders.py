@@ -6,12 +6,11 @@ tf.distribute's cross-device ops, each behind one
 ``build(grads, devices, average) -> K x N`` callable.
 """
 
-import re
-
 import tensorflow as tf
 
 import tfreduce
 from tfreduce.bench.units import format_bytes
+from tfreduce.choices import bench_compression
 from tfreduce.powersgd import PowerSGD, PowerSGDState, powersgd_allreduce
 
 __all__ = ["COMPRESSION_ROUNDOFF", "Contender", "contenders", "parse_compression",
@@ -47,21 +46,18 @@ class Contender:
 
 
 def parse_compression(text):
-    """A --compression item: "none", "fp16", "bf16" or "powersgdR" (rank R >= 1).
+    """A --compression item (``choices.bench_compression``) as the all-reduce takes it.
 
     Returns:
       None, "fp16", "bf16" or a tfreduce.PowerSGD.
 
     Raises:
-      ValueError: anything else.
+      ValueError: an unknown item.
     """
-    if text in COMPRESSION_ROUNDOFF:
-        return None if text == "none" else text
-    match = re.fullmatch(r"powersgd([1-9][0-9]*)", text)
-    if not match:
-        raise ValueError(f"unknown compression {text!r}; use none, fp16, bf16 or powersgdR "
-                         "(R the rank, e.g. powersgd4)")
-    return PowerSGD(rank=int(match.group(1)))
+    name, rank = bench_compression(text)
+    if rank is not None:
+        return PowerSGD(rank=rank)
+    return None if name == "none" else name
 
 
 def tfreduce_builder(algorithm, pack_bytes, compression=None):

@@ -19,6 +19,7 @@ from tfreduce.cluster import Cluster
 from tfreduce.contract import tf_variables
 from tfreduce.multiworker import broadcast_variables_multiworker
 from tfreduce.replicated import broadcast_variables, max_replica_difference
+from tfreduce.trainer.update import scales_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +111,7 @@ def create_replicas(model_fn, optimizer_fn, devices):
                 f"optimizer_fn returned {type(optimizer).__name__} for tower {k}; "
                 "it must return a keras.optimizers.Optimizer"
             )
-        if (model.dtype_policy.name == "mixed_float16"
-                and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
+        if model.dtype_policy.name == "mixed_float16" and not scales_loss(optimizer):
             # As Keras' compile does: float16 gradients underflow without
             # loss scaling.
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
