@@ -21,19 +21,21 @@ LAYERS = {
     "tf_config": 0, "startup": 0, "choices": 0, "topology": 0, "devices": 1, "contract": 2, "packing": 3,
     "primitives": 4, "collective": 4,
     "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5,
-    "allreduce": 5, "powersgd": 5, "failures": 5, "cluster": 5, "multiworker": 5, "consistency": 5,
+    "registry": 5, "allreduce": 5, "powersgd": 5, "failures": 5, "cluster": 5, "multiworker": 5, "consistency": 5,
     "models": 6, "trainer": 6, "distribute": 6,
     "traffic": 7, "costmodel": 7, "hostprobe": 7, "planner": 7, "launch": 7, "bench": 7,
 }
 # Same-layer imports that are part of the design: the algorithms build on
-# the frame, the dispatcher registers the algorithms, the cluster uses the
+# the frame, the registry names the algorithms, the dispatcher runs the
+# registry's stages in the frame, the cluster uses the
 # failure probes, the multi-worker composition uses all of them, the
 # benchmark reports traffic.
 SAME_LAYER = {
     ("replicated", "frame"), ("hierarchical", "frame"), ("ring", "frame"),
-    ("nccl_ops", "frame"), ("allreduce", "frame"), ("allreduce", "replicated"),
-    ("allreduce", "hierarchical"), ("allreduce", "ring"), ("allreduce", "nccl_ops"),
-    ("cluster", "failures"), ("multiworker", "frame"), ("multiworker", "allreduce"),
+    ("nccl_ops", "frame"), ("allreduce", "frame"), ("allreduce", "registry"),
+    ("registry", "replicated"), ("registry", "hierarchical"), ("registry", "ring"),
+    ("registry", "nccl_ops"),
+    ("cluster", "failures"), ("multiworker", "frame"), ("multiworker", "registry"),
     ("multiworker", "cluster"), ("bench", "traffic"), ("costmodel", "traffic"), ("costmodel", "hostprobe"), ("planner", "costmodel"),
     ("bench", "costmodel"), ("bench", "hostprobe"),
 }

@@ -17,9 +17,9 @@ __version__ = "0.1.0"
 
 # public name -> the module that owns it
 _EXPORTS = {
-    "ALGORITHMS": "tfreduce.allreduce",
+    "ALGORITHMS": "tfreduce.registry",
     "allreduce_grads": "tfreduce.allreduce",
-    "choose_algorithm": "tfreduce.allreduce",
+    "choose_algorithm": "tfreduce.registry",
     "Cluster": "tfreduce.cluster",
     "WorkerLostError": "tfreduce.cluster",
     "CollectiveKeys": "tfreduce.collective",

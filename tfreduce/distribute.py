@@ -21,10 +21,11 @@ from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
 from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import values as tf_values
 
-from tfreduce.allreduce import ALGORITHMS, FRAME_OPTIONS, allreduce_grads, make_stage
+from tfreduce.allreduce import allreduce_grads
 from tfreduce.contract import validate_groups
 from tfreduce.frame import check_compression
 from tfreduce.packing import check_pack_bytes
+from tfreduce.registry import ALGORITHMS, FRAME_OPTIONS, make_stage
 
 __all__ = ["CrossDeviceOps"]
 

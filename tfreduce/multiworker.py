@@ -28,7 +28,7 @@ ring over gRPC on CPUs), as under MultiWorkerMirroredStrategy.
 
 import tensorflow as tf
 
-from tfreduce.allreduce import ALGORITHMS, choose_algorithm, make_stage
+from tfreduce.registry import ALGORITHMS, choose_algorithm, make_stage
 from tfreduce.cluster import Cluster
 from tfreduce.collective import (CollectiveChain, CollectiveKeys, CollectiveOptions,
                                  broadcast_recv, broadcast_send, in_function)

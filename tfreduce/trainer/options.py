@@ -3,7 +3,7 @@
 import dataclasses
 from collections.abc import Callable
 
-from tfreduce.allreduce import ALGORITHMS, allreduce_grads, choose_algorithm, make_stage
+from tfreduce.allreduce import allreduce_grads
 from tfreduce.contract import check_flag
 from tfreduce.frame import check_compression
 from tfreduce.multiworker import (
@@ -13,6 +13,7 @@ from tfreduce.multiworker import (
 )
 from tfreduce.packing import check_pack_bytes
 from tfreduce.powersgd import PowerSGD
+from tfreduce.registry import ALGORITHMS, choose_algorithm, make_stage
 from tfreduce.trainer.update import check_update_options
 
 
