@@ -83,7 +83,7 @@ EXPORTS = {
     'default_groups': '(num_devices)',
     'logical_devices': '(num_devices=None, device_type=None)',
     'max_replica_difference': '(all_vars)',
-    'plan_allreduce': '(shapes, devices, topology, dtype=tf.float32, average=True)',
+    'plan_allreduce': '(shapes, devices, topology, dtype=tf.float32, average=True, **options)',
     'predict': '(target, topology, inputs=None, devices_per_task=None)',
     'merge_grad_list': '(all_grads, all_vars)',
     'split_grad_list': '(grad_list)',

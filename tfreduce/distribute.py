@@ -25,6 +25,7 @@ from tfreduce.allreduce import allreduce_grads
 from tfreduce.contract import validate_groups
 from tfreduce.frame import check_compression
 from tfreduce.packing import check_pack_bytes
+from tfreduce.planner import check_auto_options
 from tfreduce.registry import ALGORITHMS, FRAME_OPTIONS, make_stage
 
 __all__ = ["CrossDeviceOps"]
@@ -73,7 +74,10 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
         (``pack_bytes``, ``sparse_as_dense``, ``compression``; ``groups`` for
         hierarchical;
         ``communication``, ``timeout`` for collective). With "auto", only
-        ``pack_bytes``, ``sparse_as_dense`` and ``compression``.
+        ``pack_bytes``, ``sparse_as_dense``, ``compression`` and
+        ``topology`` (a tfreduce.Topology, a preset name or "host": each
+        reduction takes the algorithm, groups and pack size the cost
+        model predicts fastest there, ``tfreduce.plan_allreduce``).
 
     Raises:
       ValueError: an unknown algorithm or a bad option value (e.g. groups
@@ -88,14 +92,16 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
             raise ValueError(
                 f"CrossDeviceOps: unknown all-reduce algorithm {algorithm!r}; choose one of "
                 f"{ALGORITHMS}")
+        named = {name: value for name, value in options.items() if name != "topology"}
+        check_auto_options(algorithm, options.get("topology"), named)
         if algorithm == "auto":
-            unknown = sorted(set(options) - set(FRAME_OPTIONS))
+            unknown = sorted(set(named) - set(FRAME_OPTIONS))
             if unknown:
                 raise TypeError(
-                    f"CrossDeviceOps('auto') takes only {list(FRAME_OPTIONS)}, got {unknown}: "
-                    f"name the algorithm for its own options")
+                    f"CrossDeviceOps('auto') takes only {list(FRAME_OPTIONS)}, got {unknown} "
+                    f"(and topology=, which plans): name the algorithm for its own options")
         else:
-            make_stage(algorithm, options)  # checks the options' names
+            make_stage(algorithm, named)  # checks the options' names
         if options.get("groups") is not None:
             # K is the strategy's, known at the first reduction (which checks
             # it); here, that the groups partition 0..(their size - 1).

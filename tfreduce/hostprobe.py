@@ -10,6 +10,7 @@ import time
 
 import tensorflow as tf
 
+from tfreduce.collective import CollectiveChain, CollectiveKeys, CollectiveOptions
 from tfreduce.topology import Topology
 
 __all__ = ["host_topology"]
@@ -55,8 +56,6 @@ def _probe(num_devices, repeats):
     # Measured in a tf.compat.v1.Session of its own with num_devices CPU
     # devices (so it works in eager programs and in graph ones alike), with
     # Grappler off, so that the chains are run as built.
-    from tfreduce.nccl_ops import allreduce_grads_collective
-
     chain, elements, count = 1000, 2 * 2**20, 50
     graph = tf.Graph()
     with graph.as_default():
@@ -68,13 +67,7 @@ def _probe(num_devices, repeats):
                        "small": _chain(feeds[16384], chain, 1)}
         if num_devices > 1:
             fetches["edge"] = _chain(feeds[256], chain, 2)
-            devices = ["/device:CPU:0", "/device:CPU:1"]
-            grads = [[feeds[256] * float(i + k) for i in range(count)] for k in range(2)]
-            for k, row in enumerate(grads):
-                with tf.device(devices[k]):
-                    grads[k] = [tf.identity(g) for g in row]
-            fetches["collective"] = [t.op for row in allreduce_grads_collective(
-                grads, devices, pack_bytes=None) for t in row]
+            fetches["collective"] = _collectives(feeds[256], count)
         init = tf.compat.v1.global_variables_initializer()
     config = tf.compat.v1.ConfigProto(device_count={"CPU": num_devices})
     config.graph_options.rewrite_options.disable_meta_optimizer = True
@@ -102,6 +95,29 @@ def _median_seconds(session, fetch, feed, repeats, best=False):
         session.run(fetch, feed)
         times.append(time.perf_counter() - start)
     return min(times) if best else sorted(times)[len(times) // 2]
+
+
+def _collectives(x, count):
+    # count all-reduces of x over CPU:0 and CPU:1, ordered per device as the
+    # collective algorithm orders them; their ops.
+    devices = ["/device:CPU:0", "/device:CPU:1"]
+    keys = CollectiveKeys()
+    group_key = keys.group_key(devices)
+    chain = CollectiveChain(CollectiveOptions())
+    ops = []
+    for k, d in enumerate(devices):
+        chain.token(d, f"tfreduce_probe_{group_key}_{k}", f"probe{k}_order")
+    inputs = []
+    for d in devices:
+        with tf.device(d):
+            inputs.append([x + float(i) for i in range(count)])
+    for i in range(count):
+        instance_key = keys.instance_key()
+        for k, d in enumerate(devices):
+            with chain.after_previous(d):
+                ops.append(chain.all_reduce(inputs[k][i], d, 2, group_key, instance_key,
+                                            f"probe_allreduce_{i}").op)
+    return ops
 
 
 def _chain(x, count, num_devices):

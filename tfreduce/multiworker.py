@@ -54,8 +54,9 @@ def check_local_options(local_options):
     """A copy of the local algorithm's options, without those set here.
 
     Raises:
-      ValueError: an option ``allreduce_grads_multiworker`` sets itself, or
-        ``compression``, which it takes itself (for the cross-worker step).
+      ValueError: an option ``allreduce_grads_multiworker`` sets itself,
+        ``compression``, which it takes itself (for the cross-worker step),
+        or ``topology`` (plans are for one process).
     """
     local_options = dict(local_options or {})
     if local_options.get("compression") is not None:
@@ -63,6 +64,11 @@ def check_local_options(local_options):
             f"local_options compression={local_options['compression']!r}: pass "
             f"compression= to allreduce_grads_multiworker itself, which compresses the "
             f"cross-worker step (the local sums stay float32)")
+    if local_options.get("topology") is not None:
+        raise ValueError(
+            f"local_options topology={local_options['topology']!r}: a plan is for the devices of "
+            f"one process; across workers pass its choice as local_algorithm and "
+            f"local_options (tfreduce.plan_allreduce(...).kwargs())")
     own = sorted(set(local_options) & set(_OWN_OPTIONS))
     if own:
         raise ValueError(

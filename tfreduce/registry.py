@@ -8,14 +8,15 @@ no table repeats a signature.
 
 import inspect
 
-from tfreduce.choices import ALGORITHMS
+from tfreduce.choices import ALGORITHMS, DEFAULT_PACK_BYTES
 from tfreduce.devices import is_gpu
 from tfreduce.hierarchical import HierarchicalStage
 from tfreduce.nccl_ops import CollectiveStage, NcclStage
 from tfreduce.replicated import FlatStage
 from tfreduce.ring import RingStage
 
-__all__ = ["ALGORITHMS", "STAGES", "FRAME_OPTIONS", "choose_algorithm", "make_stage"]
+__all__ = ["ALGORITHMS", "STAGES", "FRAME_OPTIONS", "choose_algorithm", "frame_options",
+           "make_stage"]
 
 #: Algorithm name -> its Stage class.
 STAGES = {stage.name: stage for stage in (FlatStage, HierarchicalStage, RingStage, NcclStage,
@@ -74,3 +75,18 @@ def make_stage(algorithm, options):
             f"algorithm {algorithm!r} takes no option {unknown}; it takes "
             f"{sorted(own | set(FRAME_OPTIONS))}")
     return stage(**{name: value for name, value in options.items() if name in own})
+
+
+def frame_options(options):
+    """The frame's keyword arguments (``frame.run_stages``) from an algorithm's options.
+
+    Args:
+      options: dict of allreduce_grads options; a missing ``pack_bytes`` is
+        DEFAULT_PACK_BYTES (None packs nothing).
+
+    Returns:
+      dict with pack_bytes, sparse_as_dense and compression.
+    """
+    return {"pack_bytes": options.get("pack_bytes", DEFAULT_PACK_BYTES),
+            "sparse_as_dense": options.get("sparse_as_dense", False),
+            "compression": options.get("compression")}

@@ -12,6 +12,7 @@ from tfreduce.multiworker import (
     check_local_options,
 )
 from tfreduce.packing import check_pack_bytes
+from tfreduce.planner import check_auto_options
 from tfreduce.powersgd import PowerSGD
 from tfreduce.registry import ALGORITHMS, choose_algorithm, make_stage
 from tfreduce.trainer.update import check_update_options
@@ -108,6 +109,10 @@ class StepOptions:
             options = check_local_options(options)
         else:
             check_flag(options.pop("sparse_as_dense", False), "sparse_as_dense")
+            topology = options.pop("topology", None)
+            check_auto_options(self.algorithm, topology, options, len(self.devices))
+            if topology is not None:
+                return  # the plan's stage is built at the first step
         algorithm = self.algorithm
         if algorithm == "auto":
             algorithm = choose_algorithm(self.devices)

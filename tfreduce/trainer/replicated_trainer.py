@@ -129,17 +129,19 @@ class ReplicatedTrainer:
           **allreduce_options: passed to tfreduce.allreduce_grads, such as
             groups=[[0, 1], [2, 3]] for "hierarchical", pack_bytes= or
             compression="fp16"; compression=tfreduce.PowerSGD(rank=2)
-            compresses with PowerSGD around the all-reduce. In a cluster,
+            compresses with PowerSGD around the all-reduce;
+            topology="dgx-a100" (with algorithm "auto") builds the
+            reduction the cost model predicts fastest there. In a cluster,
             pack_bytes goes to allreduce_grads_multiworker and the others to
-            its local algorithm.
+            its local algorithm (no topology).
 
         Raises:
           TypeError: model_fn or optimizer_fn is not callable or returns the
             wrong type; loss is not a loss; cluster is not "auto", None or a
             Cluster; average not a bool; an option the algorithm lacks.
           ValueError: unknown algorithm, bad or missing devices, a negative
-            bcast_period or accumulate_steps < 1, a bad option value, or
-            replicas that differ.
+            bcast_period or accumulate_steps < 1, a bad option value (a
+            topology with a named algorithm), or replicas that differ.
         """
         check_factories(model_fn, optimizer_fn)
         allreduce_options, powersgd = split_powersgd(allreduce_options)
