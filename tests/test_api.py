@@ -56,7 +56,7 @@ EXPORTS = {
     'ReplicatedTrainer.save': '(self, path)',
     'ReplicatedTrainer.step': 'property',
     'ReplicatedTrainer.train_step': '(self, x, y)',
-    'Topology': "(num_devices, links, memory_bandwidth=inf, launch_cost=0.0, name='custom', compute_lanes=None, cache=None, collective_cost=0.0, copy_cost=0.0, collective_bandwidth=inf)",
+    'Topology': "(num_devices, links, memory_bandwidth=inf, launch_cost=0.0, name='custom', compute_lanes=None, cache=None, collective_cost=0.0, copy_cost=0.0, collective_bandwidth=inf, fresh_memory=None)",
     'Topology.cluster': '(cls, preset, nodes, nic_bandwidth=12000000000.0, latency=5e-06)',
     'Topology.device_node': '(k)',
     'Topology.fully_connected': '(cls, num_devices, bandwidth, latency=0.0, **compute)',

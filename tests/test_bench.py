@@ -130,8 +130,33 @@ def test_allreduce_mode_predicts_on_presets_and_the_host(tmp_path, capsys):
     assert predictions["pcie3x8"]["flat"] > predictions["dgx-a100"]["flat"]
     out = capsys.readouterr().out
     assert "predicted step ms (tfreduce.predict; a model, see README)" in out
-    assert re.search(r"host model: predicted/measured [0-9.]+-[0-9.]+; orders \d+ of \d+ "
-                     r"pairs", out)
+    assert re.search(r"host model \(a step = the prediction \+ the inputs row, [0-9.]+ ms\): "
+                     r"predicted/measured [0-9.]+-[0-9.]+, \d of 2 within 1.5x; orders \d+ of "
+                     r"\d+ pairs", out)
+    check = result["host_check"]
+    inputs = next(r["median_ms"] for r in result["results"] if r["name"] == "inputs")
+    assert check["inputs_ms"] == inputs
+    for name, row in ((r["name"], r) for r in result["results"] if "family" in r):
+        step = 1e3 * predictions["host"][name] + inputs
+        assert check["step_ms"][name] == pytest.approx(step)
+        assert check["ratios"][name] == pytest.approx(step / row["median_ms"])
+
+
+def test_the_host_model_follows_the_measurement(tmp_path):
+    # The issue's check, loosely (a shared 2-core machine is noisy; the
+    # README's table has the 1.5x figures): ResNet50's shapes at 1 MB per
+    # tower on 4 devices, op-bound, where the contenders differ by up to 20x.
+    result = run(tmp_path, "--model", "resnet50", "--total-bytes", "1MB", "--devices", "4",
+                 "--steps", "5", "--contenders", "flat,ring,collective", "--predict", "host")
+    check = result["host_check"]
+    assert len(check["ratios"]) == 6
+    assert all(1 / 3 < r < 3 for r in check["ratios"].values()), check["ratios"]
+    measured = {r["name"]: r["median_ms"] for r in result["results"] if "family" in r}
+    step = check["step_ms"]
+    for a in measured:
+        for b in measured:
+            if measured[a] > 2 * measured[b]:
+                assert step[a] > step[b], (a, b, measured, step)
 
 
 def test_scaling_mode(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """The topology cost model: closed forms, presets, NCCL against nccl-tests, errors."""
 
+import os
 import re
 
 import pytest
@@ -159,9 +160,80 @@ def test_shared_compute_lanes_cache_and_collective_cost():
     assert predict(nccl_out, slow, inputs=nccl_grads).seconds == pytest.approx(1e-3)
 
 
+def one_device_graph(build):
+    """predict() of build(x) on /gpu:0, x a float32 [4096] (16 KiB) input, at 1 GB/s."""
+    with tf.Graph().as_default():
+        with tf.device(GPU_DEVICES[0]):
+            x = tf.zeros([4096])
+            out = build(x)
+    return predict([[t] for t in out], Topology.fully_connected(1, GB, memory_bandwidth=GB),
+                   inputs=[[x]]).seconds
+
+
+@pytest.mark.parametrize("pieces, copies", [
+    ([4096], False),  # one piece: TF forwards the input
+    ([2048, 2048], False),  # every piece starts and ends on 64 bytes: slices
+    ([16, 4080], False),
+    ([10, 4086], True),  # 40 bytes: not aligned, so the pieces are copied
+])
+def test_splits_cost_nothing_only_when_tf_hands_out_aligned_slices(pieces, copies):
+    got = one_device_graph(lambda x: tf.split(x, pieces))
+    # A copy reads and writes 16 KiB, and reads the two sizes and the axis.
+    assert got == pytest.approx((2 * 4096 * 4 + 12) / GB if copies else 0.0, abs=1e-15)
+
+
+def test_row_splits_and_unstack_follow_the_row_size():
+    # [256, 16] float32: 64-byte rows, aligned; [256, 10]: 40-byte rows, copied.
+    for cols, copies in ((16, False), (10, True)):
+        def rows(x, cols=cols):
+            return tf.split(tf.reshape(x[:256 * cols], [256, cols]), 4)
+        slicing = one_device_graph(rows)
+        strided = one_device_graph(lambda x, cols=cols: [x[:256 * cols]])
+        # (and its axis)
+        assert slicing - strided == pytest.approx(
+            (2 * 256 * cols * 4 + 4) / GB if copies else 0.0, abs=1e-15)
+    assert one_device_graph(lambda x: tf.unstack(tf.reshape(x, [4, 1024]))) == 0.0
+
+
+def test_fresh_memory_costs_large_outputs_once_more():
+    size = 2**20
+    out, grads = build("flat", 2, size, pack_bytes=None)
+    plain = Topology.fully_connected(2, 1e30, memory_bandwidth=GB)
+    fresh = Topology.fully_connected(2, 1e30, memory_bandwidth=GB, fresh_memory=(size - 1, GB))
+    above = Topology.fully_connected(2, 1e30, memory_bandwidth=GB, fresh_memory=(size, GB))
+    base = predict(out, plain, inputs=grads).seconds
+    # The root's add_n writes one S-byte output: S / 1 GB/s more, when S is
+    # above the threshold (the copies back are transfers, not ops).
+    assert predict(out, fresh, inputs=grads).seconds == pytest.approx(base + size / GB)
+    assert predict(out, above, inputs=grads).seconds == pytest.approx(base)
+    with pytest.raises(ValueError, match=r"fresh_memory must be None or \(bytes >= 0, "):
+        Topology.fully_connected(2, GB, fresh_memory=(1, 0))
+
+
+def test_large_ops_take_every_lane_and_small_ones_one():
+    # Two towers' adds, independent: on two shared lanes the small ones run
+    # side by side, the large ones (beyond the cache tier) one after another.
+    def adds(size):
+        with tf.Graph().as_default():
+            xs, out = [], []
+            for d in GPU_DEVICES[:2]:
+                with tf.device(d):
+                    xs.append(tf.zeros([size // 4]))
+                    out.append([xs[-1] + 1.0])
+        lanes = Topology.fully_connected(2, 1e30, memory_bandwidth=GB, compute_lanes=2,
+                                         cache=(2**16, GB))
+        return predict(out, lanes, inputs=[[x] for x in xs]).seconds
+    # (each add also reads its 4-byte constant)
+    assert adds(2**12) == pytest.approx((2 * 2**12 + 4) / GB)  # one add's time
+    assert adds(2**16) == pytest.approx(2 * (2 * 2**16 + 4) / GB)  # two adds' time
+
+
 def test_the_host_probe_measures_this_machine():
     host = host_topology(4, repeats=3)
-    assert host.name == "host" and host.num_devices == 4 and host.compute_lanes == 1
+    assert host.name == "host" and host.num_devices == 4
+    assert host.compute_lanes == len(os.sched_getaffinity(0))
+    assert host.fresh_memory is None or (host.fresh_memory[0] == 32 * 2**20
+                                         and host.fresh_memory[1] > 0)
     assert 1e8 < host.memory_bandwidth < 1e12  # bytes/s of a real memory
     assert 0 < host.launch_cost < 1e-3
     assert host.cache[1] > 0 and host.collective_cost > 0

@@ -5,8 +5,12 @@ simulates it, event by event:
 
 - every op that touches data costs ``launch_cost`` plus the bytes it reads
   and writes over ``memory_bandwidth``, on its device, one op at a time per
-  device (a GPU's compute stream); ops that only rename or alias a tensor
-  (Identity, Reshape, NoOp, constants, variable handles and reads) are free;
+  device (a GPU's compute stream), or on the shared lanes of CPU devices
+  (a large op on all of them); ops that only rename or alias a tensor
+  (Identity, Reshape, NoOp, constants, variable handles and reads, and
+  splits TF serves as aligned slices of their input) are free; outputs
+  that are mapped afresh every step (``Topology.fresh_memory``) cost their
+  page faults on top;
 - every cross-device edge (one transfer per tensor and receiving device, as
   TF's partitioner makes) crosses the links of its route: it starts when its
   producer is done and every link of the route is free (each link carries
@@ -38,14 +42,22 @@ from tfreduce.traffic import _as_graph, _static_bytes, _tensors, _walk_back
 
 __all__ = ["Prediction", "predict", "device_index"]
 
-# Ops that move no data of their own: renames, aliases, metadata, handles,
-# and splits along the first axis (TF hands out aligned slices of the input
-# buffer without copying).
+# Ops that move no data of their own: renames, aliases, metadata, handles.
 FREE_OPS = frozenset({
     "NoOp", "Identity", "IdentityN", "Const", "Placeholder", "Reshape", "Squeeze", "ExpandDims",
     "VarHandleOp", "ReadVariableOp", "Shape", "ShapeN", "StopGradient", "Size", "Rank",
-    "_Arg", "_Retval", "PlaceholderWithDefault", "Split", "SplitV", "Unpack"})
+    "_Arg", "_Retval", "PlaceholderWithDefault"})
 COLLECTIVE_OPS = frozenset({"NcclAllReduce", "CollectiveReduceV2"})
+# Splits into one piece forward their input; splits along the first axis
+# hand out slices of the input buffer without copying when every piece
+# starts and ends on a multiple of EIGEN_MAX_ALIGN_BYTES (64 in TF's builds);
+# otherwise they copy (split_v_op.cc; IsDim0SliceAligned and
+# IsInnerDimsSizeAligned, tensorflow/core/framework/ops_util.h).
+SLICING_OPS = frozenset({"Split", "SplitV", "Unpack"})
+# Ops whose CPU kernels copy a flat buffer on one thread (TF shards a
+# concat over its output's rows, one for a flat buffer): one lane each.
+COPY_OPS = SLICING_OPS | {"ConcatV2", "Concat", "Pack"}
+ALIGN_BYTES = 64
 
 
 class Prediction:
@@ -240,10 +252,15 @@ class _Simulation:
         device = self.device[op]
         start = now
         if duration > 0 and device is not None:
-            # One op at a time per device, or per shared lane (the earliest free).
-            lane = device if self.topology.compute_lanes is None else self._lane()
-            start = max(now, self.device_free[lane])
-            self.device_free[lane] = start + duration
+            if self.topology.compute_lanes is None:
+                lanes = [device]  # one op at a time per device
+            elif self._beyond_cache(op):
+                lanes = [("lane", i) for i in range(self.topology.compute_lanes)]
+            else:
+                lanes = [self._lane()]  # the shared lane free first
+            start = max([now] + [self.device_free[lane] for lane in lanes])
+            for lane in lanes:
+                self.device_free[lane] = start + duration
         self.end[op] = start + duration
         self.cause[op] = ("op", op.name, start, start + duration, previous)
         push(start + duration, "done", op)
@@ -261,15 +278,26 @@ class _Simulation:
         return start + seconds
 
     def _cost(self, op):
-        if op.type in FREE_OPS or op in self.sources:
+        if op.type in FREE_OPS or op in self.sources or _aliases(op):
             # No bytes; on CPUs (shared lanes) the executor still runs the op.
             return self.topology.launch_cost if self.topology.compute_lanes else 0.0
-        moved = sum(_static_bytes(t) or 0 for t in list(op.inputs) + list(op.outputs))
+        moved = _moved(op)
         bandwidth = self.topology.memory_bandwidth
         cache = self.topology.cache
         if cache is not None and moved <= cache[0]:
             bandwidth = cache[1]
-        return self.topology.launch_cost + (moved / bandwidth if math.isfinite(bandwidth) else 0)
+        seconds = self.topology.launch_cost + (moved / bandwidth if math.isfinite(bandwidth)
+                                               else 0)
+        fresh = self.topology.fresh_memory
+        if fresh is not None:
+            seconds += sum(size for size in map(_static_bytes, op.outputs)
+                           if size and size > fresh[0]) / fresh[1]
+        return seconds
+
+    def _beyond_cache(self, op):
+        cache = self.topology.cache
+        return (cache is not None and op.type not in FREE_OPS | COPY_OPS
+                and not _aliases(op) and _moved(op) > cache[0])
 
     def _collective(self, members, now, push):
         ops = [op for op, _ in members]
@@ -347,6 +375,36 @@ class _Simulation:
     def num_output_devices(self, outputs):
         return len({self.device.get(t.op, device_index(t.device, self.per_task))
                     for t in outputs} - {None})
+
+
+def _moved(op):
+    # The bytes an op reads and writes.
+    return sum(_static_bytes(t) or 0 for t in list(op.inputs) + list(op.outputs))
+
+
+def _aliases(op):
+    """True for a split along axis 0 whose pieces TF hands out as aligned slices."""
+    if op.type not in SLICING_OPS:
+        return False
+    if len(op.outputs) == 1:
+        return True  # one piece: TF forwards the input
+    if op.type == "Unpack":
+        value, axis = op.inputs[0], op.get_attr("axis")
+    else:
+        value = op.inputs[1] if op.type == "Split" else op.inputs[0]
+        axis = tf.get_static_value(op.inputs[0] if op.type == "Split" else op.inputs[2])
+    shape = value.shape
+    if axis is None or shape.rank is None or not shape.is_fully_defined() or shape.rank == 0:
+        return False
+    if int(axis) % shape.rank != 0 or shape[0] == 0:
+        return False
+    itemsize = value.dtype.size
+    if shape.rank > 1 or op.type == "Unpack":
+        return shape.num_elements() // shape[0] * itemsize % ALIGN_BYTES == 0
+    sizes = [t.shape.num_elements() for t in op.outputs]
+    if None in sizes:
+        return False
+    return all(start * itemsize % ALIGN_BYTES == 0 for start in itertools.accumulate([0] + sizes))
 
 
 def _ring_time(topology, ring, size):

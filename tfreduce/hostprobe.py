@@ -6,6 +6,7 @@ measured here.
 """
 
 import math
+import os
 import time
 
 import tensorflow as tf
@@ -25,10 +26,14 @@ def host_topology(num_devices, repeats=9):
     cost of one op and the bandwidth of cache-sized ones (chains of adds of
     1 KiB and 64 KiB tensors); the cost of one cross-device edge (a chain
     of adds alternating between CPU:0 and CPU:1, less the op) and of one
-    collective member (a chain of CollectiveReduceV2 over CPU:0 and CPU:1).
+    collective member (a chain of CollectiveReduceV2 over CPU:0 and CPU:1);
+    the extra cost of a 64 MiB output, whose pages are mapped afresh each
+    step (an add of two 64 MiB buffers, less its bytes at memory bandwidth).
     Logical CPU devices share one memory: a graph transfer passes a pointer
     (no bytes move; it costs the edge), a collective copies its ring's bytes
-    at memory bandwidth, and every op of every device shares one compute lane.
+    at memory bandwidth, and the devices share one compute lane per core
+    this process may run on: a cache-sized op takes one, a larger op all
+    (TF splits it over the cores).
 
     Args:
       num_devices: int K, logical CPU devices this process has (made with
@@ -38,21 +43,27 @@ def host_topology(num_devices, repeats=9):
     Returns:
       Topology named "host".
     """
-    p = _probe(min(num_devices, 2), repeats)
+    lanes = len(os.sched_getaffinity(0))
+    p = _probe(min(num_devices, 2), repeats, lanes)
     return Topology.fully_connected(
         num_devices, math.inf, 0.0, memory_bandwidth=p["memory"], launch_cost=p["op"],
-        compute_lanes=1, cache=(_CACHE_PROBE_BYTES, p["cache"]),
+        compute_lanes=lanes, cache=(_CACHE_PROBE_BYTES, p["cache"]),
         collective_cost=p["collective"], copy_cost=p["edge"],
         # A CPU collective's members copy and add (3 passes over the bytes)
         # through one shared memory: the ring runs at M / (3K).
-        collective_bandwidth=p["memory"] / (3 * num_devices), name="host")
+        collective_bandwidth=p["memory"] / (3 * num_devices),
+        fresh_memory=None if p["fresh"] is None else (MMAP_THRESHOLD_MAX, p["fresh"]),
+        name="host")
 
 
 # An add of two 64 KiB tensors moves 192 KiB: the probe's cache-sized op.
 _CACHE_PROBE_BYTES = 3 * 64 * 2**10
+#: glibc's malloc serves allocations above this from fresh mmap pages at
+#: every step (the dynamic M_MMAP_THRESHOLD stops rising here on 64-bit).
+MMAP_THRESHOLD_MAX = 32 * 2**20
 
 
-def _probe(num_devices, repeats):
+def _probe(num_devices, repeats, lanes):
     # Measured in a tf.compat.v1.Session of its own with num_devices CPU
     # devices (so it works in eager programs and in graph ones alike), with
     # Grappler off, so that the chains are run as built.
@@ -63,8 +74,10 @@ def _probe(num_devices, repeats):
         with tf.device("/device:CPU:0"):
             # A gradient-sized add_n of 8 buffers of 8 MiB: reads 64, writes 8 MiB.
             big = [tf.Variable(tf.fill([elements], float(i))) for i in range(8)]
+            # An add with a 64 MiB output: reads 128, writes 64 MiB to fresh pages.
+            huge = [tf.Variable(tf.fill([16 * 2**20], float(i))) for i in range(2)]
             fetches = {"memory": tf.add_n(big).op, "op": _chain(feeds[256], chain, 1),
-                       "small": _chain(feeds[16384], chain, 1)}
+                       "small": _chain(feeds[16384], chain, 1), "fresh": tf.add(*huge).op}
         if num_devices > 1:
             fetches["edge"] = _chain(feeds[256], chain, 2)
             fetches["collective"] = _collectives(feeds[256], count)
@@ -80,11 +93,14 @@ def _probe(num_devices, repeats):
         # met page faults or a neighbour's traffic).
         seconds["memory"] = _median_seconds(session, fetches["memory"], feed, repeats, best=True)
     op = seconds["op"] / chain
-    return {"memory": 9 * 4 * elements / seconds["memory"], "op": op,
+    memory = 9 * 4 * elements / seconds["memory"]
+    faults = seconds["fresh"] - op - 3 * 2**26 / memory
+    return {"memory": memory, "op": op,
             "cache": _CACHE_PROBE_BYTES / max(seconds["small"] / chain - op, 1e-9),
             "edge": max(seconds.get("edge", 0.0) / chain - op, 0.0),
-            # Two members an instance.
-            "collective": seconds.get("collective", 0.0) / count / 2}
+            # An instance's two members run side by side on two lanes.
+            "collective": seconds.get("collective", 0.0) / count / math.ceil(2 / lanes),
+            "fresh": 2**26 / faults if faults > 0 else None}
 
 
 def _median_seconds(session, fetch, feed, repeats, best=False):

@@ -81,8 +81,15 @@ class Topology:
       compute_lanes: None (each device computes on its own, as GPUs do) or
         int: the devices share this many lanes, each running one op at a
         time (logical CPU devices sharing a machine's cores and memory).
+        With a cache tier, an op beyond it takes every lane at once (TF
+        splits a large op over the cores), one within it a single lane.
       cache: None, or (bytes, bandwidth bytes/s): an op that moves at most
         that many bytes runs at that bandwidth instead (a CPU's caches).
+      fresh_memory: None, or (bytes, bandwidth bytes/s): an op output of
+        more than that many bytes is memory mapped afresh at every step,
+        and faulting its pages in costs its size / bandwidth on top
+        (glibc's malloc maps allocations above 32 MiB with mmap and unmaps
+        them when freed: M_MMAP_THRESHOLD, mallopt(3)).
       collective_cost: float seconds each collective op (NCCL, TF
         collective) costs on top of its transfers; with compute_lanes, the
         work of each member, on a lane.
@@ -99,7 +106,7 @@ class Topology:
 
     def __init__(self, num_devices, links, memory_bandwidth=math.inf, launch_cost=0.0,
                  name="custom", compute_lanes=None, cache=None, collective_cost=0.0,
-                 copy_cost=0.0, collective_bandwidth=math.inf):
+                 copy_cost=0.0, collective_bandwidth=math.inf, fresh_memory=None):
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise ValueError(f"num_devices must be an int >= 1, got {num_devices!r}")
         if not memory_bandwidth > 0 or not launch_cost >= 0:
@@ -116,6 +123,12 @@ class Topology:
         if cache is not None and not (len(cache) == 2 and cache[0] >= 0 and cache[1] > 0):
             raise ValueError(f"cache must be None or (bytes >= 0, bandwidth > 0), got {cache!r}")
         self.cache = None if cache is None else (int(cache[0]), float(cache[1]))
+        if fresh_memory is not None and not (len(fresh_memory) == 2 and fresh_memory[0] >= 0
+                                             and fresh_memory[1] > 0):
+            raise ValueError(f"fresh_memory must be None or (bytes >= 0, bandwidth > 0), got "
+                             f"{fresh_memory!r}")
+        self.fresh_memory = (None if fresh_memory is None
+                             else (int(fresh_memory[0]), float(fresh_memory[1])))
         if not collective_cost >= 0:
             raise ValueError(f"collective_cost must be >= 0 seconds, got {collective_cost!r}")
         self.collective_cost = float(collective_cost)
@@ -189,8 +202,8 @@ class Topology:
         Args:
           num_devices, bandwidth, latency: as described.
           **compute: memory_bandwidth, launch_cost, compute_lanes, cache,
-            collective_cost, copy_cost, collective_bandwidth, name (see
-            Topology); by default compute is free.
+            collective_cost, copy_cost, collective_bandwidth, fresh_memory,
+            name (see Topology); by default compute is free.
         """
         links = [(cls.device_node(a), cls.device_node(b), bandwidth, latency)
                  for a in range(num_devices) for b in range(a + 1, num_devices)]

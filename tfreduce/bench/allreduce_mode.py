@@ -15,7 +15,7 @@ from tfreduce.bench.contenders import contenders
 from tfreduce.bench.harness import (build_contender, check, consume, device_names,
                                     environment, graph_session_config, make_floor,
                                     make_inputs, time_rounds, warm_up)
-from tfreduce.bench.prediction import predict_rows, print_predictions
+from tfreduce.bench.prediction import host_check, predict_rows, print_predictions
 from tfreduce.bench.tables import print_table
 from tfreduce.bench.units import format_bytes
 from tfreduce.bench.workloads import gradient_shapes
@@ -36,8 +36,9 @@ def run(args, log):
       ms, build time in CPU seconds, op count, cross-device bytes, check
       results), ratios (contender -> contender -> ratio of medians),
       compression (each compressed contender's busiest-pair bytes and step
-      time against its uncompressed base), skipped (name -> reason) and
-      environment.
+      time against its uncompressed base), predictions and host_check
+      (with --predict: ``prediction.predict_rows``, ``prediction.host_check``),
+      skipped (name -> reason) and environment.
     """
     dtype = tf.as_dtype(args.dtype)
     devices = device_names(args.devices, args.device_type)
@@ -66,6 +67,7 @@ def run(args, log):
     # Reads the built graph; the host probe runs eagerly, outside it.
     predictions = predict_rows(rows, grads, args.predict, args.devices, log) if args.predict \
         else {}
+    results = _results(times, medians, rows, names)
     return {
         "mode": "allreduce",
         "config": {
@@ -79,10 +81,11 @@ def run(args, log):
             "median_ms": 1e3 * medians["floor"],
             "GB_per_s": (args.devices + 1) * total_bytes / medians["floor"] / 1e9,
         },
-        "results": _results(times, medians, rows, names),
+        "results": results,
         "ratios": {a: {b: medians[a] / medians[b] for b in names} for a in names},
         "compression": _compression(rows, medians),
         "predictions": predictions,
+        "host_check": host_check(predictions, results),
         "skipped": skipped,
         "environment": environment(),
     }
