@@ -54,10 +54,10 @@ COLLECTIVE_OPS = frozenset({"NcclAllReduce", "CollectiveReduceV2"})
 # otherwise they copy (split_v_op.cc; IsDim0SliceAligned and
 # IsInnerDimsSizeAligned, tensorflow/core/framework/ops_util.h).
 SLICING_OPS = frozenset({"Split", "SplitV", "Unpack"})
+ALIGN_BYTES = 64
 # Ops whose CPU kernels copy a flat buffer on one thread (TF shards a
 # concat over its output's rows, one for a flat buffer): one lane each.
 COPY_OPS = SLICING_OPS | {"ConcatV2", "Concat", "Pack"}
-ALIGN_BYTES = 64
 
 
 class Prediction:

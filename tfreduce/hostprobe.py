@@ -32,8 +32,8 @@ def host_topology(num_devices, repeats=9):
     Logical CPU devices share one memory: a graph transfer passes a pointer
     (no bytes move; it costs the edge), a collective copies its ring's bytes
     at memory bandwidth, and the devices share one compute lane per core
-    this process may run on: a cache-sized op takes one, a larger op all
-    (TF splits it over the cores).
+    this process may run on: a cache-sized op takes one, a larger math op
+    all (TF splits it over the cores), a concat or copying split one.
 
     Args:
       num_devices: int K, logical CPU devices this process has (made with

@@ -28,7 +28,6 @@ ring over gRPC on CPUs), as under MultiWorkerMirroredStrategy.
 
 import tensorflow as tf
 
-from tfreduce.registry import ALGORITHMS, choose_algorithm, make_stage
 from tfreduce.cluster import Cluster
 from tfreduce.collective import (CollectiveChain, CollectiveKeys, CollectiveOptions,
                                  broadcast_recv, broadcast_send, in_function)
@@ -37,6 +36,7 @@ from tfreduce.devices import normalize_devices
 from tfreduce.frame import Stage, check_compression, run_stages, wire_dtype
 from tfreduce.primitives import (RootBalancer, broadcast, finish_sum, mean_of_sum,
                                  scale_by_reciprocal, sum_order)
+from tfreduce.registry import ALGORITHMS, choose_algorithm, make_stage
 
 __all__ = ["CrossWorkerStage", "allreduce_grads_multiworker",
            "broadcast_variables_multiworker", "check_local_options", "CROSS_WORKER_PACK_BYTES"]

@@ -71,6 +71,9 @@ def candidates(num_devices, on_gpus, pack_sizes=PACK_SIZES):
     return out
 
 
+# Planning is plain Python over a scratch graph: when the dispatcher runs
+# inside a tf.function, autograph calls it as it is, never converted.
+@tf.autograph.experimental.do_not_convert
 def check_auto_options(algorithm, topology, options, num_devices=None):
     """Checks ``topology=`` against the algorithm and options it comes with.
 
@@ -180,6 +183,7 @@ def plan_allreduce(shapes, devices, topology, dtype=tf.float32, average=True, **
                  topology, average, options)
 
 
+@tf.autograph.experimental.do_not_convert
 def plan_for(grads, topology, average, options):
     """The plan for validated gradients: ``allreduce_grads``' "auto" with a topology.
 

@@ -82,7 +82,8 @@ class Topology:
         int: the devices share this many lanes, each running one op at a
         time (logical CPU devices sharing a machine's cores and memory).
         With a cache tier, an op beyond it takes every lane at once (TF
-        splits a large op over the cores), one within it a single lane.
+        splits a large math op over the cores), one within it a single
+        lane; concats and copying splits (one thread each) take one lane.
       cache: None, or (bytes, bandwidth bytes/s): an op that moves at most
         that many bytes runs at that bandwidth instead (a CPU's caches).
       fresh_memory: None, or (bytes, bandwidth bytes/s): an op output of
