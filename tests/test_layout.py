@@ -19,18 +19,17 @@ PACKAGE = pathlib.Path(tfreduce.__file__).parent
 # smaller layer, or of its own layer where the pair is listed below.
 LAYERS = {
     "tf_config": 0, "startup": 0, "choices": 0, "topology": 0, "devices": 1, "contract": 2, "packing": 3,
-    "primitives": 4, "collective": 4, "traffic": 4, "costmodel": 4, "hostprobe": 4,
+    "primitives": 4, "collective": 4, "traffic": 4,
     "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5,
-    "registry": 5, "planner": 5, "allreduce": 5, "powersgd": 5, "failures": 5, "cluster": 5,
-    "multiworker": 5, "consistency": 5,
+    "registry": 5, "costmodel": 5, "hostprobe": 5, "planner": 5, "allreduce": 5, "powersgd": 5,
+    "failures": 5, "cluster": 5, "multiworker": 5, "consistency": 5,
     "models": 6, "trainer": 6, "distribute": 6,
     "launch": 7, "bench": 7,
 }
 # Same-layer imports that are part of the design: the algorithms build on
 # the frame; the registry names the algorithms; the planner costs the
-# registry's stages, run in the frame, with the cost model, which reads graphs
-# as the traffic analysis does and on the host probe, which times the
-# collective ops; the dispatcher runs the registry's stage (or
+# registry's stages, run in the frame, with the cost model, which calls the
+# host probe, which times the collective algorithm's stage; the dispatcher runs the registry's stage (or
 # the plan's) in the frame; the cluster uses the failure probes; the
 # multi-worker composition uses the frame, the registry and the cluster.
 SAME_LAYER = {
@@ -39,8 +38,8 @@ SAME_LAYER = {
     ("registry", "replicated"), ("registry", "hierarchical"), ("registry", "ring"),
     ("registry", "nccl_ops"),
     ("cluster", "failures"), ("multiworker", "frame"), ("multiworker", "registry"),
-    ("multiworker", "cluster"), ("costmodel", "traffic"), ("costmodel", "hostprobe"),
-    ("hostprobe", "collective"),
+    ("multiworker", "cluster"), ("costmodel", "hostprobe"),
+    ("hostprobe", "nccl_ops"), ("planner", "hostprobe"), ("planner", "costmodel"),
     ("allreduce", "planner"), ("planner", "registry"), ("planner", "frame"),
     ("planner", "hierarchical"),
 }

@@ -59,10 +59,10 @@ def allreduce_grads(all_grads, devices=None, average=False, algorithm="auto", **
         grads = validate_grads(all_grads, devices)
         plan = None if topology is None else plan_for(grads, topology, average, options)
         if plan is None:
-            stage = make_stage(choose_algorithm(grads.devices), options)
+            algorithm = choose_algorithm(grads.devices)
         else:
-            options = {**options, **plan.options}
-            stage = make_stage(plan.algorithm, options)
+            algorithm, options = plan.algorithm, {**options, **plan.options}
+        stage = make_stage(algorithm, options)
     else:
         stage = make_stage(algorithm, options)
         grads = validate_grads(all_grads, devices)

@@ -48,10 +48,10 @@ FREE_OPS = frozenset({
     "VarHandleOp", "ReadVariableOp", "Shape", "ShapeN", "StopGradient", "Size", "Rank",
     "_Arg", "_Retval", "PlaceholderWithDefault"})
 COLLECTIVE_OPS = frozenset({"NcclAllReduce", "CollectiveReduceV2"})
-# Splits into one piece forward their input; splits along the first axis
-# hand out slices of the input buffer without copying when every piece
-# starts and ends on a multiple of EIGEN_MAX_ALIGN_BYTES (64 in TF's builds);
-# otherwise they copy (split_v_op.cc; IsDim0SliceAligned and
+# Split and SplitV into one piece forward their input; splits along the
+# first axis hand out slices of the input buffer without copying when every
+# piece starts and ends on a multiple of EIGEN_MAX_ALIGN_BYTES (64 in TF's
+# builds); otherwise they copy (split_v_op.cc; IsDim0SliceAligned and
 # IsInnerDimsSizeAligned, tensorflow/core/framework/ops_util.h).
 SLICING_OPS = frozenset({"Split", "SplitV", "Unpack"})
 ALIGN_BYTES = 64
@@ -248,13 +248,13 @@ class _Simulation:
         return max(self.end.values(), default=0.0)
 
     def _compute(self, op, previous, now, push):
-        duration = self._cost(op)
+        duration, wide = self._cost(op)
         device = self.device[op]
         start = now
         if duration > 0 and device is not None:
             if self.topology.compute_lanes is None:
                 lanes = [device]  # one op at a time per device
-            elif self._beyond_cache(op):
+            elif wide:
                 lanes = [("lane", i) for i in range(self.topology.compute_lanes)]
             else:
                 lanes = [self._lane()]  # the shared lane free first
@@ -278,13 +278,15 @@ class _Simulation:
         return start + seconds
 
     def _cost(self, op):
+        """(seconds, wide): wide ops (large math beyond the cache tier) take every lane."""
         if op.type in FREE_OPS or op in self.sources or _aliases(op):
             # No bytes; on CPUs (shared lanes) the executor still runs the op.
-            return self.topology.launch_cost if self.topology.compute_lanes else 0.0
+            return (self.topology.launch_cost if self.topology.compute_lanes else 0.0), False
         moved = _moved(op)
         bandwidth = self.topology.memory_bandwidth
         cache = self.topology.cache
-        if cache is not None and moved <= cache[0]:
+        in_cache = cache is not None and moved <= cache[0]
+        if in_cache:
             bandwidth = cache[1]
         seconds = self.topology.launch_cost + (moved / bandwidth if math.isfinite(bandwidth)
                                                else 0)
@@ -292,12 +294,7 @@ class _Simulation:
         if fresh is not None:
             seconds += sum(size for size in map(_static_bytes, op.outputs)
                            if size and size > fresh[0]) / fresh[1]
-        return seconds
-
-    def _beyond_cache(self, op):
-        cache = self.topology.cache
-        return (cache is not None and op.type not in FREE_OPS | COPY_OPS
-                and not _aliases(op) and _moved(op) > cache[0])
+        return seconds, cache is not None and not in_cache and op.type not in COPY_OPS
 
     def _collective(self, members, now, push):
         ops = [op for op, _ in members]
@@ -386,8 +383,8 @@ def _aliases(op):
     """True for a split along axis 0 whose pieces TF hands out as aligned slices."""
     if op.type not in SLICING_OPS:
         return False
-    if len(op.outputs) == 1:
-        return True  # one piece: TF forwards the input
+    if op.type != "Unpack" and len(op.outputs) == 1:
+        return True  # a split into one piece forwards its input
     if op.type == "Unpack":
         value, axis = op.inputs[0], op.get_attr("axis")
     else:

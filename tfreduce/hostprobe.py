@@ -11,7 +11,7 @@ import time
 
 import tensorflow as tf
 
-from tfreduce.collective import CollectiveChain, CollectiveKeys, CollectiveOptions
+from tfreduce.nccl_ops import allreduce_grads_collective
 from tfreduce.topology import Topology
 
 __all__ = ["host_topology"]
@@ -114,26 +114,15 @@ def _median_seconds(session, fetch, feed, repeats, best=False):
 
 
 def _collectives(x, count):
-    # count all-reduces of x over CPU:0 and CPU:1, ordered per device as the
-    # collective algorithm orders them; their ops.
+    # count all-reduces over CPU:0 and CPU:1 as the collective algorithm
+    # builds them (one chain per device, unpacked); their ops.
     devices = ["/device:CPU:0", "/device:CPU:1"]
-    keys = CollectiveKeys()
-    group_key = keys.group_key(devices)
-    chain = CollectiveChain(CollectiveOptions())
-    ops = []
+    grads = []
     for k, d in enumerate(devices):
-        chain.token(d, f"tfreduce_probe_{group_key}_{k}", f"probe{k}_order")
-    inputs = []
-    for d in devices:
         with tf.device(d):
-            inputs.append([x + float(i) for i in range(count)])
-    for i in range(count):
-        instance_key = keys.instance_key()
-        for k, d in enumerate(devices):
-            with chain.after_previous(d):
-                ops.append(chain.all_reduce(inputs[k][i], d, 2, group_key, instance_key,
-                                            f"probe_allreduce_{i}").op)
-    return ops
+            grads.append([x + float(i + k) for i in range(count)])
+    return [t.op for row in allreduce_grads_collective(grads, devices, pack_bytes=None)
+            for t in row]
 
 
 def _chain(x, count, num_devices):
