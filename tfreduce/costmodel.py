@@ -38,7 +38,7 @@ import tensorflow as tf
 
 from tfreduce.hostprobe import host_topology
 from tfreduce.topology import Topology
-from tfreduce.traffic import _as_graph, _static_bytes, _tensors, _walk_back
+from tfreduce.graphwalk import as_graph, static_bytes, tensors, walk_back
 
 __all__ = ["Prediction", "predict", "device_index"]
 
@@ -137,14 +137,14 @@ def predict(target, topology, inputs=None, devices_per_task=None):
 
 
 def _ops(target, inputs):
-    graph = _as_graph(target)
+    graph = as_graph(target)
     if graph is not None:
         return list(graph.get_operations()), [], set()
-    outputs = _tensors(target, "target")
+    outputs = tensors(target, "target")
     if not outputs:
         raise ValueError("target holds no tensor: pass the outputs of a reduction or a graph")
-    stop = {t.op for t in _tensors(inputs, "inputs")} if inputs is not None else set()
-    walked = _walk_back([t.op for t in outputs], stop)
+    stop = {t.op for t in tensors(inputs, "inputs")} if inputs is not None else set()
+    walked = walk_back([t.op for t in outputs], stop)
     # The inputs' ops take part as sources, free and ready at time 0, so
     # the transfers out of them are costed.
     read = {t.op for op in walked for t in op.inputs} & stop
@@ -155,11 +155,11 @@ def _bytes_per_device(outputs, inputs):
     # S: tower 0's inputs when given, else the outputs on the first device.
     if inputs is not None and isinstance(inputs, (list, tuple)) and inputs:
         first = inputs[0] if isinstance(inputs[0], (list, tuple)) else inputs
-        return sum(_static_bytes(t) or 0 for t in _tensors(first, "inputs"))
+        return sum(static_bytes(t) or 0 for t in tensors(first, "inputs"))
     if not outputs:
         return 0
     device = outputs[0].device
-    return sum(_static_bytes(t) or 0 for t in outputs if t.device == device)
+    return sum(static_bytes(t) or 0 for t in outputs if t.device == device)
 
 
 class _Simulation:
@@ -292,14 +292,14 @@ class _Simulation:
                                                else 0)
         fresh = self.topology.fresh_memory
         if fresh is not None:
-            seconds += sum(size for size in map(_static_bytes, op.outputs)
+            seconds += sum(size for size in map(static_bytes, op.outputs)
                            if size and size > fresh[0]) / fresh[1]
         return seconds, cache is not None and not in_cache and op.type not in COPY_OPS
 
     def _collective(self, members, now, push):
         ops = [op for op, _ in members]
         devices = {self.device[op] for op in ops if self.device[op] is not None}
-        size = max((_static_bytes(op.inputs[0]) or 0) for op in ops)
+        size = max((static_bytes(op.inputs[0]) or 0) for op in ops)
         ring = _best_ring(self.topology, sorted(devices), self.rings)
         links = [link for a, b in zip(ring, ring[1:] + ring[:1])
                  for link in self.topology.route(a, b)]
@@ -335,7 +335,7 @@ class _Simulation:
 
     def _transfer(self, tensor, src, dst, now, producer):
         route = self.topology.route(src, dst)
-        size = _static_bytes(tensor) or 0
+        size = static_bytes(tensor) or 0
         narrowest = min(link.bandwidth for link in route)
         start = max([now] + [self.link_free[link.name] for link in route])
         if self.topology.copy_cost:
@@ -376,7 +376,7 @@ class _Simulation:
 
 def _moved(op):
     # The bytes an op reads and writes.
-    return sum(_static_bytes(t) or 0 for t in list(op.inputs) + list(op.outputs))
+    return sum(static_bytes(t) or 0 for t in list(op.inputs) + list(op.outputs))
 
 
 def _aliases(op):

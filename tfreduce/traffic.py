@@ -23,6 +23,8 @@ import collections
 
 import tensorflow as tf
 
+from tfreduce.graphwalk import as_graph, static_bytes, tensors, walk_back
+
 __all__ = ["Traffic", "analyze_traffic"]
 
 
@@ -129,19 +131,19 @@ def analyze_traffic(target, inputs=None):
         tensor, IndexedSlices or None.
       ValueError: if ``target`` holds no tensor.
     """
-    graph = _as_graph(target)
+    graph = as_graph(target)
     if graph is not None:
         if inputs is not None:
             raise ValueError("inputs= applies to outputs; a whole graph is analysed as is")
         ops = list(graph.get_operations())
         stop = set()
     else:
-        outputs = _tensors(target, "target")
+        outputs = tensors(target, "target")
         if not outputs:
             raise ValueError("target holds no tensor: pass the outputs of a reduction "
                              "or a graph")
-        stop = {t.op for t in _tensors(inputs, "inputs")} if inputs is not None else set()
-        ops = _walk_back([t.op for t in outputs], stop)
+        stop = {t.op for t in tensors(inputs, "inputs")} if inputs is not None else set()
+        ops = walk_back([t.op for t in outputs], stop)
 
     devices = {}
 
@@ -162,7 +164,7 @@ def analyze_traffic(target, inputs=None):
                 continue
             seen.add((t.name, dst))
             pair_transfers[(src, dst)] += 1
-            size = _static_bytes(t)
+            size = static_bytes(t)
             if size is None:
                 unsized += 1
             else:
@@ -178,67 +180,10 @@ def analyze_traffic(target, inputs=None):
         longest_hop_chain=_longest_chain(ops, device_of))
 
 
-def _as_graph(target):
-    if isinstance(target, tf.Graph):
-        return target
-    if isinstance(target, (list, tuple, tf.Tensor, tf.IndexedSlices, tf.Operation)):
-        return None
-    graph = getattr(target, "graph", None)  # a ConcreteFunction
-    return graph if isinstance(graph, tf.Graph) else None
-
-
-def _tensors(nested, what):
-    out = []
-    stack = [nested]
-    while stack:
-        item = stack.pop()
-        if item is None:
-            continue
-        if isinstance(item, (list, tuple)):
-            stack.extend(reversed(item))
-        elif isinstance(item, tf.IndexedSlices):
-            out.extend(t for t in (item.values, item.indices, item.dense_shape)
-                       if t is not None)
-        elif isinstance(item, tf.Tensor) and hasattr(item, "op"):
-            out.append(item)
-        else:
-            raise TypeError(
-                f"{what} must hold graph tensors, tf.IndexedSlices or None (nested in "
-                f"lists), got {type(item).__name__}; build the reduction in a "
-                f"tf.function or a tf.Graph")
-    return out
-
-
-def _walk_back(start, stop):
-    found = []
-    seen = set()
-    stack = [op for op in start if op not in stop]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        found.append(op)
-        for t in op.inputs:
-            if t.op not in stop and t.op not in seen:
-                stack.append(t.op)
-        for dep in op.control_inputs:
-            if dep not in stop and dep not in seen:
-                stack.append(dep)
-    return found
-
-
 def _canonical(device):
     if not device:
         return ""
     return tf.DeviceSpec.from_string(device).to_string()
-
-
-def _static_bytes(tensor):
-    shape = tensor.shape
-    if not shape.is_fully_defined():
-        return None
-    return shape.num_elements() * tensor.dtype.size
 
 
 def _longest_chain(ops, device_of):
