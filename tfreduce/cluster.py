@@ -31,7 +31,7 @@ from tensorflow.python.eager import context
 from tfreduce.collective import (CollectiveKeys, CollectiveOptions, all_reduce,
                                  check_timeout, in_function)
 from tfreduce.contract import shard_sizes
-from tfreduce.devices import normalize_device
+from tfreduce.devices import local_name, normalize_device
 from tfreduce.failures import COLLECTIVE_FAILURES, lost_worker_message, unreachable_workers
 from tfreduce.tf_config import JOBS, check_port, parse_tf_config
 
@@ -258,9 +258,7 @@ class Cluster:
         members = []
         for rank in range(self.num_workers):
             for d in local_devices:
-                spec = tf.DeviceSpec.from_string(d)
-                members.append(self.task_name(rank) + "/device:"
-                               f"{spec.device_type}:{spec.device_index}")
+                members.append(self.task_name(rank) + local_name(d))
         return CollectiveKeys.group_key(members)
 
     # ------------------------------------------------------------------ servers

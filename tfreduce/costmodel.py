@@ -36,9 +36,10 @@ import math
 
 import tensorflow as tf
 
+from tfreduce.devices import topology_index
+from tfreduce.graphwalk import as_graph, static_bytes, tensors, walk_back
 from tfreduce.hostprobe import host_topology
 from tfreduce.topology import Topology
-from tfreduce.graphwalk import as_graph, static_bytes, tensors, walk_back
 
 __all__ = ["Prediction", "predict", "device_index"]
 
@@ -88,21 +89,6 @@ class Prediction:
                 f"GB/s, {len(self.critical_path)} steps on the critical path)")
 
 
-def device_index(device, devices_per_task=None):
-    """The topology index of a device name: "/gpu:k" (or CPU:k) is k.
-
-    With ``devices_per_task`` G, "/job:worker/task:w/device:GPU:k" is w*G + k.
-    Returns None for an op without a device.
-    """
-    if not device:
-        return None
-    spec = tf.DeviceSpec.from_string(device)
-    index = spec.device_index or 0
-    if devices_per_task and spec.task is not None:
-        index += spec.task * devices_per_task
-    return index
-
-
 def predict(target, topology, inputs=None, devices_per_task=None):
     """Predicts the time of a built reduction on a machine (see the module docstring).
 
@@ -126,7 +112,7 @@ def predict(target, topology, inputs=None, devices_per_task=None):
     """
     ops, outputs, stop = _ops(target, inputs)
     if topology == "host":
-        used = {device_index(op.device, devices_per_task) for op in ops} - {None}
+        used = {topology_index(op.device, devices_per_task) for op in ops} - {None}
         topology = host_topology(max(used, default=0) + 1)
     elif isinstance(topology, str):
         topology = Topology.preset(topology)
@@ -197,7 +183,7 @@ class _Simulation:
         self.cause = {}
 
     def _index(self, op):
-        index = device_index(op.device, self.per_task)
+        index = topology_index(op.device, self.per_task)
         if index is not None and index >= self.topology.num_devices:
             raise ValueError(f"op {op.name!r} is on {op.device}, device {index}, but topology "
                              f"{self.topology.name!r} has {self.topology.num_devices} devices; "
@@ -370,7 +356,7 @@ class _Simulation:
         return path[::-1]
 
     def num_output_devices(self, outputs):
-        return len({self.device.get(t.op, device_index(t.device, self.per_task))
+        return len({self.device.get(t.op, topology_index(t.device, self.per_task))
                     for t in outputs} - {None})
 
 

@@ -16,7 +16,8 @@ import functools
 import tensorflow as tf
 
 __all__ = ["normalize_device", "normalize_devices", "is_gpu", "logical_devices",
-           "tower_devices", "check_devices_exist", "DEFAULT_CPU_DEVICES"]
+           "tower_devices", "check_devices_exist", "DEFAULT_CPU_DEVICES", "canonical_or_empty",
+           "local_name", "host_device", "topology_index"]
 
 #: K when no GPU exists and no count is given: two towers, the smallest
 #: data-parallel run.
@@ -100,6 +101,39 @@ def normalize_devices(devices, num_towers=None):
 def is_gpu(device):
     """True if the canonical device string names a GPU."""
     return (tf.DeviceSpec.from_string(device).device_type or "").upper() == "GPU"
+
+
+def canonical_or_empty(device):
+    """An op's device string in canonical form; "" (an unplaced op) stays ""."""
+    if not device:
+        return ""
+    return tf.DeviceSpec.from_string(device).to_string()
+
+
+def local_name(device):
+    """"/job:worker/replica:0/task:1/device:CPU:0" -> "/device:CPU:0"."""
+    spec = tf.DeviceSpec.from_string(device)
+    return f"/device:{spec.device_type}:{spec.device_index}"
+
+
+def host_device(device):
+    """The CPU of a device's task: "/job:w/task:1/device:GPU:1" -> ".../device:CPU:0"."""
+    return tf.DeviceSpec.from_string(device).replace(device_type="CPU", device_index=0).to_string()
+
+
+def topology_index(device, devices_per_task=None):
+    """The topology index of a device name: "/gpu:k" (or CPU:k) is k.
+
+    With ``devices_per_task`` G, "/job:worker/task:w/device:GPU:k" is w*G + k.
+    Returns None for an op without a device.
+    """
+    if not device:
+        return None
+    spec = tf.DeviceSpec.from_string(device)
+    index = spec.device_index or 0
+    if devices_per_task and spec.task is not None:
+        index += spec.task * devices_per_task
+    return index
 
 
 def _local_key(spec):

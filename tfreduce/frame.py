@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from tfreduce.collective import in_function
 from tfreduce.contract import check_flag, nbytes, validate_grads, values_of
+from tfreduce.devices import host_device
 from tfreduce.packing import PackPlan
 from tfreduce.primitives import (RootBalancer, accumulation_dtype, broadcast_slices,
                                  check_average_dtype, finish_sum, gather_slices, sum_order)
@@ -247,7 +248,7 @@ def _check_shapes_at_run_time(grads):
         # String ops and the serialising copy have CPU kernels only: they run
         # on the host of each tower's task (a GPU tower's gradient makes a
         # round trip, which only gradients without a static shape pay).
-        hosts = [_host(d) for d in grads.devices]
+        hosts = [host_device(d) for d in grads.devices]
         with tf.device(hosts[0]):
             ref = _shape_text(column[0], full)
         same = []
@@ -279,11 +280,6 @@ def _shape_text(g, full):
     else:
         shape = tf.shape(g) if full else tf.shape(g)[1:]
     return tf.strings.reduce_join(tf.strings.as_string(shape), separator=",")
-
-
-def _host(device):
-    """The CPU of a device's task: "/job:w/task:1/device:GPU:1" -> ".../device:CPU:0"."""
-    return tf.DeviceSpec.from_string(device).replace(device_type="CPU", device_index=0).to_string()
 
 
 def _checked(g, ok, message, host):

@@ -32,7 +32,7 @@ from tfreduce.cluster import Cluster
 from tfreduce.collective import (CollectiveChain, CollectiveKeys, CollectiveOptions,
                                  broadcast_recv, broadcast_send, in_function)
 from tfreduce.contract import check_variables, nbytes, validate_grads
-from tfreduce.devices import normalize_devices
+from tfreduce.devices import local_name, normalize_devices
 from tfreduce.frame import Stage, check_compression, run_stages, wire_dtype
 from tfreduce.primitives import (RootBalancer, broadcast, finish_sum, mean_of_sum,
                                  scale_by_reciprocal, sum_order)
@@ -97,12 +97,6 @@ def _cross_worker_options(cluster, communication, timeout, keys):
     return options.with_timeout(cluster.timeout), keys
 
 
-def _local_name(device):
-    """"/job:worker/replica:0/task:1/device:CPU:0" -> "/device:CPU:0"."""
-    spec = tf.DeviceSpec.from_string(device)
-    return f"/device:{spec.device_type}:{spec.device_index}"
-
-
 class CrossWorkerStage(Stage):
     """Per entry: one device per worker all-reduces across workers, then copies to the others.
 
@@ -145,7 +139,7 @@ class CrossWorkerStage(Stage):
         return bound
 
     def _ordered(self, device):
-        group_key = self.cluster.group_key([_local_name(device)])
+        group_key = self.cluster.group_key([local_name(device)])
         self._chain.token(device, f"tfreduce_cross_order_{group_key}", "cross_worker_order")
         return group_key
 
@@ -172,7 +166,7 @@ class CrossWorkerStage(Stage):
     def reduce(self, buffers, ctx):
         devices, num_workers = ctx.devices, self.cluster.num_workers
         num_local = len(devices)
-        group_keys = [self.cluster.group_key([_local_name(d)]) for d in devices]
+        group_keys = [self.cluster.group_key([local_name(d)]) for d in devices]
         chain = self._chain
         balancer = RootBalancer(num_local)
         sizes = [nbytes(t) for t in buffers[0]]
@@ -373,7 +367,7 @@ def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
 
 def _broadcast_build(all_vars, devices, cluster, keys, options):
     root = devices[0]
-    group_key = cluster.group_key([_local_name(root)])
+    group_key = cluster.group_key([local_name(root)])
     by_dtype = {}
     for n, v in enumerate(all_vars[0]):
         by_dtype.setdefault(v.dtype, []).append(n)

@@ -23,6 +23,7 @@ import collections
 
 import tensorflow as tf
 
+from tfreduce.devices import canonical_or_empty
 from tfreduce.graphwalk import as_graph, static_bytes, tensors, walk_back
 
 __all__ = ["Traffic", "analyze_traffic"]
@@ -149,7 +150,7 @@ def analyze_traffic(target, inputs=None):
 
     def device_of(op):
         if op not in devices:
-            devices[op] = _canonical(op.device)
+            devices[op] = canonical_or_empty(op.device)
         return devices[op]
 
     pair_bytes = collections.Counter()
@@ -178,12 +179,6 @@ def analyze_traffic(target, inputs=None):
         ops_per_device=dict(collections.Counter(device_of(op) for op in ops)),
         op_types=dict(collections.Counter(op.type for op in ops)),
         longest_hop_chain=_longest_chain(ops, device_of))
-
-
-def _canonical(device):
-    if not device:
-        return ""
-    return tf.DeviceSpec.from_string(device).to_string()
 
 
 def _longest_chain(ops, device_of):

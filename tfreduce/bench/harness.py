@@ -15,6 +15,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from tfreduce.devices import canonical_or_empty
 from tfreduce.traffic import analyze_traffic
 
 __all__ = ["device_names", "graph_session_config", "consume", "input_values", "make_inputs",
@@ -80,7 +81,7 @@ def consume(outputs, devices, name):
     """
     by_device = {}
     for t in _flatten(outputs):
-        spec = tf.DeviceSpec.from_string(t.op.device or devices[0]).to_string()
+        spec = canonical_or_empty(t.op.device or devices[0])
         by_device.setdefault(spec, []).append(t.op)
     joins = []
     for i, (device, ops) in enumerate(sorted(by_device.items())):
