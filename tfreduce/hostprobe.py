@@ -12,9 +12,9 @@ import time
 import tensorflow as tf
 
 from tfreduce.nccl_ops import allreduce_grads_collective
-from tfreduce.topology import Topology
+from tfreduce.topology import Topology, check_topology
 
-__all__ = ["host_topology"]
+__all__ = ["host_topology", "resolve_topology"]
 
 
 def host_topology(num_devices, repeats=9):
@@ -54,6 +54,24 @@ def host_topology(num_devices, repeats=9):
         collective_bandwidth=p["memory"] / (3 * num_devices),
         fresh_memory=None if p["fresh"] is None else (MMAP_THRESHOLD_MAX, p["fresh"]),
         name="host")
+
+
+def resolve_topology(topology, num_devices):
+    """The Topology a plan for K devices costs on: ``check_topology``, "host" measured now.
+
+    Args:
+      topology: a tfreduce.Topology, a preset name, or "host" (probed by
+        ``hostprobe.host_topology`` for K logical CPU devices).
+      num_devices: int K.
+
+    Returns:
+      Topology with at least K devices.
+
+    Raises:
+      TypeError, ValueError: as ``check_topology``.
+    """
+    topology = check_topology(topology, num_devices)
+    return host_topology(num_devices) if topology == "host" else topology
 
 
 # An add of two 64 KiB tensors moves 192 KiB: the probe's cache-sized op.

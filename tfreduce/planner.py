@@ -16,13 +16,11 @@ from tfreduce.costmodel import predict
 from tfreduce.devices import is_gpu, normalize_devices
 from tfreduce.frame import run_stages
 from tfreduce.hierarchical import default_groups
-from tfreduce.hostprobe import host_topology
+from tfreduce.hostprobe import resolve_topology
 from tfreduce.registry import FRAME_OPTIONS, frame_options, make_stage
-from tfreduce.topology import Topology
+from tfreduce.topology import check_topology
 
-__all__ = ["Plan", "plan_allreduce", "plan_for", "check_auto_options", "check_topology",
-           "resolve_topology",
-           "PACK_SIZES"]
+__all__ = ["Plan", "plan_allreduce", "plan_for", "check_auto_options", "PACK_SIZES"]
 
 #: The pack sizes tried: none, 64 KiB (the default), 1 MiB, 4 MiB.
 PACK_SIZES = (None, 64 * 2**10, 2**20, 4 * 2**20)
@@ -103,51 +101,6 @@ def _check_frame_only(options):
     if unknown:
         raise TypeError(f"planning takes only the frame's options {list(FRAME_OPTIONS)}, got "
                         f"{unknown}: the plan picks the algorithm and its groups")
-
-
-def check_topology(topology, num_devices=None):
-    """Checks a ``topology=`` argument without probing "host".
-
-    Args:
-      topology: a tfreduce.Topology, a preset name, or "host".
-      num_devices: int K the plan is for, or None (not known yet).
-
-    Returns:
-      the Topology, or "host".
-
-    Raises:
-      TypeError: topology is neither a Topology nor a str.
-      ValueError: an unknown preset, or fewer devices than K.
-    """
-    if isinstance(topology, str):
-        if topology == "host":
-            return topology
-        topology = Topology.preset(topology)
-    elif not isinstance(topology, Topology):
-        raise TypeError(f"topology must be a tfreduce.Topology, a preset name or \"host\", "
-                        f"got {type(topology).__name__} {topology!r}")
-    if num_devices is not None and topology.num_devices < num_devices:
-        raise ValueError(f"topology {topology.name!r} has {topology.num_devices} devices, "
-                         f"fewer than the {num_devices} given")
-    return topology
-
-
-def resolve_topology(topology, num_devices):
-    """The Topology a plan for K devices costs on: ``check_topology``, "host" measured now.
-
-    Args:
-      topology: a tfreduce.Topology, a preset name, or "host" (probed by
-        ``hostprobe.host_topology`` for K logical CPU devices).
-      num_devices: int K.
-
-    Returns:
-      Topology with at least K devices.
-
-    Raises:
-      TypeError, ValueError: as ``check_topology``.
-    """
-    topology = check_topology(topology, num_devices)
-    return host_topology(num_devices) if topology == "host" else topology
 
 
 def plan_allreduce(shapes, devices, topology, dtype=tf.float32, average=True, **options):

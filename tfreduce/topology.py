@@ -25,7 +25,7 @@ per-op launch cost (5 us) are round estimates, stated as such.
 import heapq
 import math
 
-__all__ = ["Link", "Topology", "PRESETS"]
+__all__ = ["Link", "Topology", "PRESETS", "check_topology"]
 
 GB = 1e9
 US = 1e-6
@@ -312,3 +312,30 @@ PRESETS = {
     "pcie3x8": _pcie("pcie3x8", 12 * GB, 10 * GB, 900 * GB),
     "pcie4x8": _pcie("pcie4x8", 24 * GB, 22 * GB, 1555 * GB),
 }
+
+
+def check_topology(topology, num_devices=None):
+    """Checks a ``topology=`` argument without probing "host".
+
+    Args:
+      topology: a tfreduce.Topology, a preset name, or "host".
+      num_devices: int K the plan is for, or None (not known yet).
+
+    Returns:
+      the Topology, or "host".
+
+    Raises:
+      TypeError: topology is neither a Topology nor a str.
+      ValueError: an unknown preset, or fewer devices than K.
+    """
+    if isinstance(topology, str):
+        if topology == "host":
+            return topology
+        topology = Topology.preset(topology)
+    elif not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a tfreduce.Topology, a preset name or \"host\", "
+                        f"got {type(topology).__name__} {topology!r}")
+    if num_devices is not None and topology.num_devices < num_devices:
+        raise ValueError(f"topology {topology.name!r} has {topology.num_devices} devices, "
+                         f"fewer than the {num_devices} given")
+    return topology
