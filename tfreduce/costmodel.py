@@ -38,8 +38,7 @@ import tensorflow as tf
 
 from tfreduce.devices import topology_index
 from tfreduce.graphwalk import as_graph, static_bytes, tensors, walk_back
-from tfreduce.hostprobe import host_topology
-from tfreduce.topology import Topology
+from tfreduce.hostprobe import resolve_topology
 
 __all__ = ["Prediction", "predict", "device_index"]
 
@@ -111,11 +110,8 @@ def predict(target, topology, inputs=None, devices_per_task=None):
       TypeError: target or inputs hold something that is not a tensor.
     """
     ops, outputs, stop = _ops(target, inputs)
-    if topology == "host":
-        used = {topology_index(op.device, devices_per_task) for op in ops} - {None}
-        topology = host_topology(max(used, default=0) + 1)
-    elif isinstance(topology, str):
-        topology = Topology.preset(topology)
+    used = {topology_index(op.device, devices_per_task) for op in ops} - {None}
+    topology = resolve_topology(topology, max(used, default=0) + 1, at_least=False)
     sim = _Simulation(ops, topology, devices_per_task, sources=stop)
     seconds = sim.run()
     return Prediction(seconds, sim.critical_path(), dict(sim.link_busy),

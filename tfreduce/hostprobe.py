@@ -56,21 +56,26 @@ def host_topology(num_devices, repeats=9):
         name="host")
 
 
-def resolve_topology(topology, num_devices):
-    """The Topology a plan for K devices costs on: ``check_topology``, "host" measured now.
+def resolve_topology(topology, num_devices, at_least=True):
+    """The Topology to cost K devices on: ``check_topology``, "host" measured now.
+
+    The one place a preset name or "host" becomes a Topology (the planner
+    and ``tfreduce.predict`` both resolve here).
 
     Args:
       topology: a tfreduce.Topology, a preset name, or "host" (probed by
-        ``hostprobe.host_topology`` for K logical CPU devices).
+        ``host_topology`` for K logical CPU devices).
       num_devices: int K.
+      at_least: bool, raise unless the topology has at least K devices
+        (False: the caller reports a device beyond it itself).
 
     Returns:
-      Topology with at least K devices.
+      Topology.
 
     Raises:
       TypeError, ValueError: as ``check_topology``.
     """
-    topology = check_topology(topology, num_devices)
+    topology = check_topology(topology, num_devices if at_least else None)
     return host_topology(num_devices) if topology == "host" else topology
 
 
