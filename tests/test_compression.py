@@ -150,3 +150,52 @@ def test_the_multi_worker_reduction_takes_compression_itself():
         check_local_options({"compression": "fp16"})
     assert check_local_options({"compression": None, "groups": [[0, 1]]}) == {
         "compression": None, "groups": [[0, 1]]}
+
+
+# ------------------------------------------------------------------ the one type
+
+def test_the_named_compressors_and_their_aliases():
+    from tfreduce.compression import as_compressor
+
+    C = tfreduce.Compression
+    assert [as_compressor(a) for a in (None, "none", "fp16", "bf16")] == [C.none, C.none,
+                                                                          C.fp16, C.bf16]
+    assert as_compressor(C.bf16) is C.bf16
+    assert [c.name for c in (C.none, C.fp16, C.bf16)] == ["none", "fp16", "bf16"]
+    assert repr(C.fp16) == "tfreduce.Compression.fp16"
+    assert (C.none.compresses, C.fp16.compresses) == (False, True)
+    assert C.fp16.wire_dtype(tf.float64) == tf.float16
+    assert C.bf16.wire_dtype(tf.float32) == tf.bfloat16
+    for dtype in (tf.float16, tf.bfloat16, tf.int32):
+        assert C.fp16.wire_dtype(dtype) == dtype and C.bf16.wire_dtype(dtype) == dtype
+    with pytest.raises(ValueError, match=r"PowerSGD keeps state between steps: it is a "
+                                         r"ReplicatedTrainer option of its own, "
+                                         r"powersgd=tfreduce.PowerSGD\(rank=2\)"):
+        as_compressor(tfreduce.PowerSGD(rank=2))
+
+
+def test_compress_and_decompress_on_the_current_device():
+    C = tfreduce.Compression
+    with tf.device(CPU_DEVICES[1]):
+        x = tf.constant([1.0, 2.5, 65519.0], tf.float64)
+        wire, ctx = C.fp16.compress(x)
+        back = C.fp16.decompress(wire, ctx)
+        same, none_ctx = C.fp16.compress(tf.constant([3], tf.int64))
+        slices, slices_ctx = C.bf16.compress(tf.IndexedSlices(tf.constant([[1.5, 3.0]]),
+                                                              tf.constant([2])))
+    assert wire.dtype == tf.float16 and ctx == tf.float64 and wire.device.endswith("CPU:1")
+    assert back.dtype == tf.float64 and back.numpy().tolist() == [1.0, 2.5, 65504.0]
+    assert none_ctx is None and same.dtype == tf.int64
+    assert isinstance(slices, tf.IndexedSlices) and slices.values.dtype == tf.bfloat16
+    assert slices_ctx == tf.float32 and slices.indices.numpy().tolist() == [2]
+    assert C.none.compress(x) == (x, None) and C.none.decompress(x, None) is x
+
+
+@pytest.mark.parametrize("algorithm", CPU_ALGORITHMS)
+def test_a_compressor_and_its_alias_build_the_same_reduction(algorithm):
+    rng = np.random.default_rng(5)
+    arrays = [[rng.normal(size=(4, 5)).astype(np.float32)] for _ in range(3)]
+    by_alias = reduce_eagerly(arrays, algorithm, True, "bf16")
+    by_type = reduce_eagerly(arrays, algorithm, True, tfreduce.Compression.bf16)
+    for a, b in zip(by_alias, by_type):
+        np.testing.assert_array_equal(a[0].numpy(), b[0].numpy())

@@ -18,7 +18,7 @@ PACKAGE = pathlib.Path(tfreduce.__file__).parent
 # Each module's layer (DESIGN.md): a module imports only modules of a
 # smaller layer, or of its own layer where the pair is listed below.
 LAYERS = {
-    "tf_config": 0, "startup": 0, "choices": 0, "topology": 0, "devices": 1, "contract": 2, "packing": 3, "graphwalk": 3,
+    "tf_config": 0, "startup": 0, "choices": 0, "topology": 0, "devices": 1, "contract": 2, "packing": 3, "compression": 3, "graphwalk": 3,
     "primitives": 4, "collective": 4, "traffic": 4,
     "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5,
     "registry": 5, "costmodel": 5, "hostprobe": 5, "planner": 5, "allreduce": 5, "powersgd": 5,

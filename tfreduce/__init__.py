@@ -23,6 +23,8 @@ _EXPORTS = {
     "Cluster": "tfreduce.cluster",
     "WorkerLostError": "tfreduce.cluster",
     "CollectiveKeys": "tfreduce.collective",
+    "Compression": "tfreduce.compression",
+    "Compressor": "tfreduce.compression",
     "CrossDeviceOps": "tfreduce.distribute",
     "merge_grad_list": "tfreduce.contract",
     "logical_devices": "tfreduce.devices",

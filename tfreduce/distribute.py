@@ -22,8 +22,8 @@ from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import values as tf_values
 
 from tfreduce.allreduce import allreduce_grads
+from tfreduce.compression import as_compressor
 from tfreduce.contract import validate_groups
-from tfreduce.frame import check_compression
 from tfreduce.packing import check_pack_bytes
 from tfreduce.planner import check_auto_options
 from tfreduce.registry import ALGORITHMS, FRAME_OPTIONS, make_stage
@@ -110,7 +110,7 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
                     if isinstance(groups, (list, tuple)) else 0)
             validate_groups(groups, size)
         check_pack_bytes(options.get("pack_bytes"))
-        check_compression(options.get("compression"))
+        as_compressor(options.get("compression"))
         self._algorithm = algorithm
         self._options = dict(options)
         self._one_device = tf.distribute.ReductionToOneDevice()

@@ -26,6 +26,7 @@ The stage contract, tower-major like the public API::
 import tensorflow as tf
 
 from tfreduce.collective import in_function
+from tfreduce.compression import as_compressor
 from tfreduce.contract import check_flag, nbytes, validate_grads, values_of
 from tfreduce.devices import host_device
 from tfreduce.packing import PackPlan
@@ -155,8 +156,8 @@ def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_de
       pack_bytes: int or None, see packing.PackPlan.
       sparse_as_dense: bool, reduce ``tf.IndexedSlices`` as dense tensors
         (else gathered: on one device, then by the later stages).
-      compression: None, "fp16" or "bf16": float32 and float64 gradients
-        cross devices in that 16-bit dtype (see ``COMPRESSIONS``).
+      compression: a compression.Compressor (or its alias: None, "fp16",
+        "bf16"): float32 and float64 gradients cross devices in its dtype.
 
     Returns:
       list of K lists of N, ``out[k][n]`` on ``grads.devices[k]``.
@@ -172,12 +173,12 @@ def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_de
     """
     check_flag(average, "average")
     check_flag(sparse_as_dense, "sparse_as_dense")
-    check_compression(compression)
+    compression = as_compressor(compression)
     stages = [stage.bind(grads.devices) for stage in stages]
     for n in grads.reduced:
         dtype = values_of(grads.grads[0][n]).dtype
         check_average_dtype(dtype, n, average)
-        dtype = wire_dtype(dtype, compression)
+        dtype = compression.wire_dtype(dtype)
         for stage in stages:
             if stage.dtypes is not None and dtype not in stage.dtypes:
                 raise TypeError(
@@ -194,8 +195,8 @@ def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_de
             plan = PackPlan(grads, pack_bytes)
             packed = plan.pack()  # K x M
             out = plan.unpack(_reduce_entries(packed, grads.devices, average, stages,
-                                              compression is not None))
-            return _decompress(out, restore, grads.devices)
+                                              compression.compresses))
+            return _decompress(out, restore, grads.devices, compression)
 
     if not any(stage.needs_function for stage in stages):
         return build()
@@ -316,58 +317,27 @@ def _densify(grads, sparse_as_dense):
                         grads.grads[k][n] = tf.convert_to_tensor(g)
 
 
-#: ``compression=`` -> the 16-bit dtype float32 and float64 gradients cross
-#: devices in (Horovod's ``Compression.fp16``; DDP's fp16 and bf16 hooks).
-COMPRESSIONS = {"fp16": tf.float16, "bf16": tf.bfloat16}
-
-
-def check_compression(compression):
-    """Raises ValueError unless compression is None or a key of COMPRESSIONS."""
-    if compression is not None and compression not in COMPRESSIONS:
-        raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {compression!r} "
-                         "(PowerSGD keeps state between steps: it is a ReplicatedTrainer "
-                         "option, compression=tfreduce.PowerSGD(rank=2))")
-
-
-def wire_dtype(dtype, compression):
-    """The dtype a gradient of `dtype` crosses devices in.
-
-    float32 and float64 become the compression's 16-bit dtype; integer and
-    16-bit gradients, and every gradient without compression, keep theirs.
-    """
-    if compression is None or not dtype.is_floating or dtype.size <= 2:
-        return dtype
-    return COMPRESSIONS[compression]
-
-
-def _cast(g, dtype):
-    # A tensor or IndexedSlices (its values) cast to dtype, on the current device.
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.cast(g.values, dtype), g.indices, g.dense_shape)
-    return tf.cast(g, dtype)
-
-
 def _compress(grads, compression):
-    # Each tower casts its gradients to the wire dtype on its own device,
-    # before anything crosses devices; returns {n: dtype to cast back to}.
+    # Each tower compresses its gradients on its own device, before anything
+    # crosses devices; returns {n: [ctx of tower k]} of the cast ones.
     restore = {}
     for n in grads.reduced:
-        dtype = values_of(grads.grads[0][n]).dtype
-        wire = wire_dtype(dtype, compression)
-        if wire != dtype:
-            restore[n] = dtype
-            for k, device in enumerate(grads.devices):
-                with tf.device(device):
-                    grads.grads[k][n] = _cast(grads.grads[k][n], wire)
+        contexts = []
+        for k, device in enumerate(grads.devices):
+            with tf.device(device):
+                grads.grads[k][n], ctx = compression.compress(grads.grads[k][n])
+            contexts.append(ctx)
+        if any(ctx is not None for ctx in contexts):
+            restore[n] = contexts
     return restore
 
 
-def _decompress(out, restore, devices):
-    # Each tower casts its results back to the gradients' dtypes, on its device.
-    for n, dtype in restore.items():
+def _decompress(out, restore, devices, compression):
+    # Each tower restores its results' dtypes, on its device.
+    for n, contexts in restore.items():
         for k, device in enumerate(devices):
             with tf.device(device):
-                out[k][n] = _cast(out[k][n], dtype)
+                out[k][n] = compression.decompress(out[k][n], contexts[k])
     return out
 
 

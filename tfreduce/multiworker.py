@@ -31,9 +31,10 @@ import tensorflow as tf
 from tfreduce.cluster import Cluster
 from tfreduce.collective import (CollectiveChain, CollectiveKeys, CollectiveOptions,
                                  broadcast_recv, broadcast_send, in_function)
+from tfreduce.compression import as_compressor
 from tfreduce.contract import check_variables, nbytes, validate_grads
 from tfreduce.devices import local_name, normalize_devices
-from tfreduce.frame import Stage, check_compression, run_stages, wire_dtype
+from tfreduce.frame import Stage, run_stages
 from tfreduce.primitives import (RootBalancer, broadcast, finish_sum, mean_of_sum,
                                  scale_by_reciprocal, sum_order)
 from tfreduce.registry import ALGORITHMS, choose_algorithm, make_stage
@@ -116,7 +117,7 @@ class CrossWorkerStage(Stage):
       cluster: tfreduce.Cluster of this worker.
       options: collective.CollectiveOptions, with a timeout.
       keys: CollectiveKeys that hand out the same keys on every worker.
-      compression: None, "fp16" or "bf16" (frame.COMPRESSIONS).
+      compression: compression.Compressor.
     """
 
     name = "cross_worker"
@@ -179,7 +180,7 @@ class CrossWorkerStage(Stage):
             # tf.compat.v1 session hangs.
             others = ([buffers[k][m] for k in range(num_local) if k != r]
                       if ctx.upstream_collective else [])
-            wire = wire_dtype(ctx.dtypes[m], self.compression)
+            wire = self.compression.wire_dtype(ctx.dtypes[m])
             local_sum = buffers[r][m]
             if wire != ctx.dtypes[m]:
                 local_sum = _to_wire(local_sum, wire, ctx.average, self._towers, devices[r], m)
@@ -291,7 +292,7 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
         raise ValueError(f"local_algorithm must be one of {ALGORITHMS}, got "
                          f"{local_algorithm!r}")
     local_options = check_local_options(local_options)
-    check_compression(compression)
+    compression = as_compressor(compression)
     options, keys = _cross_worker_options(cluster, communication, timeout, keys)
     grads = validate_grads(all_grads, devices)
     # Full names: the ops stay on this worker, and a local collective

@@ -4,8 +4,8 @@ import dataclasses
 from collections.abc import Callable
 
 from tfreduce.allreduce import allreduce_grads
+from tfreduce.compression import as_compressor
 from tfreduce.contract import check_flag
-from tfreduce.frame import check_compression
 from tfreduce.multiworker import (
     CROSS_WORKER_PACK_BYTES,
     allreduce_grads_multiworker,
@@ -104,7 +104,7 @@ class StepOptions:
         """
         options = dict(self.allreduce_options)
         check_pack_bytes(options.pop("pack_bytes", None))
-        check_compression(options.pop("compression", None))
+        as_compressor(options.pop("compression", None))
         if self.cluster is not None:
             options = check_local_options(options)
         else:
