@@ -35,6 +35,8 @@ LAYERS = {
 SAME_LAYER = {
     ("replicated", "frame"), ("hierarchical", "frame"), ("ring", "frame"),
     ("nccl_ops", "frame"), ("allreduce", "frame"), ("allreduce", "registry"),
+    ("allreduce", "replicated"), ("allreduce", "hierarchical"), ("allreduce", "ring"),
+    ("allreduce", "nccl_ops"), ("hostprobe", "frame"),
     ("registry", "replicated"), ("registry", "hierarchical"), ("registry", "ring"),
     ("registry", "nccl_ops"),
     ("cluster", "failures"), ("multiworker", "frame"), ("multiworker", "registry"),

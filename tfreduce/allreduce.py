@@ -7,11 +7,17 @@ given ``topology=``, the candidate the cost model predicts fastest there
 
 from tfreduce.choices import ALGORITHMS
 from tfreduce.contract import validate_grads
-from tfreduce.frame import run_stages
+from tfreduce.frame import run_stage, run_stages
+from tfreduce.hierarchical import HierarchicalStage
+from tfreduce.nccl_ops import CollectiveStage, NcclStage
+from tfreduce.packing import DEFAULT_PACK_BYTES
 from tfreduce.planner import check_auto_options, plan_for
 from tfreduce.registry import choose_algorithm, frame_options, make_stage
+from tfreduce.replicated import FlatStage
+from tfreduce.ring import RingStage
 
-__all__ = ["allreduce_grads"]
+__all__ = ["allreduce_grads", "allreduce_grads_flat", "allreduce_grads_hierarchical",
+           "allreduce_grads_ring", "allreduce_grads_nccl", "allreduce_grads_collective"]
 
 
 def allreduce_grads(all_grads, devices=None, average=False, algorithm="auto", **options):
@@ -67,3 +73,262 @@ def allreduce_grads(all_grads, devices=None, average=False, algorithm="auto", **
         stage = make_stage(algorithm, options)
         grads = validate_grads(all_grads, devices)
     return run_stages(grads, [stage], average, **frame_options(options))
+
+
+def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=DEFAULT_PACK_BYTES,
+                         sparse_as_dense=False, compression=None):
+    """All-reduces K x N gradients by reducing each to one root and broadcasting.
+
+    For each gradient n (after packing), a root device r is chosen — the
+    least-loaded by bytes so far, largest gradients first — the K copies are
+    summed on r with ``add_n`` (divided by K there once if ``average``), and
+    the result is copied to each device with ``identity``.
+
+    K x N contract, K=2, N=2, sum::
+
+        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
+         [C, D]]            [A+C, B+D]]    # on devices[1]
+
+    Args:
+      all_grads: list of K lists of N gradients; ``all_grads[k][n]`` is a
+        ``tf.Tensor`` (any float or int dtype, any shape), a
+        ``tf.IndexedSlices`` or None, computed on tower k.
+      devices: list of K device strings, or None to use each tower's tensor
+        device.
+      average: bool; True divides the sum by K, once per gradient, on its root.
+      pack_bytes: int bytes or None (default ``packing.DEFAULT_PACK_BYTES``,
+        64 KiB; None or 0 packs nothing); pack dense gradients of one dtype into
+        buffers of about this size before reducing (see packing.PackPlan).
+      sparse_as_dense: bool; reduce ``tf.IndexedSlices`` as dense tensors
+        instead of gathering their rows.
+      compression: None, "fp16" or "bf16": float32/float64 gradients are
+        cast to that 16-bit dtype on their tower before crossing devices and
+        cast back on each tower after (``frame.COMPRESSIONS``).
+
+    Returns:
+      list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``,
+      has the shape and dtype of ``all_grads[k][n]`` (IndexedSlices stay
+      IndexedSlices), and is None where every tower's gradient is None.
+      float16/bfloat16 are summed in float32 and rounded once.
+
+    Raises:
+      TypeError, ValueError: bad input, see ``contract.validate_grads``.
+    """
+    return run_stage(FlatStage(), all_grads, devices, average, pack_bytes, sparse_as_dense,
+                     compression)
+
+
+def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=None,
+                                 pack_bytes=DEFAULT_PACK_BYTES, sparse_as_dense=False,
+                                 compression=None):
+    """All-reduces K x N gradients inside groups, then across the group roots.
+
+    Same name and first arguments as tensorpack's
+    ``tensorpack.graph_builder.utils.allreduce_grads_hierarchical``, so it is a
+    drop-in replacement, and it gives the same values for K=8.
+
+    For each gradient (after packing):
+
+    1. pick a position p in the groups (least-loaded by bytes); the root of
+       group g is ``groups[g][p % len(groups[g])]``, so roots pair up by
+       position (devices i and i+4 for the default K=8 groups);
+    2. ``group{g}_sum``: the group's gradients summed on its root;
+    3. ``total``: the group sums combined on one of the roots (the least
+       loaded), divided by K there if ``average``;
+    4. ``group{g}_total``: the total copied to every other root;
+    5. ``dev{k}_out``: each root copies the total to the devices of its group.
+
+    K x N contract, K=2, N=2, sum::
+
+        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
+         [C, D]]            [A+C, B+D]]    # on devices[1]
+
+    Args:
+      all_grads: list of K lists of N gradients (``tf.Tensor``,
+        ``tf.IndexedSlices`` or None); ``all_grads[k][n]`` from tower k.
+      devices: list of K device strings, or None to use each tower's tensor
+        device.
+      average: bool; divide by K once per gradient, where the total is formed.
+      groups: list of lists of device indices that covers 0..K-1 exactly once,
+        e.g. ``[[0, 1, 2, 3], [4, 5, 6, 7]]``; default ``default_groups(K)``.
+      pack_bytes: int bytes or None; gradients under this size are packed
+        into buffers of about this size (packing.PackPlan); default
+        ``packing.DEFAULT_PACK_BYTES`` (64 KiB); None or 0 packs nothing.
+      sparse_as_dense: bool; reduce ``tf.IndexedSlices`` as dense tensors
+        instead of gathering their rows on one device.
+      compression: None, "fp16" or "bf16": float32/float64 gradients are
+        cast to that 16-bit dtype on their tower before crossing devices and
+        cast back on each tower after (``frame.COMPRESSIONS``).
+
+    Returns:
+      list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``
+      with the shape and dtype of ``all_grads[k][n]``; None stays None.
+      float16/bfloat16 are summed in float32 (group sums cross between groups
+      in float32) and rounded once.
+
+    Raises:
+      TypeError, ValueError: bad gradients or devices (see
+        ``contract.validate_grads``), or groups that do not partition 0..K-1.
+    """
+    return run_stage(HierarchicalStage(groups), all_grads, devices, average, pack_bytes,
+                     sparse_as_dense, compression)
+
+
+def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=DEFAULT_PACK_BYTES,
+                         sparse_as_dense=False, compression=None):
+    """All-reduces K x N gradients with a ring reduce-scatter and all-gather.
+
+    For each gradient (after packing), on every device: flatten, split into K
+    chunks (sizes differ by at most one element; tensors with fewer than K
+    elements use fewer, non-empty chunks). Chunk j is owned by device
+    ``(j + m) % K`` for entry m, so that small tensors do not all complete on
+    the same devices; op names number a chunk c by its owner. Then:
+
+    1. reduce-scatter (``entry{m}_chunk{c}_dev{k}_sum``): chunk c's partial
+       sum moves ``c+1 -> c+2 -> ... -> c``, each device adding its own piece;
+    2. ``entry{m}_chunk{c}_total``: the owner c divides by K (if
+       ``average``) and casts back, once per chunk;
+    3. all-gather (``entry{m}_chunk{c}_dev{k}_copy``): the total moves
+       ``c -> c+1 -> ... -> c-1``;
+    4. ``entry{m}_dev{k}_out``: device k concatenates the chunks in order
+       and restores the shape.
+
+    K x N contract, K=2, N=2, sum::
+
+        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
+         [C, D]]            [A+C, B+D]]    # on devices[1]
+
+    Worked ring, K=3, one gradient of 3 elements [a_k, b_k, c_k] on device k,
+    chunks owned by devices 0, 1, 2: chunk 0 goes 1 -> 2 -> 0 and is summed
+    ``a_1 + a_2 + a_0`` on device 0, then copied 0 -> 1 -> 2; chunks 1 and 2
+    do the same, rotated; each device ends with [sum a, sum b, sum c].
+
+    Args:
+      all_grads: list of K lists of N gradients; ``all_grads[k][n]`` is a
+        ``tf.Tensor`` (any float or int dtype, any shape, static or not), a
+        ``tf.IndexedSlices`` or None, computed on tower k.
+      devices: list of K device strings, or None to use each tower's tensor
+        device. Their order is the ring order.
+      average: bool; True multiplies by 1/K once per chunk, on its owner.
+      pack_bytes: int bytes or None (default ``packing.DEFAULT_PACK_BYTES``,
+        64 KiB; None or 0 packs nothing); pack dense gradients of one dtype into
+        buffers of about this size before reducing (see packing.PackPlan).
+      sparse_as_dense: bool; reduce ``tf.IndexedSlices`` as dense tensors
+        instead of gathering their rows on one device.
+      compression: None, "fp16" or "bf16": float32/float64 gradients are
+        cast to that 16-bit dtype on their tower before crossing devices and
+        cast back on each tower after (``frame.COMPRESSIONS``).
+
+    Returns:
+      list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``,
+      has the shape and dtype of ``all_grads[k][n]`` (IndexedSlices stay
+      IndexedSlices), and is None where every tower's gradient is None.
+      float16/bfloat16 are summed in float32 and rounded once, as in every
+      tfreduce algorithm: partial sums travel in float32 from the first add
+      on (the first reduce-scatter hop and the all-gather carry the
+      gradient's own dtype), so each device sends at most 3(K-1)/K * S bytes
+      instead of 2(K-1)/K * S.
+
+    Raises:
+      TypeError, ValueError: bad input, see ``contract.validate_grads``.
+    """
+    return run_stage(RingStage(), all_grads, devices, average, pack_bytes, sparse_as_dense,
+                     compression)
+
+
+def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=DEFAULT_PACK_BYTES,
+                         sparse_as_dense=False, compression=None):
+    """All-reduces K x N gradients with NCCL ``all_sum`` (GPUs only).
+
+    One ``NcclAllReduce`` per device and gradient (after packing); NCCL picks
+    rings/trees over NVLink or PCIe itself (NVIDIA NCCL). ``tf.IndexedSlices``
+    are gathered on one GPU and broadcast, since NCCL has no sparse form.
+
+    K x N contract, K=2, N=2, sum::
+
+        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
+         [C, D]]            [A+C, B+D]]    # on devices[1]
+
+    The argument order follows tensorpack's ``allreduce_grads(all_grads,
+    average)``, so positional calls written for it keep working.
+
+    Args:
+      all_grads: list of K lists of N gradients on K GPUs.
+      average: bool. NCCL sums in the gradients' dtype, so with average=True
+        each tower first multiplies its gradient by 1/K (Horovod's prescale):
+        float16 sums cannot overflow where their mean does not.
+      devices: list of K GPU device strings, or None for the tensors' devices.
+      pack_bytes: int bytes or None; gradients under this size are packed
+        into buffers of about this size (packing.PackPlan); default
+        ``packing.DEFAULT_PACK_BYTES`` (64 KiB); None or 0 packs nothing.
+      sparse_as_dense: bool; reduce IndexedSlices densely with NCCL.
+      compression: None, "fp16" or "bf16" (NCCL has no bfloat16: a TypeError): float32/float64 gradients are
+        cast to that 16-bit dtype on their tower before crossing devices and
+        cast back on each tower after (``frame.COMPRESSIONS``).
+
+    Returns:
+      list[list[tf.Tensor]], K x N; ``out[k][n]`` on ``devices[k]``.
+
+    Raises:
+      ValueError: at build time if any device is not a GPU (naming them), or
+        bad input (see ``contract.validate_grads``).
+    """
+    return run_stage(NcclStage(), all_grads, devices, average, pack_bytes, sparse_as_dense,
+                     compression)
+
+
+def allreduce_grads_collective(all_grads, devices=None, average=False, communication="auto",
+                               pack_bytes=DEFAULT_PACK_BYTES, sparse_as_dense=False, keys=None,
+                               timeout=None, compression=None):
+    """All-reduces K x N gradients with TF collective ops (``CollectiveReduceV2``).
+
+    One ``CollectiveReduceV2`` per device and gradient (after packing); TF's
+    collective runtime runs the reduction (a ring on CPUs, ring or NCCL on
+    GPUs). Runs on CPUs and GPUs, eagerly (wrapped in a ``tf.function``
+    here), in a ``tf.function`` or in a ``tf.compat.v1`` graph.
+
+    The K ops of a reduction wait for each other, so the whole group must run
+    together. A ``tf.function`` runs every collective it holds; in a
+    ``tf.compat.v1.Session``, fetch or depend on all K outputs of a call,
+    never some of them, or the step waits until ``timeout`` and fails. On
+    each device the reductions are chained in one fixed order
+    (``collective.CollectiveChain``), so hundreds of them cannot deadlock on
+    a few CPU threads.
+
+    K x N contract, K=2, N=2, sum::
+
+        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
+         [C, D]]            [A+C, B+D]]    # on devices[1]
+
+    Args:
+      all_grads: list of K lists of N gradients.
+      devices: list of K device strings, or None for the tensors' devices.
+      average: bool; each device multiplies its sum by 1/K (every device
+        forms the sum, so there is no single place to do it once).
+      communication: "auto", "ring" or "nccl" (TF's communication hint).
+      pack_bytes: int bytes or None; gradients under this size are packed
+        into buffers of about this size (packing.PackPlan); default
+        ``packing.DEFAULT_PACK_BYTES`` (64 KiB); None or 0 packs nothing.
+      sparse_as_dense: bool; reduce IndexedSlices densely.
+      compression: None, "fp16" or "bf16": float32/float64 gradients are
+        cast to that 16-bit dtype on their tower before crossing devices and
+        cast back on each tower after; the collective then sums in 16 bits,
+        each input prescaled by 1/K when averaging (Horovod's prescale).
+      keys: CollectiveKeys or None (``CollectiveKeys.for_call`` of this
+        call's graph, scope, devices and shapes).
+      timeout: float seconds > 0 before a reduction whose peers do not
+        arrive fails with DeadlineExceededError, or None to wait forever
+        (``collective.check_timeout``: 0 is refused).
+
+    Returns:
+      list[list[tf.Tensor]], K x N; ``out[k][n]`` on ``devices[k]``.
+      float16/bfloat16 are cast to float32 on each device before the
+      reduction (twice the bytes, one rounding) and back after.
+
+    Raises:
+      ValueError: unknown communication, a timeout that is neither None nor
+        > 0, or bad input (see ``contract.validate_grads``).
+    """
+    # The options are checked before the input, as the stage is built first.
+    return run_stage(CollectiveStage(communication, keys, timeout), all_grads, devices,
+                     average, pack_bytes, sparse_as_dense, compression)

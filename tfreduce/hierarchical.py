@@ -18,11 +18,10 @@ divides by K once, on the device that forms the total.
 import tensorflow as tf
 
 from tfreduce.contract import nbytes, validate_groups
-from tfreduce.frame import Stage, run_stage
-from tfreduce.packing import DEFAULT_PACK_BYTES
+from tfreduce.frame import Stage
 from tfreduce.primitives import RootBalancer, broadcast, finish_sum, reduce_to, sum_order
 
-__all__ = ["HierarchicalStage", "allreduce_grads_hierarchical", "default_groups"]
+__all__ = ["HierarchicalStage", "default_groups"]
 
 
 def default_groups(num_devices):
@@ -41,62 +40,6 @@ def default_groups(num_devices):
         return [list(range(num_devices))]
     half = (num_devices + 1) // 2
     return [list(range(half)), list(range(half, num_devices))]
-
-
-def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=None,
-                                 pack_bytes=DEFAULT_PACK_BYTES, sparse_as_dense=False,
-                                 compression=None):
-    """All-reduces K x N gradients inside groups, then across the group roots.
-
-    Same name and first arguments as tensorpack's
-    ``tensorpack.graph_builder.utils.allreduce_grads_hierarchical``, so it is a
-    drop-in replacement, and it gives the same values for K=8.
-
-    For each gradient (after packing):
-
-    1. pick a position p in the groups (least-loaded by bytes); the root of
-       group g is ``groups[g][p % len(groups[g])]``, so roots pair up by
-       position (devices i and i+4 for the default K=8 groups);
-    2. ``group{g}_sum``: the group's gradients summed on its root;
-    3. ``total``: the group sums combined on one of the roots (the least
-       loaded), divided by K there if ``average``;
-    4. ``group{g}_total``: the total copied to every other root;
-    5. ``dev{k}_out``: each root copies the total to the devices of its group.
-
-    K x N contract, K=2, N=2, sum::
-
-        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
-         [C, D]]            [A+C, B+D]]    # on devices[1]
-
-    Args:
-      all_grads: list of K lists of N gradients (``tf.Tensor``,
-        ``tf.IndexedSlices`` or None); ``all_grads[k][n]`` from tower k.
-      devices: list of K device strings, or None to use each tower's tensor
-        device.
-      average: bool; divide by K once per gradient, where the total is formed.
-      groups: list of lists of device indices that covers 0..K-1 exactly once,
-        e.g. ``[[0, 1, 2, 3], [4, 5, 6, 7]]``; default ``default_groups(K)``.
-      pack_bytes: int bytes or None; gradients under this size are packed
-        into buffers of about this size (packing.PackPlan); default
-        ``packing.DEFAULT_PACK_BYTES`` (64 KiB); None or 0 packs nothing.
-      sparse_as_dense: bool; reduce ``tf.IndexedSlices`` as dense tensors
-        instead of gathering their rows on one device.
-      compression: None, "fp16" or "bf16": float32/float64 gradients are
-        cast to that 16-bit dtype on their tower before crossing devices and
-        cast back on each tower after (``frame.COMPRESSIONS``).
-
-    Returns:
-      list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``
-      with the shape and dtype of ``all_grads[k][n]``; None stays None.
-      float16/bfloat16 are summed in float32 (group sums cross between groups
-      in float32) and rounded once.
-
-    Raises:
-      TypeError, ValueError: bad gradients or devices (see
-        ``contract.validate_grads``), or groups that do not partition 0..K-1.
-    """
-    return run_stage(HierarchicalStage(groups), all_grads, devices, average, pack_bytes,
-                     sparse_as_dense, compression)
 
 
 class HierarchicalStage(Stage):

@@ -11,7 +11,8 @@ import time
 
 import tensorflow as tf
 
-from tfreduce.nccl_ops import allreduce_grads_collective
+from tfreduce.frame import run_stage
+from tfreduce.nccl_ops import CollectiveStage
 from tfreduce.topology import Topology, check_topology
 
 __all__ = ["host_topology", "resolve_topology"]
@@ -144,7 +145,7 @@ def _collectives(x, count):
     for k, d in enumerate(devices):
         with tf.device(d):
             grads.append([x + float(i + k) for i in range(count)])
-    return [t.op for row in allreduce_grads_collective(grads, devices, pack_bytes=None)
+    return [t.op for row in run_stage(CollectiveStage(), grads, devices, False, None, False)
             for t in row]
 
 

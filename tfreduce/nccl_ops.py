@@ -17,52 +17,10 @@ from tensorflow.python.ops import nccl_ops as _tf_nccl
 
 from tfreduce.collective import CollectiveChain, CollectiveKeys, CollectiveOptions
 from tfreduce.devices import is_gpu
-from tfreduce.frame import Stage, run_stage
-from tfreduce.packing import DEFAULT_PACK_BYTES
+from tfreduce.frame import Stage
 from tfreduce.primitives import accumulation_dtype, finish_sum, scale_by_reciprocal
 
-__all__ = ["NcclStage", "CollectiveStage", "allreduce_grads_nccl", "allreduce_grads_collective"]
-
-
-def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=DEFAULT_PACK_BYTES,
-                         sparse_as_dense=False, compression=None):
-    """All-reduces K x N gradients with NCCL ``all_sum`` (GPUs only).
-
-    One ``NcclAllReduce`` per device and gradient (after packing); NCCL picks
-    rings/trees over NVLink or PCIe itself (NVIDIA NCCL). ``tf.IndexedSlices``
-    are gathered on one GPU and broadcast, since NCCL has no sparse form.
-
-    K x N contract, K=2, N=2, sum::
-
-        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
-         [C, D]]            [A+C, B+D]]    # on devices[1]
-
-    The argument order follows tensorpack's ``allreduce_grads(all_grads,
-    average)``, so positional calls written for it keep working.
-
-    Args:
-      all_grads: list of K lists of N gradients on K GPUs.
-      average: bool. NCCL sums in the gradients' dtype, so with average=True
-        each tower first multiplies its gradient by 1/K (Horovod's prescale):
-        float16 sums cannot overflow where their mean does not.
-      devices: list of K GPU device strings, or None for the tensors' devices.
-      pack_bytes: int bytes or None; gradients under this size are packed
-        into buffers of about this size (packing.PackPlan); default
-        ``packing.DEFAULT_PACK_BYTES`` (64 KiB); None or 0 packs nothing.
-      sparse_as_dense: bool; reduce IndexedSlices densely with NCCL.
-      compression: None, "fp16" or "bf16" (NCCL has no bfloat16: a TypeError): float32/float64 gradients are
-        cast to that 16-bit dtype on their tower before crossing devices and
-        cast back on each tower after (``frame.COMPRESSIONS``).
-
-    Returns:
-      list[list[tf.Tensor]], K x N; ``out[k][n]`` on ``devices[k]``.
-
-    Raises:
-      ValueError: at build time if any device is not a GPU (naming them), or
-        bad input (see ``contract.validate_grads``).
-    """
-    return run_stage(NcclStage(), all_grads, devices, average, pack_bytes, sparse_as_dense,
-                     compression)
+__all__ = ["NcclStage", "CollectiveStage"]
 
 
 class NcclStage(Stage):
@@ -96,63 +54,6 @@ class NcclStage(Stage):
                     placed.append(tf.identity(g, name=f"entry{m}_dev{k}_in"))
             columns.append(_tf_nccl.all_sum(placed))
         return [list(row) for row in zip(*columns)]  # K x M
-
-
-def allreduce_grads_collective(all_grads, devices=None, average=False, communication="auto",
-                               pack_bytes=DEFAULT_PACK_BYTES, sparse_as_dense=False, keys=None,
-                               timeout=None, compression=None):
-    """All-reduces K x N gradients with TF collective ops (``CollectiveReduceV2``).
-
-    One ``CollectiveReduceV2`` per device and gradient (after packing); TF's
-    collective runtime runs the reduction (a ring on CPUs, ring or NCCL on
-    GPUs). Runs on CPUs and GPUs, eagerly (wrapped in a ``tf.function``
-    here), in a ``tf.function`` or in a ``tf.compat.v1`` graph.
-
-    The K ops of a reduction wait for each other, so the whole group must run
-    together. A ``tf.function`` runs every collective it holds; in a
-    ``tf.compat.v1.Session``, fetch or depend on all K outputs of a call,
-    never some of them, or the step waits until ``timeout`` and fails. On
-    each device the reductions are chained in one fixed order
-    (``collective.CollectiveChain``), so hundreds of them cannot deadlock on
-    a few CPU threads.
-
-    K x N contract, K=2, N=2, sum::
-
-        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
-         [C, D]]            [A+C, B+D]]    # on devices[1]
-
-    Args:
-      all_grads: list of K lists of N gradients.
-      devices: list of K device strings, or None for the tensors' devices.
-      average: bool; each device multiplies its sum by 1/K (every device
-        forms the sum, so there is no single place to do it once).
-      communication: "auto", "ring" or "nccl" (TF's communication hint).
-      pack_bytes: int bytes or None; gradients under this size are packed
-        into buffers of about this size (packing.PackPlan); default
-        ``packing.DEFAULT_PACK_BYTES`` (64 KiB); None or 0 packs nothing.
-      sparse_as_dense: bool; reduce IndexedSlices densely.
-      compression: None, "fp16" or "bf16": float32/float64 gradients are
-        cast to that 16-bit dtype on their tower before crossing devices and
-        cast back on each tower after; the collective then sums in 16 bits,
-        each input prescaled by 1/K when averaging (Horovod's prescale).
-      keys: CollectiveKeys or None (``CollectiveKeys.for_call`` of this
-        call's graph, scope, devices and shapes).
-      timeout: float seconds > 0 before a reduction whose peers do not
-        arrive fails with DeadlineExceededError, or None to wait forever
-        (``collective.check_timeout``: 0 is refused).
-
-    Returns:
-      list[list[tf.Tensor]], K x N; ``out[k][n]`` on ``devices[k]``.
-      float16/bfloat16 are cast to float32 on each device before the
-      reduction (twice the bytes, one rounding) and back after.
-
-    Raises:
-      ValueError: unknown communication, a timeout that is neither None nor
-        > 0, or bad input (see ``contract.validate_grads``).
-    """
-    # The options are checked before the input, as the stage is built first.
-    return run_stage(CollectiveStage(communication, keys, timeout), all_grads, devices,
-                     average, pack_bytes, sparse_as_dense, compression)
 
 
 class CollectiveStage(Stage):

@@ -17,11 +17,10 @@ the copies have drifted apart.
 import tensorflow as tf
 
 from tfreduce.contract import check_variables, nbytes, tf_variables
-from tfreduce.frame import Stage, run_stage
-from tfreduce.packing import DEFAULT_PACK_BYTES
+from tfreduce.frame import Stage
 from tfreduce.primitives import RootBalancer, broadcast, reduce_to, sum_order
 
-__all__ = ["FlatStage", "allreduce_grads_flat", "broadcast_variables", "max_replica_difference"]
+__all__ = ["FlatStage", "broadcast_variables", "max_replica_difference"]
 
 
 class FlatStage(Stage):
@@ -42,49 +41,6 @@ class FlatStage(Stage):
             for k, t in enumerate(broadcast(total, devices, name_fmt=f"entry{m}_dev{{}}_out")):
                 out[k][m] = t
         return out
-
-
-def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=DEFAULT_PACK_BYTES,
-                         sparse_as_dense=False, compression=None):
-    """All-reduces K x N gradients by reducing each to one root and broadcasting.
-
-    For each gradient n (after packing), a root device r is chosen — the
-    least-loaded by bytes so far, largest gradients first — the K copies are
-    summed on r with ``add_n`` (divided by K there once if ``average``), and
-    the result is copied to each device with ``identity``.
-
-    K x N contract, K=2, N=2, sum::
-
-        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
-         [C, D]]            [A+C, B+D]]    # on devices[1]
-
-    Args:
-      all_grads: list of K lists of N gradients; ``all_grads[k][n]`` is a
-        ``tf.Tensor`` (any float or int dtype, any shape), a
-        ``tf.IndexedSlices`` or None, computed on tower k.
-      devices: list of K device strings, or None to use each tower's tensor
-        device.
-      average: bool; True divides the sum by K, once per gradient, on its root.
-      pack_bytes: int bytes or None (default ``packing.DEFAULT_PACK_BYTES``,
-        64 KiB; None or 0 packs nothing); pack dense gradients of one dtype into
-        buffers of about this size before reducing (see packing.PackPlan).
-      sparse_as_dense: bool; reduce ``tf.IndexedSlices`` as dense tensors
-        instead of gathering their rows.
-      compression: None, "fp16" or "bf16": float32/float64 gradients are
-        cast to that 16-bit dtype on their tower before crossing devices and
-        cast back on each tower after (``frame.COMPRESSIONS``).
-
-    Returns:
-      list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``,
-      has the shape and dtype of ``all_grads[k][n]`` (IndexedSlices stay
-      IndexedSlices), and is None where every tower's gradient is None.
-      float16/bfloat16 are summed in float32 and rounded once.
-
-    Raises:
-      TypeError, ValueError: bad input, see ``contract.validate_grads``.
-    """
-    return run_stage(FlatStage(), all_grads, devices, average, pack_bytes, sparse_as_dense,
-                     compression)
 
 
 def broadcast_variables(all_vars, root=0):

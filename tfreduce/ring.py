@@ -23,74 +23,11 @@ links between devices are the bottleneck.
 import tensorflow as tf
 
 from tfreduce.contract import shard_sizes
-from tfreduce.frame import Stage, run_stage
-from tfreduce.packing import DEFAULT_PACK_BYTES
+from tfreduce.frame import Stage
 from tfreduce.primitives import (finish_sum, ring_all_gather, ring_reduce_scatter,
                                  scale_by_reciprocal)
 
-__all__ = ["RingStage", "allreduce_grads_ring"]
-
-
-def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=DEFAULT_PACK_BYTES,
-                         sparse_as_dense=False, compression=None):
-    """All-reduces K x N gradients with a ring reduce-scatter and all-gather.
-
-    For each gradient (after packing), on every device: flatten, split into K
-    chunks (sizes differ by at most one element; tensors with fewer than K
-    elements use fewer, non-empty chunks). Chunk j is owned by device
-    ``(j + m) % K`` for entry m, so that small tensors do not all complete on
-    the same devices; op names number a chunk c by its owner. Then:
-
-    1. reduce-scatter (``entry{m}_chunk{c}_dev{k}_sum``): chunk c's partial
-       sum moves ``c+1 -> c+2 -> ... -> c``, each device adding its own piece;
-    2. ``entry{m}_chunk{c}_total``: the owner c divides by K (if
-       ``average``) and casts back, once per chunk;
-    3. all-gather (``entry{m}_chunk{c}_dev{k}_copy``): the total moves
-       ``c -> c+1 -> ... -> c-1``;
-    4. ``entry{m}_dev{k}_out``: device k concatenates the chunks in order
-       and restores the shape.
-
-    K x N contract, K=2, N=2, sum::
-
-        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
-         [C, D]]            [A+C, B+D]]    # on devices[1]
-
-    Worked ring, K=3, one gradient of 3 elements [a_k, b_k, c_k] on device k,
-    chunks owned by devices 0, 1, 2: chunk 0 goes 1 -> 2 -> 0 and is summed
-    ``a_1 + a_2 + a_0`` on device 0, then copied 0 -> 1 -> 2; chunks 1 and 2
-    do the same, rotated; each device ends with [sum a, sum b, sum c].
-
-    Args:
-      all_grads: list of K lists of N gradients; ``all_grads[k][n]`` is a
-        ``tf.Tensor`` (any float or int dtype, any shape, static or not), a
-        ``tf.IndexedSlices`` or None, computed on tower k.
-      devices: list of K device strings, or None to use each tower's tensor
-        device. Their order is the ring order.
-      average: bool; True multiplies by 1/K once per chunk, on its owner.
-      pack_bytes: int bytes or None (default ``packing.DEFAULT_PACK_BYTES``,
-        64 KiB; None or 0 packs nothing); pack dense gradients of one dtype into
-        buffers of about this size before reducing (see packing.PackPlan).
-      sparse_as_dense: bool; reduce ``tf.IndexedSlices`` as dense tensors
-        instead of gathering their rows on one device.
-      compression: None, "fp16" or "bf16": float32/float64 gradients are
-        cast to that 16-bit dtype on their tower before crossing devices and
-        cast back on each tower after (``frame.COMPRESSIONS``).
-
-    Returns:
-      list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``,
-      has the shape and dtype of ``all_grads[k][n]`` (IndexedSlices stay
-      IndexedSlices), and is None where every tower's gradient is None.
-      float16/bfloat16 are summed in float32 and rounded once, as in every
-      tfreduce algorithm: partial sums travel in float32 from the first add
-      on (the first reduce-scatter hop and the all-gather carry the
-      gradient's own dtype), so each device sends at most 3(K-1)/K * S bytes
-      instead of 2(K-1)/K * S.
-
-    Raises:
-      TypeError, ValueError: bad input, see ``contract.validate_grads``.
-    """
-    return run_stage(RingStage(), all_grads, devices, average, pack_bytes, sparse_as_dense,
-                     compression)
+__all__ = ["RingStage"]
 
 
 class RingStage(Stage):
