@@ -22,7 +22,7 @@ LAYERS = {
     "primitives": 4, "collective": 4, "traffic": 4,
     "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5,
     "registry": 5, "costmodel": 5, "hostprobe": 5, "planner": 5, "allreduce": 5, "powersgd": 5,
-    "failures": 5, "cluster": 5, "multiworker": 5, "consistency": 5,
+    "failures": 5, "cluster": 5, "crossworker": 5, "multiworker": 5, "consistency": 5,
     "models": 6, "trainer": 6, "distribute": 6,
     "launch": 7, "bench": 7,
 }
@@ -40,7 +40,7 @@ SAME_LAYER = {
     ("registry", "replicated"), ("registry", "hierarchical"), ("registry", "ring"),
     ("registry", "nccl_ops"),
     ("cluster", "failures"), ("multiworker", "frame"), ("multiworker", "registry"),
-    ("multiworker", "cluster"), ("costmodel", "hostprobe"),
+    ("multiworker", "cluster"), ("multiworker", "crossworker"), ("crossworker", "frame"), ("costmodel", "hostprobe"),
     ("hostprobe", "nccl_ops"), ("planner", "hostprobe"), ("planner", "costmodel"),
     ("allreduce", "planner"), ("planner", "registry"), ("planner", "frame"),
     ("planner", "hierarchical"),

@@ -40,7 +40,7 @@ from tfreduce.devices import topology_index
 from tfreduce.graphwalk import as_graph, static_bytes, tensors, walk_back
 from tfreduce.hostprobe import resolve_topology
 
-__all__ = ["Prediction", "predict", "device_index"]
+__all__ = ["Prediction", "predict"]
 
 # Ops that move no data of their own: renames, aliases, metadata, handles.
 FREE_OPS = frozenset({

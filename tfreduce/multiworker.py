@@ -29,23 +29,16 @@ ring over gRPC on CPUs), as under MultiWorkerMirroredStrategy.
 import tensorflow as tf
 
 from tfreduce.cluster import Cluster
-from tfreduce.collective import (CollectiveChain, CollectiveKeys, CollectiveOptions,
-                                 broadcast_recv, broadcast_send, in_function)
+from tfreduce.collective import broadcast_recv, broadcast_send, in_function
 from tfreduce.compression import as_compressor
-from tfreduce.contract import check_variables, nbytes, validate_grads
+from tfreduce.contract import check_variables, validate_grads
+from tfreduce.crossworker import CROSS_WORKER_PACK_BYTES, CrossWorkerStage, cross_worker_options
 from tfreduce.devices import local_name, normalize_devices
-from tfreduce.frame import Stage, run_stages
-from tfreduce.primitives import (RootBalancer, broadcast, finish_sum, mean_of_sum,
-                                 scale_by_reciprocal, sum_order)
+from tfreduce.frame import run_stages
 from tfreduce.registry import ALGORITHMS, choose_algorithm, make_stage
 
-__all__ = ["CrossWorkerStage", "allreduce_grads_multiworker",
-           "broadcast_variables_multiworker", "check_local_options", "CROSS_WORKER_PACK_BYTES"]
-
-#: Default buffer size for packing before the cross-worker all-reduce. Each
-#: collective between hosts pays a network round trip or more, so small
-#: gradients are fused into buffers of this size (see packing.PackPlan).
-CROSS_WORKER_PACK_BYTES = 4 * 1024 * 1024
+__all__ = ["allreduce_grads_multiworker", "broadcast_variables_multiworker",
+           "check_local_options", "CROSS_WORKER_PACK_BYTES"]
 
 # Options of the local algorithm that this function decides itself.
 _OWN_OPTIONS = ("pack_bytes", "sparse_as_dense", "devices", "average")
@@ -84,129 +77,6 @@ def _check_cluster(cluster):
         raise TypeError(
             f"cluster must be a tfreduce.Cluster (e.g. Cluster.from_tf_config(), "
             f"then cluster.start()), got {type(cluster).__name__} {cluster!r}")
-
-
-def _cross_worker_options(cluster, communication, timeout, keys):
-    """(CollectiveOptions, CollectiveKeys) of cross-worker collectives; None: the cluster's."""
-    options = CollectiveOptions(communication, timeout,
-                                none_means=f"the cluster's {cluster.timeout:g}s")
-    if keys is None:
-        keys = cluster.keys
-    elif not isinstance(keys, CollectiveKeys):
-        raise TypeError(f"keys must be a tfreduce.CollectiveKeys or None (the "
-                        f"cluster's), got {type(keys).__name__}")
-    return options.with_timeout(cluster.timeout), keys
-
-
-class CrossWorkerStage(Stage):
-    """Per entry: one device per worker all-reduces across workers, then copies to the others.
-
-    The entry's root r is picked by bytes, largest entries first, so the K
-    devices of a worker each carry about 1/K of the cross-worker traffic.
-    On r: ``entry{m}_cross_worker``, a ``CollectiveReduceV2`` over device r
-    of every worker (chained per device), then the one scaling by 1/T
-    (T = W * K towers) and cast back, ``entry{m}_total``; then
-    ``entry{m}_dev{k}_out``, the copy to each of the worker's devices.
-
-    With ``compression``, the local sum of a float32/float64 entry is scaled
-    by 1/T first when averaging (so a mean cannot overflow), cast to the
-    16-bit wire dtype, all-reduced across workers in it, and cast back:
-    half the bytes cross the network.
-
-    Args:
-      cluster: tfreduce.Cluster of this worker.
-      options: collective.CollectiveOptions, with a timeout.
-      keys: CollectiveKeys that hand out the same keys on every worker.
-      compression: compression.Compressor.
-    """
-
-    name = "cross_worker"
-    collective = True
-    needs_function = True
-
-    def __init__(self, cluster, options, keys, compression=None):
-        self.cluster = cluster
-        self.options = options
-        self.keys = keys
-        self.compression = compression
-        self._chain = None
-        self._towers = None
-
-    def bind(self, devices):
-        # A fresh chain for each call, shared by its dense and sparse entries.
-        bound = CrossWorkerStage(self.cluster, self.options, self.keys, self.compression)
-        bound._chain = CollectiveChain(self.options)
-        bound._towers = self.cluster.num_workers * len(devices)  # T
-        return bound
-
-    def _ordered(self, device):
-        group_key = self.cluster.group_key([local_name(device)])
-        self._chain.token(device, f"tfreduce_cross_order_{group_key}", "cross_worker_order")
-        return group_key
-
-    def gather(self, slices, device, average, m):
-        """All-gathers a worker's gathered rows from every worker (row counts differ)."""
-        chain, num_workers = self._chain, self.cluster.num_workers
-        group_key = self._ordered(device)
-        values = slices.values
-        with chain.after_previous(device):
-            indices = chain.all_gather_rows(slices.indices, device, num_workers, group_key,
-                                            self.keys, name=f"entry{m}_cross_indices")
-            if values.shape[1:].num_elements() == 0:
-                # Rows of no elements: nothing to send (TF's kernels crash on it).
-                values = tf.zeros(tf.concat([tf.shape(indices), tf.shape(values)[1:]], 0),
-                                  values.dtype)
-            else:
-                values = chain.all_gather_rows(values, device, num_workers, group_key,
-                                               self.keys, name=f"entry{m}_cross_values")
-            if average:
-                # The frame gathered without scaling: 1/T once, here.
-                values = mean_of_sum(values, self._towers)
-        return tf.IndexedSlices(values, indices, slices.dense_shape)
-
-    def reduce(self, buffers, ctx):
-        devices, num_workers = ctx.devices, self.cluster.num_workers
-        num_local = len(devices)
-        group_keys = [self.cluster.group_key([local_name(d)]) for d in devices]
-        chain = self._chain
-        balancer = RootBalancer(num_local)
-        sizes = [nbytes(t) for t in buffers[0]]
-        out = [[None] * len(sizes) for _ in range(num_local)]  # K x M
-        for m in sum_order(sizes):
-            r = balancer.pick(range(num_local), sizes[m])
-            self._ordered(devices[r])
-            # Only device r's copy is read, but the K ops of a collective
-            # local stage wait for each other: all K must run, or a
-            # tf.compat.v1 session hangs.
-            others = ([buffers[k][m] for k in range(num_local) if k != r]
-                      if ctx.upstream_collective else [])
-            wire = self.compression.wire_dtype(ctx.dtypes[m])
-            local_sum = buffers[r][m]
-            if wire != ctx.dtypes[m]:
-                local_sum = _to_wire(local_sum, wire, ctx.average, self._towers, devices[r], m)
-            with chain.after_previous(devices[r], extra=others):
-                summed = chain.all_reduce(local_sum, devices[r], num_workers, group_keys[r],
-                                          self.keys.instance_key(),
-                                          name=f"entry{m}_cross_worker")
-            if wire != ctx.dtypes[m]:
-                with tf.device(devices[r]):
-                    summed = tf.cast(summed, buffers[r][m].dtype)
-            # Prescaled entries are means already.
-            total = finish_sum(summed, ctx.dtypes[m], self._towers,
-                               ctx.average and wire == ctx.dtypes[m], devices[r],
-                               name=f"entry{m}_total")
-            for k, t in enumerate(broadcast(total, devices, name_fmt=f"entry{m}_dev{{}}_out")):
-                out[k][m] = t
-        return out
-
-
-def _to_wire(local_sum, wire, average, num_towers, device, m):
-    # The local sum in the 16-bit wire dtype, scaled by 1/T first when
-    # averaging (a mean cannot overflow): only the cross-worker hop is compressed.
-    with tf.device(device):
-        if average:
-            local_sum = scale_by_reciprocal(local_sum, num_towers)
-        return tf.cast(local_sum, wire, name=f"entry{m}_to_{wire.name}")
 
 
 def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=None,
@@ -293,7 +163,7 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
                          f"{local_algorithm!r}")
     local_options = check_local_options(local_options)
     compression = as_compressor(compression)
-    options, keys = _cross_worker_options(cluster, communication, timeout, keys)
+    options, keys = cross_worker_options(cluster, communication, timeout, keys)
     grads = validate_grads(all_grads, devices)
     # Full names: the ops stay on this worker, and a local collective
     # algorithm gets a group key of its own on each worker.
@@ -345,7 +215,7 @@ def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
     """
     _check_cluster(cluster)
     check_variables(all_vars, fully_defined=True)
-    options, keys = _cross_worker_options(cluster, communication, timeout, keys)
+    options, keys = cross_worker_options(cluster, communication, timeout, keys)
     devices = normalize_devices([cluster.device(t[0].device or "/device:CPU:0",
                                                 where=f"tower {k}'s device")
                                  for k, t in enumerate(all_vars)])

@@ -21,8 +21,6 @@ traffic is invisible here and reported as zero bytes.
 
 import collections
 
-import tensorflow as tf
-
 from tfreduce.devices import canonical_or_empty
 from tfreduce.graphwalk import as_graph, static_bytes, tensors, walk_back
 
