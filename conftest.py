@@ -1,4 +1,4 @@
-"""pytest set-up for the README's Python blocks (run by pytest-markdown-docs).
+"""pytest set-up for the Python blocks of the README and docs/ (pytest-markdown-docs).
 
 A block marked ``python runner:TwoWorkers`` is a multi-worker program: it
 runs as two worker processes under ``tfreduce.launch`` on 127.0.0.1, and
@@ -12,6 +12,9 @@ import sys
 import tempfile
 
 from pytest_markdown_docs._runners import DefaultRunner, register_runner
+
+# MkDocs' hook (mkdocs.yml), not a test module.
+collect_ignore = ["docs/_hooks"]
 
 
 @register_runner()
