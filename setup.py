@@ -8,7 +8,7 @@ setup(
     description="Device-placed gradient all-reduce subgraphs (flat, hierarchical, "
                 "NCCL, collective) and a replicated trainer for TensorFlow",
     packages=find_packages(include=["tfreduce", "tfreduce.*"]),
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     # tf.summary needs tensorboard, which TF no longer installs itself.
     install_requires=["tensorflow>=2.16", "numpy", "tensorboard"],
     entry_points={

@@ -528,9 +528,9 @@ def fit_replicated(parser, args, devices, cluster, restarted, data, towers):
     from tfreduce.trainer.signals import Terminated
 
     train, test, num_classes, input_shape, _ = data
-    compression = args.compression
+    compression, powersgd = args.compression, None
     if compression == "powersgd":
-        compression = tfreduce.PowerSGD(rank=args.powersgd_rank)  # tfreduce:
+        compression, powersgd = None, tfreduce.PowerSGD(rank=args.powersgd_rank)  # tfreduce:
     trainer = ReplicatedTrainer(  # tfreduce:
         model_fn=lambda: image_cnn(input_shape, num_classes, args.seed),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -540,7 +540,8 @@ def fit_replicated(parser, args, devices, cluster, restarted, data, towers):
         cluster=cluster,  # tfreduce: None trains in this process only
         accumulate_steps=args.accumulate_steps,
         on_nonfinite=args.on_nonfinite,
-        **({"compression": compression} if compression else {}),
+        compression=compression,  # tfreduce: "fp16"/"bf16": 16 bits cross devices
+        powersgd=powersgd,
     )
     algorithm = args.algorithm
     if algorithm == "auto":
@@ -609,21 +610,22 @@ def fit_replicated(parser, args, devices, cluster, restarted, data, towers):
     report(args, results, run.get("images_per_sec", []), history if trainer.is_chief else None,
            f"{towers} towers, all-reduce {algorithm}", checkpoint_dir)
     print(f"replica drift (largest difference from tower 0): {trainer.check_replicas():g}")
-    if compression is not None:
-        print(payload_line(trainer, compression))
+    if compression is not None or powersgd is not None:
+        print(payload_line(trainer, powersgd))
     if sum(run.get("skipped_steps", [])):
         print(f"steps skipped for NaN or Inf gradients: {sum(run['skipped_steps'])}")
     return 0
 
 
-def payload_line(trainer, compression):
-    """What each tower puts into the gradient all-reduce of one update, in bytes."""
-    import tfreduce
+def payload_line(trainer, powersgd):
+    """What each tower puts into the gradient all-reduce of one update, in bytes.
 
+    powersgd: the trainer's tfreduce.PowerSGD, or None for 16-bit compression.
+    """
     shapes = [v.shape.as_list() for v in trainer.models[0].trainable_variables]
     full = sum(math.prod(shape) for shape in shapes) * 4  # float32 gradients
-    if isinstance(compression, tfreduce.PowerSGD):
-        sent = compression.payload_elements(shapes)[0] * 4
+    if powersgd is not None:
+        sent = powersgd.payload_elements(shapes)[0] * 4
     else:
         sent = full // 2  # 16 bits a number
     return (f"all-reduce payload per tower and update: {sent} bytes "

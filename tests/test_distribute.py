@@ -64,23 +64,24 @@ def test_the_training_step_reduces_with_tfreduce(monkeypatch):
     # Every call of tfreduce's all-reduce is recorded while fit traces its
     # step: the gradients must go through it, not through a TF fallback.
     calls = []
-    original = tfreduce.distribute.allreduce_grads
+    original = tfreduce.Reduction.__call__
 
-    def spy(all_grads, devices, **kwargs):
-        out = original(all_grads, devices, **kwargs)
-        calls.append((len(all_grads), len(all_grads[0]), devices, kwargs, out))
+    def spy(reduction, all_grads, devices, average=False, **kwargs):
+        out = original(reduction, all_grads, devices, average, **kwargs)
+        calls.append((len(all_grads), len(all_grads[0]), devices, reduction, average, out))
         return out
 
-    monkeypatch.setattr(tfreduce.distribute, "allreduce_grads", spy)
+    monkeypatch.setattr(tfreduce.Reduction, "__call__", spy)
     worker.fit_weights(CPU_DEVICES[:4], tfreduce.CrossDeviceOps(
         "hierarchical", groups=[[0, 1], [2, 3]], pack_bytes=None), batch_norm=False)
     gradient_calls = [c for c in calls if c[1] == 4]  # two kernels, two biases
     assert gradient_calls, [c[:2] for c in calls]
-    num_towers, num_vars, devices, kwargs, out = gradient_calls[0]
+    num_towers, num_vars, devices, reduction, average, out = gradient_calls[0]
     assert num_towers == 4
     assert [d.split("device:")[-1] for d in devices] == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
-    assert kwargs == {"average": False, "algorithm": "hierarchical",
-                      "groups": [[0, 1], [2, 3]], "pack_bytes": None}
+    assert average is False
+    assert reduction == tfreduce.Reduction("hierarchical", groups=[[0, 1], [2, 3]],
+                                           pack_bytes=None)
     for k in range(4):
         for n in range(4):
             assert out[k][n].device.endswith(f"CPU:{k}")
@@ -120,16 +121,17 @@ def test_reduce_and_batch_reduce_to_against_numpy():
 
 def test_bytes_per_pack_of_communication_options_is_honoured(monkeypatch):
     seen = []
-    original = tfreduce.distribute.allreduce_grads
-    monkeypatch.setattr(tfreduce.distribute, "allreduce_grads",
-                        lambda *a, **kw: seen.append(kw) or original(*a, **kw))
+    original = tfreduce.Reduction.__call__
+    monkeypatch.setattr(tfreduce.Reduction, "__call__",
+                        lambda reduction, *a, **kw: seen.append(reduction) or original(
+                            reduction, *a, **kw))
     strategy = tf.distribute.MirroredStrategy(
         CPU_DEVICES[:2], cross_device_ops=tfreduce.CrossDeviceOps("flat"))
     value = per_replica(strategy, lambda k: tf.ones([3]))
     options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=1024)
     strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(value, value)], options)
     strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(value, value)])
-    assert [kw.get("pack_bytes", "default") for kw in seen] == [1024, "default"]
+    assert [reduction.pack_bytes for reduction in seen] == [1024, "auto"]
 
 
 @pytest.mark.parametrize("args, kwargs, error, message", [
@@ -138,11 +140,11 @@ def test_bytes_per_pack_of_communication_options_is_honoured(monkeypatch):
     (("hierarchical",), {"groups": [[0, 1], [1, 2]]}, ValueError,
      "device index 1 is in groups[0] and groups[1]"),
     (("hierarchical",), {"groups": [[0, 2]]}, ValueError,
-     "groups[0] holds device index 2, outside 0..1 for 2 devices"),
+     "groups [[0, 2]] leave device indices [1] out"),
     (("flat",), {"groups": [[0, 1]]}, TypeError, "algorithm 'flat' takes no option ['groups']"),
     (("auto",), {"groups": [[0, 1]]}, TypeError,
-     "CrossDeviceOps('auto') takes only ['pack_bytes', 'sparse_as_dense', 'compression'], "
-     "got ['groups']"),
+     "CrossDeviceOps: algorithm 'auto' takes no option ['groups']; it takes ['compression', "
+     "'pack_bytes', 'sparse_as_dense']: 'auto' picks the algorithm from the devices"),
     (("flat",), {"pack_bytes": -1}, ValueError, "pack_bytes"),
 ])
 def test_bad_options_raise_at_construction(args, kwargs, error, message):

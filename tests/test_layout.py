@@ -18,31 +18,32 @@ PACKAGE = pathlib.Path(tfreduce.__file__).parent
 # Each module's layer (DESIGN.md): a module imports only modules of a
 # smaller layer, or of its own layer where the pair is listed below.
 LAYERS = {
-    "tf_config": 0, "startup": 0, "choices": 0, "topology": 0, "devices": 1, "contract": 2, "packing": 3, "compression": 3, "graphwalk": 3,
+    "tf_config": 0, "startup": 0, "choices": 0, "topology": 0,
+    "devices": 1,
+    "contract": 2,
+    "packing": 3, "compression": 3, "graphwalk": 3,
     "primitives": 4, "collective": 4, "traffic": 4,
     "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5,
-    "registry": 5, "costmodel": 5, "hostprobe": 5, "planner": 5, "allreduce": 5, "powersgd": 5,
-    "failures": 5, "cluster": 5, "crossworker": 5, "multiworker": 5, "consistency": 5,
-    "models": 6, "trainer": 6, "distribute": 6,
-    "launch": 7, "bench": 7,
+    "registry": 5, "costmodel": 5, "hostprobe": 5, "planner": 5, "powersgd": 5,
+    "failures": 5, "cluster": 5, "localcluster": 5, "crossworker": 5, "consistency": 5,
+    "reduction": 6,
+    "allreduce": 7, "multiworker": 7, "models": 7,
+    "trainer": 8, "distribute": 8,
+    "launch": 9, "bench": 9,
 }
-# Same-layer imports that are part of the design: the algorithms build on
-# the frame; the registry names the algorithms; the planner costs the
-# registry's stages, run in the frame, with the cost model, which calls the
-# host probe, which times the collective algorithm's stage; the dispatcher runs the registry's stage (or
-# the plan's) in the frame; the cluster uses the failure probes; the
-# multi-worker composition uses the frame, the registry and the cluster.
+# Same-layer imports that are part of the design: the algorithms and the
+# cross-worker stage build on the frame; the registry names the algorithms;
+# the planner costs the registry's stages, run in the frame, with the cost
+# model, which calls the host probe, which times the collective algorithm's
+# stage; the cluster uses the failure probes.
 SAME_LAYER = {
     ("replicated", "frame"), ("hierarchical", "frame"), ("ring", "frame"),
-    ("nccl_ops", "frame"), ("allreduce", "frame"), ("allreduce", "registry"),
-    ("allreduce", "replicated"), ("allreduce", "hierarchical"), ("allreduce", "ring"),
-    ("allreduce", "nccl_ops"), ("hostprobe", "frame"),
+    ("nccl_ops", "frame"), ("crossworker", "frame"),
     ("registry", "replicated"), ("registry", "hierarchical"), ("registry", "ring"),
     ("registry", "nccl_ops"),
-    ("cluster", "failures"), ("multiworker", "frame"), ("multiworker", "registry"),
-    ("multiworker", "cluster"), ("multiworker", "crossworker"), ("crossworker", "frame"), ("costmodel", "hostprobe"),
-    ("hostprobe", "nccl_ops"), ("planner", "hostprobe"), ("planner", "costmodel"),
-    ("allreduce", "planner"), ("planner", "registry"), ("planner", "frame"),
+    ("cluster", "failures"), ("costmodel", "hostprobe"),
+    ("hostprobe", "frame"), ("hostprobe", "nccl_ops"), ("planner", "hostprobe"),
+    ("planner", "costmodel"), ("planner", "registry"), ("planner", "frame"),
     ("planner", "hierarchical"),
 }
 

@@ -202,7 +202,7 @@ def test_dispatcher_builds_the_local_stage(graph, local, scope):
      "cluster must be a tfreduce.Cluster (e.g. Cluster.from_tf_config(), then "
      "cluster.start()), got NoneType None"),
     ({"local_algorithm": "butterfly"}, ValueError,
-     f"local_algorithm must be one of {tfreduce.ALGORITHMS}, got 'butterfly'"),
+     f"unknown all-reduce algorithm 'butterfly'; choose one of {tfreduce.ALGORITHMS}"),
     ({"local_options": {"pack_bytes": 10}}, ValueError,
      "local_options ['pack_bytes'] are set by allreduce_grads_multiworker itself"),
     ({"local_options": {"groups": [[0]]}}, ValueError,

@@ -40,7 +40,7 @@ def spy_on_plans(monkeypatch):
         plans.append(planner.plan_for(*args))
         return plans[-1]
 
-    monkeypatch.setattr(tfreduce.allreduce, "plan_for", recording)
+    monkeypatch.setattr(tfreduce.reduction, "plan_for", recording)
     return plans
 
 

@@ -183,6 +183,7 @@ def test_the_stateless_reductions_point_to_the_trainer():
     grads = [[tf.zeros([4, 4])], [tf.zeros([4, 4])]]
     with pytest.raises(ValueError, match=re.escape(
             "compression must be None, 'fp16' or 'bf16', got PowerSGD(rank=2, "
-            "min_compression_rate=2.0, seed=0) (PowerSGD keeps state between steps: it is a "
-            "ReplicatedTrainer option, compression=tfreduce.PowerSGD(rank=2))")):
+            "min_compression_rate=2.0, seed=0) (or tfreduce.Compression.none, .fp16, .bf16; "
+            "PowerSGD keeps state between steps: it is a ReplicatedTrainer option of its own, "
+            "powersgd=tfreduce.PowerSGD(rank=2))")):
         tfreduce.allreduce_grads(grads, CPU_DEVICES[:2], compression=PowerSGD())

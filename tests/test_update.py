@@ -9,6 +9,7 @@ import pytest
 import tfreduce
 from helpers import CPU_DEVICES
 from test_trainer import LOSS, bn_mlp, data, mlp, sgd, single_device_run, values
+from tfreduce.localcluster import LocalCluster
 from tfreduce.trainer import ReplicatedTrainer
 from tfreduce.trainer.update import nonfinite_error
 
@@ -219,7 +220,7 @@ def test_overflow_of_the_sum_alone_is_named():
         "trainable": [[type("V", (), {"path": "dense/kernel"})(),
                        type("V", (), {"path": "dense/bias"})()]]})
     report = np.array([[0, 0], [0, 0], [0, 1]])
-    error = nonfinite_error(report, 7, towers, None)
+    error = nonfinite_error(report, 7, towers, LocalCluster())
     assert str(error).startswith(
         "step 7: the all-reduced gradient of variable 'dense/bias' is NaN or Inf (every "
         "tower's gradient is finite: the sum overflowed; compression='fp16' crosses devices "

@@ -43,9 +43,10 @@ _EXPORTS = {
     "Topology": "tfreduce.topology",
     "Traffic": "tfreduce.traffic",
     "analyze_traffic": "tfreduce.traffic",
-    "plan_allreduce": "tfreduce.planner",
+    "plan_allreduce": "tfreduce.allreduce",
     "predict": "tfreduce.costmodel",
     "ReplicatedTrainer": "tfreduce.trainer",
+    "Reduction": "tfreduce.reduction",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,78 +1,97 @@
-"""One entry point that picks an all-reduce algorithm by name (the registry's stages).
+"""The public all-reduce functions: the dispatcher and one function per algorithm.
 
-``algorithm="auto"`` takes the registry's rule (``choose_algorithm``), or,
-given ``topology=``, the candidate the cost model predicts fastest there
-(``planner.plan_for``).
+Each builds a ``tfreduce.Reduction`` from its keywords (the one place the
+algorithm and its options are checked and documented) and calls it.
+
+The K x N contract, the same for every function here::
+
+    all_grads[k][n]   the gradient of variable n on tower k (K towers, N variables)
+    out[k][n]         the sum (or mean) over k of all_grads[k][n], placed on devices[k]
+
+K=2, N=2, sum::
+
+    [[A, B],      ->   [[A+C, B+D],    # on devices[0]
+     [C, D]]            [A+C, B+D]]    # on devices[1]
+
+Inputs and outputs are lists of K lists of N; each output keeps its
+gradient's shape and dtype; a variable whose gradient is None on every tower
+stays None; ``tf.IndexedSlices`` are gathered (or densified with
+``sparse_as_dense``); float16 and bfloat16 are summed in float32 and rounded
+once.
 """
 
-from tfreduce.choices import ALGORITHMS
-from tfreduce.contract import validate_grads
-from tfreduce.frame import run_stage, run_stages
-from tfreduce.hierarchical import HierarchicalStage
-from tfreduce.nccl_ops import CollectiveStage, NcclStage
-from tfreduce.packing import DEFAULT_PACK_BYTES
-from tfreduce.planner import check_auto_options, plan_for
-from tfreduce.registry import choose_algorithm, frame_options, make_stage
-from tfreduce.replicated import FlatStage
-from tfreduce.ring import RingStage
+import tensorflow as tf
+
+from tfreduce.choices import DEFAULT_PACK_BYTES
+from tfreduce.devices import normalize_devices
+from tfreduce.reduction import Reduction, as_reduction
 
 __all__ = ["allreduce_grads", "allreduce_grads_flat", "allreduce_grads_hierarchical",
-           "allreduce_grads_ring", "allreduce_grads_nccl", "allreduce_grads_collective"]
+           "allreduce_grads_ring", "allreduce_grads_nccl", "allreduce_grads_collective",
+           "plan_allreduce"]
 
 
-def allreduce_grads(all_grads, devices=None, average=False, algorithm="auto", **options):
-    """All-reduces K x N gradients with the named algorithm.
+def allreduce_grads(all_grads, devices=None, average=False, algorithm="auto", *, reduction=None,
+                    **options):
+    """All-reduces K x N gradients with the named algorithm (the module's K x N contract).
 
-    K x N contract, K=2, N=2, sum::
-
-        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
-         [C, D]]            [A+C, B+D]]    # on devices[1]
+    ``allreduce_grads(grads, devices, algorithm="ring", pack_bytes=None)`` is
+    ``tfreduce.Reduction("ring", pack_bytes=None)(grads, devices)``: every
+    option is a field of ``tfreduce.Reduction``, documented and checked there.
 
     Args:
       all_grads: list of K lists of N gradients (``tf.Tensor``,
         ``tf.IndexedSlices`` or None); ``all_grads[k][n]`` from tower k.
       devices: list of K device strings, or None for the tensors' devices.
       average: bool, mean instead of sum.
-      algorithm: a name in ALGORITHMS; "auto" uses ``choose_algorithm``,
-        or, with ``topology``, the plan below.
-      **options: passed to the algorithm: ``pack_bytes``, ``sparse_as_dense``,
-        ``compression`` (all); ``groups`` (hierarchical); ``communication``, ``keys``,
-        ``timeout`` (collective). ``topology`` (a tfreduce.Topology, a preset
-        name such as "dgx1-v100", or "host"), with "auto" only: the
-        algorithm, groups and pack size (unless ``pack_bytes`` is given)
-        with the lowest time ``tfreduce.predict`` gives for these gradients
-        there (``tfreduce.plan_allreduce``; each call plans anew, building
-        every candidate once in a scratch graph: in an eager loop, plan once
-        and pass ``plan.kwargs()``).
+      algorithm: a name in ``tfreduce.ALGORITHMS``; "auto" picks NCCL when
+        every device is a GPU, else flat, or with ``topology=`` the plan of
+        the cost model.
+      reduction: a ``tfreduce.Reduction`` to use instead of ``algorithm``
+        and ``**options``.
+      **options: the options of ``tfreduce.Reduction``: ``groups``,
+        ``communication``, ``keys``, ``timeout``, ``pack_bytes``,
+        ``sparse_as_dense``, ``compression``, ``topology``.
 
     Returns:
       list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``.
 
     Raises:
-      ValueError: unknown algorithm, or bad input (see the algorithm);
-        topology with a named algorithm, an unknown preset, a topology
-        with fewer than K devices, a gradient of unknown shape to plan on.
-      TypeError: an option the algorithm does not take (with topology:
-        any but the frame's).
+      ValueError, TypeError: a bad choice (see ``tfreduce.Reduction``), both
+        ``reduction`` and ``algorithm`` or options, or bad input (the tower,
+        the variable and the values are named).
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(
-            f"unknown all-reduce algorithm {algorithm!r}; choose one of {ALGORITHMS}")
-    topology = options.pop("topology", None)
-    check_auto_options(algorithm, topology, options)
-    # The input is validated once; a named algorithm checks its options first.
-    if algorithm == "auto":
-        grads = validate_grads(all_grads, devices)
-        plan = None if topology is None else plan_for(grads, topology, average, options)
-        if plan is None:
-            algorithm = choose_algorithm(grads.devices)
-        else:
-            algorithm, options = plan.algorithm, {**options, **plan.options}
-        stage = make_stage(algorithm, options)
-    else:
-        stage = make_stage(algorithm, options)
-        grads = validate_grads(all_grads, devices)
-    return run_stages(grads, [stage], average, **frame_options(options))
+    return as_reduction(algorithm, reduction, options)(all_grads, devices, average)
+
+
+def plan_allreduce(shapes, devices, topology, dtype=tf.float32, average=True, **options):
+    """The all-reduce with the lowest predicted time for these gradients on this machine.
+
+    ``tfreduce.Reduction(topology=topology, **options).plan(shapes, devices,
+    dtype, average)``: see ``Reduction.plan`` for the candidates.
+
+    Args:
+      shapes: list of N gradient shapes (lists of ints), e.g. the model's
+        trainable variables' shapes.
+      devices: list of K device names ("/gpu:k"); they need not exist here.
+      topology: a tfreduce.Topology, a preset name, or "host".
+      dtype: tf.DType of the gradients.
+      average: bool.
+      **options: the frame options every candidate keeps: ``pack_bytes``
+        (then only that size is tried), ``compression``, ``sparse_as_dense``.
+
+    Returns:
+      planner.Plan; ``plan.reduction`` is the chosen ``tfreduce.Reduction``
+      (``plan.kwargs()`` the same as keywords of ``allreduce_grads``).
+
+    Raises:
+      ValueError: no shapes, an unknown preset, or a topology with fewer
+        devices than K.
+      TypeError: an option other than the frame's, or a topology of the
+        wrong type.
+    """
+    return Reduction(topology=topology, **options).plan(shapes, normalize_devices(devices),
+                                                        dtype, average)
 
 
 def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=DEFAULT_PACK_BYTES,
@@ -84,11 +103,6 @@ def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=DEFA
     summed on r with ``add_n`` (divided by K there once if ``average``), and
     the result is copied to each device with ``identity``.
 
-    K x N contract, K=2, N=2, sum::
-
-        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
-         [C, D]]            [A+C, B+D]]    # on devices[1]
-
     Args:
       all_grads: list of K lists of N gradients; ``all_grads[k][n]`` is a
         ``tf.Tensor`` (any float or int dtype, any shape), a
@@ -96,14 +110,9 @@ def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=DEFA
       devices: list of K device strings, or None to use each tower's tensor
         device.
       average: bool; True divides the sum by K, once per gradient, on its root.
-      pack_bytes: int bytes or None (default ``packing.DEFAULT_PACK_BYTES``,
-        64 KiB; None or 0 packs nothing); pack dense gradients of one dtype into
-        buffers of about this size before reducing (see packing.PackPlan).
-      sparse_as_dense: bool; reduce ``tf.IndexedSlices`` as dense tensors
-        instead of gathering their rows.
-      compression: None, "fp16" or "bf16": float32/float64 gradients are
-        cast to that 16-bit dtype on their tower before crossing devices and
-        cast back on each tower after (``frame.COMPRESSIONS``).
+      pack_bytes: see ``tfreduce.Reduction``.
+      sparse_as_dense: see ``tfreduce.Reduction``.
+      compression: see ``tfreduce.Reduction``.
 
     Returns:
       list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``,
@@ -114,8 +123,8 @@ def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=DEFA
     Raises:
       TypeError, ValueError: bad input, see ``contract.validate_grads``.
     """
-    return run_stage(FlatStage(), all_grads, devices, average, pack_bytes, sparse_as_dense,
-                     compression)
+    return Reduction("flat", pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense,
+                     compression=compression)(all_grads, devices, average)
 
 
 def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=None,
@@ -138,11 +147,6 @@ def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=
     4. ``group{g}_total``: the total copied to every other root;
     5. ``dev{k}_out``: each root copies the total to the devices of its group.
 
-    K x N contract, K=2, N=2, sum::
-
-        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
-         [C, D]]            [A+C, B+D]]    # on devices[1]
-
     Args:
       all_grads: list of K lists of N gradients (``tf.Tensor``,
         ``tf.IndexedSlices`` or None); ``all_grads[k][n]`` from tower k.
@@ -151,14 +155,9 @@ def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=
       average: bool; divide by K once per gradient, where the total is formed.
       groups: list of lists of device indices that covers 0..K-1 exactly once,
         e.g. ``[[0, 1, 2, 3], [4, 5, 6, 7]]``; default ``default_groups(K)``.
-      pack_bytes: int bytes or None; gradients under this size are packed
-        into buffers of about this size (packing.PackPlan); default
-        ``packing.DEFAULT_PACK_BYTES`` (64 KiB); None or 0 packs nothing.
-      sparse_as_dense: bool; reduce ``tf.IndexedSlices`` as dense tensors
-        instead of gathering their rows on one device.
-      compression: None, "fp16" or "bf16": float32/float64 gradients are
-        cast to that 16-bit dtype on their tower before crossing devices and
-        cast back on each tower after (``frame.COMPRESSIONS``).
+      pack_bytes: see ``tfreduce.Reduction``.
+      sparse_as_dense: see ``tfreduce.Reduction``.
+      compression: see ``tfreduce.Reduction``.
 
     Returns:
       list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``
@@ -170,8 +169,9 @@ def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=
       TypeError, ValueError: bad gradients or devices (see
         ``contract.validate_grads``), or groups that do not partition 0..K-1.
     """
-    return run_stage(HierarchicalStage(groups), all_grads, devices, average, pack_bytes,
-                     sparse_as_dense, compression)
+    return Reduction("hierarchical", groups=groups, pack_bytes=pack_bytes,
+                     sparse_as_dense=sparse_as_dense, compression=compression)(
+        all_grads, devices, average)
 
 
 def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=DEFAULT_PACK_BYTES,
@@ -193,11 +193,6 @@ def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=DEFA
     4. ``entry{m}_dev{k}_out``: device k concatenates the chunks in order
        and restores the shape.
 
-    K x N contract, K=2, N=2, sum::
-
-        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
-         [C, D]]            [A+C, B+D]]    # on devices[1]
-
     Worked ring, K=3, one gradient of 3 elements [a_k, b_k, c_k] on device k,
     chunks owned by devices 0, 1, 2: chunk 0 goes 1 -> 2 -> 0 and is summed
     ``a_1 + a_2 + a_0`` on device 0, then copied 0 -> 1 -> 2; chunks 1 and 2
@@ -210,14 +205,9 @@ def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=DEFA
       devices: list of K device strings, or None to use each tower's tensor
         device. Their order is the ring order.
       average: bool; True multiplies by 1/K once per chunk, on its owner.
-      pack_bytes: int bytes or None (default ``packing.DEFAULT_PACK_BYTES``,
-        64 KiB; None or 0 packs nothing); pack dense gradients of one dtype into
-        buffers of about this size before reducing (see packing.PackPlan).
-      sparse_as_dense: bool; reduce ``tf.IndexedSlices`` as dense tensors
-        instead of gathering their rows on one device.
-      compression: None, "fp16" or "bf16": float32/float64 gradients are
-        cast to that 16-bit dtype on their tower before crossing devices and
-        cast back on each tower after (``frame.COMPRESSIONS``).
+      pack_bytes: see ``tfreduce.Reduction``.
+      sparse_as_dense: see ``tfreduce.Reduction``.
+      compression: see ``tfreduce.Reduction``.
 
     Returns:
       list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``,
@@ -232,8 +222,8 @@ def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=DEFA
     Raises:
       TypeError, ValueError: bad input, see ``contract.validate_grads``.
     """
-    return run_stage(RingStage(), all_grads, devices, average, pack_bytes, sparse_as_dense,
-                     compression)
+    return Reduction("ring", pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense,
+                     compression=compression)(all_grads, devices, average)
 
 
 def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=DEFAULT_PACK_BYTES,
@@ -244,11 +234,6 @@ def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=DEFA
     rings/trees over NVLink or PCIe itself (NVIDIA NCCL). ``tf.IndexedSlices``
     are gathered on one GPU and broadcast, since NCCL has no sparse form.
 
-    K x N contract, K=2, N=2, sum::
-
-        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
-         [C, D]]            [A+C, B+D]]    # on devices[1]
-
     The argument order follows tensorpack's ``allreduce_grads(all_grads,
     average)``, so positional calls written for it keep working.
 
@@ -258,13 +243,9 @@ def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=DEFA
         each tower first multiplies its gradient by 1/K (Horovod's prescale):
         float16 sums cannot overflow where their mean does not.
       devices: list of K GPU device strings, or None for the tensors' devices.
-      pack_bytes: int bytes or None; gradients under this size are packed
-        into buffers of about this size (packing.PackPlan); default
-        ``packing.DEFAULT_PACK_BYTES`` (64 KiB); None or 0 packs nothing.
-      sparse_as_dense: bool; reduce IndexedSlices densely with NCCL.
-      compression: None, "fp16" or "bf16" (NCCL has no bfloat16: a TypeError): float32/float64 gradients are
-        cast to that 16-bit dtype on their tower before crossing devices and
-        cast back on each tower after (``frame.COMPRESSIONS``).
+      pack_bytes: see ``tfreduce.Reduction``.
+      sparse_as_dense: see ``tfreduce.Reduction``.
+      compression: see ``tfreduce.Reduction``.
 
     Returns:
       list[list[tf.Tensor]], K x N; ``out[k][n]`` on ``devices[k]``.
@@ -273,8 +254,8 @@ def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=DEFA
       ValueError: at build time if any device is not a GPU (naming them), or
         bad input (see ``contract.validate_grads``).
     """
-    return run_stage(NcclStage(), all_grads, devices, average, pack_bytes, sparse_as_dense,
-                     compression)
+    return Reduction("nccl", pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense,
+                     compression=compression)(all_grads, devices, average)
 
 
 def allreduce_grads_collective(all_grads, devices=None, average=False, communication="auto",
@@ -295,30 +276,17 @@ def allreduce_grads_collective(all_grads, devices=None, average=False, communica
     (``collective.CollectiveChain``), so hundreds of them cannot deadlock on
     a few CPU threads.
 
-    K x N contract, K=2, N=2, sum::
-
-        [[A, B],      ->   [[A+C, B+D],    # on devices[0]
-         [C, D]]            [A+C, B+D]]    # on devices[1]
-
     Args:
       all_grads: list of K lists of N gradients.
       devices: list of K device strings, or None for the tensors' devices.
       average: bool; each device multiplies its sum by 1/K (every device
         forms the sum, so there is no single place to do it once).
-      communication: "auto", "ring" or "nccl" (TF's communication hint).
-      pack_bytes: int bytes or None; gradients under this size are packed
-        into buffers of about this size (packing.PackPlan); default
-        ``packing.DEFAULT_PACK_BYTES`` (64 KiB); None or 0 packs nothing.
-      sparse_as_dense: bool; reduce IndexedSlices densely.
-      compression: None, "fp16" or "bf16": float32/float64 gradients are
-        cast to that 16-bit dtype on their tower before crossing devices and
-        cast back on each tower after; the collective then sums in 16 bits,
-        each input prescaled by 1/K when averaging (Horovod's prescale).
-      keys: CollectiveKeys or None (``CollectiveKeys.for_call`` of this
-        call's graph, scope, devices and shapes).
-      timeout: float seconds > 0 before a reduction whose peers do not
-        arrive fails with DeadlineExceededError, or None to wait forever
-        (``collective.check_timeout``: 0 is refused).
+      communication: see ``tfreduce.Reduction``.
+      pack_bytes: see ``tfreduce.Reduction``.
+      sparse_as_dense: see ``tfreduce.Reduction``.
+      compression: see ``tfreduce.Reduction``.
+      keys: see ``tfreduce.Reduction``.
+      timeout: see ``tfreduce.Reduction``.
 
     Returns:
       list[list[tf.Tensor]], K x N; ``out[k][n]`` on ``devices[k]``.
@@ -329,6 +297,6 @@ def allreduce_grads_collective(all_grads, devices=None, average=False, communica
       ValueError: unknown communication, a timeout that is neither None nor
         > 0, or bad input (see ``contract.validate_grads``).
     """
-    # The options are checked before the input, as the stage is built first.
-    return run_stage(CollectiveStage(communication, keys, timeout), all_grads, devices,
-                     average, pack_bytes, sparse_as_dense, compression)
+    return Reduction("collective", communication=communication, keys=keys, timeout=timeout,
+                     pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense,
+                     compression=compression)(all_grads, devices, average)

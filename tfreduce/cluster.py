@@ -100,6 +100,9 @@ class Cluster:
       ValueError, TypeError: as ``parse_tf_config``, or a bad timeout.
     """
 
+    #: False: reductions over this cluster cross workers (a LocalCluster's do not).
+    is_local = False
+
     def __init__(self, cluster_spec, task_type, task_index, timeout=DEFAULT_TIMEOUT):
         spec, task_type, task_index = parse_tf_config(
             {"cluster": cluster_spec, "task": {"type": task_type, "index": task_index}})
@@ -355,8 +358,6 @@ class Cluster:
             config=self.session_config(config), start=True)
         self._mode = "session"
         return server
-
-    # ------------------------------------------------------------------ the end
 
     def finish(self, session=None, linger=0.5):
         """Waits until every worker gets here; call it on each before exiting.

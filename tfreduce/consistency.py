@@ -63,7 +63,8 @@ def check_workers_agree(cluster, towers, settings, variables):
     collectives), before the first collective of training.
 
     Args:
-      cluster: tfreduce.Cluster, started.
+      cluster: tfreduce.Cluster, started; or a LocalCluster (one worker:
+        nothing to compare).
       towers: int K, this worker's towers.
       settings: str, everything else that shapes the collectives (the
         algorithm and its options, average), the same text on every worker
@@ -78,6 +79,8 @@ def check_workers_agree(cluster, towers, settings, variables):
         the first variable that differs, with each worker's version).
       WorkerLostError: a worker is lost or does not arrive in time.
     """
+    if cluster.num_workers == 1:
+        return  # one worker agrees with itself
     described = [description for _, description in variables]
     row = [towers, len(variables), _hash(settings), _hash("\n".join(described))]
     rows = _gather(cluster, row)

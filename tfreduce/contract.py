@@ -70,13 +70,14 @@ def shard_sizes(total, num_shards):
     return [base + (1 if c < extra else 0) for c in range(num_shards)]
 
 
-def validate_groups(groups, num_devices):
+def validate_groups(groups, num_devices=None):
     """Checks that ``groups`` partitions ``range(num_devices)``.
 
     Args:
       groups: list of lists of int device indices, e.g.
         ``[[0, 1, 2, 3], [4, 5, 6, 7]]`` for K=8.
-      num_devices: int K.
+      num_devices: int K; None (K not known yet): the groups must partition
+        0..(their largest index), so only a K above that can still fail.
 
     Returns:
       list[list[int]], a copy of ``groups``.
@@ -90,6 +91,10 @@ def validate_groups(groups, num_devices):
         raise TypeError(
             f"groups must be a non-empty list of lists of device indices, "
             f"e.g. [[0, 1], [2, 3]], got {groups!r}")
+    if num_devices is None:
+        indices = [i for group in groups if isinstance(group, (list, tuple)) for i in group
+                   if isinstance(i, int) and not isinstance(i, bool)]
+        num_devices = max(indices, default=-1) + 1
     owner = {}
     out = []
     for g, group in enumerate(groups):

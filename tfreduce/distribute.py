@@ -4,8 +4,8 @@
 reduces across its K devices. Keras 3 ``model.fit`` under the strategy ends
 each step's gradient path in one ``batch_reduce`` call that carries all N
 gradients, each a per-replica value over the K devices: tfreduce's K x N
-input. ``CrossDeviceOps`` turns that call into one ``allreduce_grads`` call,
-so every Keras user gets tfreduce's algorithms (any-K hierarchical with
+input. ``CrossDeviceOps`` turns that call into one call of its
+``tfreduce.Reduction``, so every Keras user gets tfreduce's algorithms (any-K hierarchical with
 groups as data, packing, the ring, traffic analysis of the built step)
 without leaving ``model.fit``.
 
@@ -16,17 +16,14 @@ per-replica and mirrored value classes of ``tensorflow.python.distribute``,
 which have no public names; so do TF's own implementations.
 """
 
+import dataclasses
+
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
 from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import values as tf_values
 
-from tfreduce.allreduce import allreduce_grads
-from tfreduce.compression import as_compressor
-from tfreduce.contract import validate_groups
-from tfreduce.packing import check_pack_bytes
-from tfreduce.planner import check_auto_options
-from tfreduce.registry import ALGORITHMS, FRAME_OPTIONS, make_stage
+from tfreduce.reduction import as_reduction
 
 __all__ = ["CrossDeviceOps"]
 
@@ -45,8 +42,8 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
 
     - ``batch_reduce_implementation`` (Keras' gradients, ``extended.
       batch_reduce_to``): when every value lives on the destinations' K
-      distinct devices, the N per-replica values become one K x N ``allreduce_grads``
-      call (``average=True`` for ``ReduceOp.MEAN``), whose ``out[k][n]`` on
+      distinct devices, the N per-replica values become one K x N all-reduce
+      (``average=True`` for ``ReduceOp.MEAN``), whose ``out[k][n]`` on
       device k makes the n-th ``Mirrored`` result. Values whose devices
       differ from their destinations' are reduced one by one as below.
     - ``reduce_implementation`` (``strategy.reduce``, metrics): one value as
@@ -69,55 +66,32 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
 
     Args:
       algorithm: a name in ``tfreduce.ALGORITHMS``; "auto" picks by devices
-        at the first reduction (``choose_algorithm``).
-      **options: the algorithm's options, as ``allreduce_grads`` takes them
-        (``pack_bytes``, ``sparse_as_dense``, ``compression``; ``groups`` for
-        hierarchical;
-        ``communication``, ``timeout`` for collective). With "auto", only
-        ``pack_bytes``, ``sparse_as_dense``, ``compression`` and
-        ``topology`` (a tfreduce.Topology, a preset name or "host": each
-        reduction takes the algorithm, groups and pack size the cost
-        model predicts fastest there, ``tfreduce.plan_allreduce``).
+        at the first reduction (or, with ``topology=``, plans for them).
+      reduction: a ``tfreduce.Reduction`` to use instead of ``algorithm``
+        and ``**options``.
+      **options: the options of ``tfreduce.Reduction`` (``groups``,
+        ``communication``, ``keys``, ``timeout``, ``pack_bytes``,
+        ``sparse_as_dense``, ``compression``, ``topology``).
+
+    Attributes:
+      reduction: the ``tfreduce.Reduction`` every reduction is built with.
 
     Raises:
-      ValueError: an unknown algorithm or a bad option value (e.g. groups
-        that are not a partition); groups that do not cover the strategy's K
-        devices raise at the first reduction, naming both.
-      TypeError: an option the algorithm does not take.
+      ValueError, TypeError: a bad choice (see ``tfreduce.Reduction``);
+        groups that do not cover the strategy's K devices raise at the first
+        reduction, naming both.
     """
 
-    def __init__(self, algorithm="auto", **options):
+    def __init__(self, algorithm="auto", *, reduction=None, **options):
         super().__init__()
-        if algorithm not in ALGORITHMS:
-            raise ValueError(
-                f"CrossDeviceOps: unknown all-reduce algorithm {algorithm!r}; choose one of "
-                f"{ALGORITHMS}")
-        named = {name: value for name, value in options.items() if name != "topology"}
-        check_auto_options(algorithm, options.get("topology"), named)
-        if algorithm == "auto":
-            unknown = sorted(set(named) - set(FRAME_OPTIONS))
-            if unknown:
-                raise TypeError(
-                    f"CrossDeviceOps('auto') takes only {list(FRAME_OPTIONS)}, got {unknown} "
-                    f"(and topology=, which plans): name the algorithm for its own options")
-        else:
-            make_stage(algorithm, named)  # checks the options' names
-        if options.get("groups") is not None:
-            # K is the strategy's, known at the first reduction (which checks
-            # it); here, that the groups partition 0..(their size - 1).
-            groups = options["groups"]
-            size = (sum(len(g) for g in groups if isinstance(g, (list, tuple)))
-                    if isinstance(groups, (list, tuple)) else 0)
-            validate_groups(groups, size)
-        check_pack_bytes(options.get("pack_bytes"))
-        as_compressor(options.get("compression"))
-        self._algorithm = algorithm
-        self._options = dict(options)
+        try:
+            self.reduction = as_reduction(algorithm, reduction, options)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"CrossDeviceOps: {error}") from None
         self._one_device = tf.distribute.ReductionToOneDevice()
 
     def __repr__(self):
-        options = "".join(f", {name}={value!r}" for name, value in self._options.items())
-        return f"tfreduce.CrossDeviceOps({self._algorithm!r}{options})"
+        return f"tfreduce.CrossDeviceOps(reduction={self.reduction!r})"
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         if _devices_match(per_replica_value, destinations):
@@ -152,14 +126,13 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
         devices = list(tf_cross_device_ops.get_devices_from(values[0]))
         num_devices = len(devices)
         all_grads = [[value.values[k] for value in values] for k in range(num_devices)]
-        call_options = dict(self._options)
+        reduction = self.reduction
         if options is not None and options.bytes_per_pack:
-            call_options["pack_bytes"] = options.bytes_per_pack
+            reduction = dataclasses.replace(reduction, pack_bytes=options.bytes_per_pack)
         if (options is not None and options.timeout_seconds
-                and self._algorithm == "collective"):
-            call_options["timeout"] = options.timeout_seconds
-        out = allreduce_grads(all_grads, devices, average=reduce_op == tf.distribute.ReduceOp.MEAN,
-                              algorithm=self._algorithm, **call_options)
+                and reduction.algorithm == "collective"):
+            reduction = dataclasses.replace(reduction, timeout=options.timeout_seconds)
+        out = reduction(all_grads, devices, average=reduce_op == tf.distribute.ReduceOp.MEAN)
         return [distribute_utils.regroup(tuple(out[k][n] for k in range(num_devices)),
                                          wrap_class=tf_values.Mirrored)
                 for n in range(len(values))]

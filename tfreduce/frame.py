@@ -26,14 +26,14 @@ The stage contract, tower-major like the public API::
 import tensorflow as tf
 
 from tfreduce.collective import in_function
-from tfreduce.compression import as_compressor
-from tfreduce.contract import check_flag, nbytes, validate_grads, values_of
+from tfreduce.compression import Compression
+from tfreduce.contract import nbytes, values_of
 from tfreduce.devices import host_device
 from tfreduce.packing import PackPlan
 from tfreduce.primitives import (RootBalancer, accumulation_dtype, broadcast_slices,
                                  check_average_dtype, finish_sum, gather_slices, sum_order)
 
-__all__ = ["Stage", "ReduceContext", "run_stages", "run_stage"]
+__all__ = ["Stage", "ReduceContext", "run_stages"]
 
 
 class Stage:
@@ -144,8 +144,11 @@ class ReduceContext:
 
 
 def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_dense=False,
-               compression=None):
+               compression=Compression.none):
     """Packs, reduces with the stages and unpacks a validated K x N gradient list.
+
+    The caller checked the options (``tfreduce.Reduction``, once); what is
+    checked here depends on the gradients.
 
     Args:
       grads: contract.Gradients, validated once by the public call.
@@ -156,24 +159,21 @@ def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_de
       pack_bytes: int or None, see packing.PackPlan.
       sparse_as_dense: bool, reduce ``tf.IndexedSlices`` as dense tensors
         (else gathered: on one device, then by the later stages).
-      compression: a compression.Compressor (or its alias: None, "fp16",
-        "bf16"): float32 and float64 gradients cross devices in its dtype.
+      compression: a compression.Compressor: float32 and float64 gradients
+        cross devices in its dtype.
 
     Returns:
       list of K lists of N, ``out[k][n]`` on ``grads.devices[k]``.
 
     Raises:
-      TypeError: average or sparse_as_dense not a bool; average=True on
-        integer gradients; a dtype a stage cannot reduce; a bad pack_bytes.
-      ValueError: devices or options a stage cannot use; a bad pack_bytes;
-        an unknown compression.
+      TypeError: average=True on integer gradients; a dtype a stage cannot
+        reduce.
+      ValueError: devices a stage cannot use (NCCL on CPUs, groups that do
+        not cover K).
       tf.errors.InvalidArgumentError: when the graph runs, a variable whose
         shape is known only then differs between towers (the message names
         the tower and the variable).
     """
-    check_flag(average, "average")
-    check_flag(sparse_as_dense, "sparse_as_dense")
-    compression = as_compressor(compression)
     stages = [stage.bind(grads.devices) for stage in stages]
     for n in grads.reduced:
         dtype = values_of(grads.grads[0][n]).dtype
@@ -206,23 +206,6 @@ def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_de
         # tower, so that eagerly too out[k][n] is on devices[k].
         out = [[_identity(g, device) for g in row] for row, device in zip(out, grads.devices)]
     return out
-
-
-def run_stage(stage, all_grads, devices, average, pack_bytes, sparse_as_dense,
-              compression=None):
-    """One public algorithm call: validates the K x N input once and runs one stage.
-
-    Args:
-      stage: Stage.
-      all_grads, devices, average, pack_bytes, sparse_as_dense, compression:
-        the public call's arguments (see ``allreduce_grads``).
-
-    Returns:
-      list of K lists of N, ``out[k][n]`` on ``devices[k]``.
-    """
-    return run_stages(validate_grads(all_grads, devices), [stage], average,
-                      pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense,
-                      compression=compression)
 
 
 def _identity(g, device):

@@ -47,13 +47,18 @@ class HierarchicalStage(Stage):
 
     Args:
       groups: list of lists of device indices partitioning 0..K-1, or None
-        for ``default_groups(K)``; checked against K in ``bind``.
+        for ``default_groups(K)``; checked here as far as K is not needed
+        (ints, no group empty, no index twice or left out below the
+        largest), against K in ``bind``.
+
+    Raises:
+      TypeError, ValueError: groups that cannot partition 0..K-1 for any K.
     """
 
     name = "hierarchical"
 
     def __init__(self, groups=None):
-        self.groups = groups
+        self.groups = None if groups is None else validate_groups(groups)
 
     def bind(self, devices):
         groups = default_groups(len(devices)) if self.groups is None else self.groups

@@ -11,7 +11,8 @@ import time
 
 import tensorflow as tf
 
-from tfreduce.frame import run_stage
+from tfreduce.contract import validate_grads
+from tfreduce.frame import run_stages
 from tfreduce.nccl_ops import CollectiveStage
 from tfreduce.topology import Topology, check_topology
 
@@ -145,7 +146,7 @@ def _collectives(x, count):
     for k, d in enumerate(devices):
         with tf.device(d):
             grads.append([x + float(i + k) for i in range(count)])
-    return [t.op for row in run_stage(CollectiveStage(), grads, devices, False, None, False)
+    return [t.op for row in run_stages(validate_grads(grads, devices), [CollectiveStage()], False)
             for t in row]
 
 

@@ -30,12 +30,12 @@ import tensorflow as tf
 
 from tfreduce.cluster import Cluster
 from tfreduce.collective import broadcast_recv, broadcast_send, in_function
-from tfreduce.compression import as_compressor
-from tfreduce.contract import check_variables, validate_grads
+from tfreduce.contract import check_flag, check_variables, validate_grads
 from tfreduce.crossworker import CROSS_WORKER_PACK_BYTES, CrossWorkerStage, cross_worker_options
 from tfreduce.devices import local_name, normalize_devices
-from tfreduce.frame import run_stages
-from tfreduce.registry import ALGORITHMS, choose_algorithm, make_stage
+from tfreduce.localcluster import LocalCluster
+from tfreduce.reduction import Reduction
+from tfreduce.replicated import broadcast_variables
 
 __all__ = ["allreduce_grads_multiworker", "broadcast_variables_multiworker",
            "check_local_options", "CROSS_WORKER_PACK_BYTES"]
@@ -72,8 +72,8 @@ def check_local_options(local_options):
     return local_options
 
 
-def _check_cluster(cluster):
-    if not isinstance(cluster, Cluster):
+def _check_cluster(cluster, local_too=False):
+    if not isinstance(cluster, (Cluster, LocalCluster) if local_too else Cluster):
         raise TypeError(
             f"cluster must be a tfreduce.Cluster (e.g. Cluster.from_tf_config(), "
             f"then cluster.start()), got {type(cluster).__name__} {cluster!r}")
@@ -126,10 +126,11 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
         ``start_server()`` for a tf.compat.v1 Session).
       local_algorithm: a name in ``tfreduce.ALGORITHMS``, the reduction
         among the worker's K devices; "auto" uses ``tfreduce.choose_algorithm``.
-      local_options: dict of options of the local algorithm, e.g.
-        ``{"groups": [[0, 1], [2, 3]]}`` for "hierarchical".
-      pack_bytes: int bytes or None; buffers of about this size are reduced
-        instead of many small gradients (see packing.PackPlan).
+      local_options: dict of the local algorithm's own options (fields of
+        ``tfreduce.Reduction``), e.g. ``{"groups": [[0, 1], [2, 3]]}`` for
+        "hierarchical".
+      pack_bytes: see ``tfreduce.Reduction``; 4 MiB by default here, since
+        each collective between hosts pays a network round trip.
       communication: "auto", "ring" or "nccl", TF's hint for the
         cross-worker collectives.
       keys: CollectiveKeys of the cross-worker collectives, or None for
@@ -138,11 +139,10 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
       timeout: float seconds or None (``cluster.timeout``) a cross-worker
         collective waits for its peers before failing; run steps inside
         ``cluster.detect_lost_workers()`` to name the worker that was lost.
-      compression: None, "fp16" or "bf16": float32/float64 gradients cross
-        workers in 16 bits (each worker's local sum, prescaled by 1/T when
-        averaging, summed across workers in the wire dtype, as Horovod's
-        Compression.fp16); the local sums stay float32. IndexedSlices and
-        16-bit gradients are not compressed.
+      compression: see ``tfreduce.Reduction``; across workers only the
+        cross-worker hop is compressed: each worker's float32 local sum,
+        prescaled by 1/T when averaging, is summed across workers in the
+        wire dtype; IndexedSlices and 16-bit gradients are not compressed.
 
     Returns:
       list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``
@@ -158,24 +158,19 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
         worker, or bad gradients or devices.
     """
     _check_cluster(cluster)
-    if local_algorithm not in ALGORITHMS:
-        raise ValueError(f"local_algorithm must be one of {ALGORITHMS}, got "
-                         f"{local_algorithm!r}")
-    local_options = check_local_options(local_options)
-    compression = as_compressor(compression)
+    reduction = Reduction(local_algorithm, **{**check_local_options(local_options),
+                                              "pack_bytes": pack_bytes,
+                                              "compression": compression})
+    check_flag(average, "average")
     options, keys = cross_worker_options(cluster, communication, timeout, keys)
     grads = validate_grads(all_grads, devices)
     # Full names: the ops stay on this worker, and a local collective
     # algorithm gets a group key of its own on each worker.
     grads.devices = cluster.devices(grads.devices)
-    if local_algorithm == "auto":
-        local_algorithm = choose_algorithm(grads.devices)
     # The reduction as data: the local stage sums this worker's towers, the
     # cross-worker stage sums across workers and copies back.
-    stages = [make_stage(local_algorithm, local_options),
-              CrossWorkerStage(cluster, options, keys, compression)]
-    return run_stages(grads, stages, average, scope="allreduce_multiworker",
-                      pack_bytes=pack_bytes)
+    return reduction.reduce(grads, average, [
+        CrossWorkerStage(cluster, options, keys, reduction.compression)])
 
 
 def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
@@ -198,7 +193,9 @@ def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
       all_vars: list of K lists of N ``tf.Variable``, this worker's towers'
         copies (fully defined shapes; the same K, N, shapes and dtypes on
         every worker).
-      cluster: tfreduce.Cluster, started.
+      cluster: tfreduce.Cluster, started; or a LocalCluster (one process:
+        ``tfreduce.broadcast_variables`` from tower 0, the other arguments
+        unused).
       keys: CollectiveKeys or None (``cluster.keys``).
       timeout: float seconds or None (``cluster.timeout``).
       communication: "auto", "ring" or "nccl".
@@ -213,8 +210,11 @@ def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
       ValueError: towers with different variables, a bad timeout or
         communication, a variable on another worker's device.
     """
-    _check_cluster(cluster)
+    _check_cluster(cluster, local_too=True)
     check_variables(all_vars, fully_defined=True)
+    if cluster.is_local:
+        ops = broadcast_variables(all_vars, root=0)
+        return None if tf.executing_eagerly() else ops
     options, keys = cross_worker_options(cluster, communication, timeout, keys)
     devices = normalize_devices([cluster.device(t[0].device or "/device:CPU:0",
                                                 where=f"tower {k}'s device")

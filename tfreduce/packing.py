@@ -43,19 +43,15 @@ class PackPlan:
 
     Args:
       grads: contract.Gradients, the validated K x N input.
-      pack_bytes: int or None; buffer size in bytes. None or 0 packs nothing.
+      pack_bytes: int >= 0 or None (checked by the caller,
+        ``check_pack_bytes``); buffer size in bytes. None or 0 packs nothing.
 
     Attributes:
       entries: list of lists of int; entry m holds the variable indices packed
         into buffer m (one index for a gradient passed through).
-
-    Raises:
-      ValueError: if pack_bytes is negative.
-      TypeError: if pack_bytes is not an int.
     """
 
     def __init__(self, grads, pack_bytes):
-        check_pack_bytes(pack_bytes)
         self._grads = grads
         self.entries = []
         open_buffers = {}  # dtype -> (entry index, bytes so far)

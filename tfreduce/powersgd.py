@@ -32,7 +32,7 @@ import tensorflow as tf
 class PowerSGD:
     """The settings of PowerSGD compression (a ReplicatedTrainer option).
 
-    Pass it as `ReplicatedTrainer(..., compression=tfreduce.PowerSGD(rank=2))`.
+    Pass it as `ReplicatedTrainer(..., powersgd=tfreduce.PowerSGD(rank=2))`.
     It compresses from the first step. Each tower's error feedback and the
     shared Q are variables the trainer checkpoints.
 
@@ -68,6 +68,11 @@ class PowerSGD:
     def __repr__(self):
         return (f"PowerSGD(rank={self.rank}, min_compression_rate={self.min_compression_rate}, "
                 f"seed={self.seed})")
+
+    @property
+    def name(self):
+        """str, e.g. "powersgd2": how the benchmark names it (as ``Compressor.name``)."""
+        return f"powersgd{self.rank}"
 
     def matrix_rank(self, shape):
         """The rank r used for a gradient of `shape`, or 0 when it is not compressed.

@@ -2,21 +2,20 @@
 
 Every algorithm is a ``frame.Stage``; ``STAGES`` registers each once, by
 name. The options an algorithm takes are its stage's constructor arguments
-plus the frame's (``pack_bytes``, ``sparse_as_dense``, ``compression``), so
-no table repeats a signature.
+(``stage_options``), so no table repeats a signature; ``tfreduce.Reduction``
+adds the frame's options, which every algorithm takes.
 """
 
 import inspect
 
-from tfreduce.choices import ALGORITHMS, DEFAULT_PACK_BYTES
+from tfreduce.choices import ALGORITHMS
 from tfreduce.devices import is_gpu
 from tfreduce.hierarchical import HierarchicalStage
 from tfreduce.nccl_ops import CollectiveStage, NcclStage
 from tfreduce.replicated import FlatStage
 from tfreduce.ring import RingStage
 
-__all__ = ["ALGORITHMS", "STAGES", "FRAME_OPTIONS", "choose_algorithm", "frame_options",
-           "make_stage"]
+__all__ = ["ALGORITHMS", "STAGES", "choose_algorithm", "make_stage", "stage_options"]
 
 #: Algorithm name -> its Stage class.
 STAGES = {stage.name: stage for stage in (FlatStage, HierarchicalStage, RingStage, NcclStage,
@@ -26,10 +25,6 @@ STAGES = {stage.name: stage for stage in (FlatStage, HierarchicalStage, RingStag
 # spelled out in choices (the command lines need it before TensorFlow).
 if ALGORITHMS != ("auto",) + tuple(STAGES):
     raise ImportError(f"choices.ALGORITHMS {ALGORITHMS} does not list the stages {tuple(STAGES)}")
-
-#: Options of the frame, which every algorithm takes.
-FRAME_OPTIONS = ("pack_bytes", "sparse_as_dense", "compression")
-
 
 def choose_algorithm(devices):
     """The algorithm ``"auto"`` picks for these (canonical) devices.
@@ -52,41 +47,33 @@ def choose_algorithm(devices):
     return "flat"
 
 
+def stage_options(algorithm):
+    """The names of the options an algorithm's stage takes; () for "auto".
+
+    Args:
+      algorithm: a name in ALGORITHMS.
+
+    Returns:
+      tuple of str, e.g. ("groups",) for "hierarchical".
+    """
+    if algorithm == "auto":
+        return ()
+    return tuple(inspect.signature(STAGES[algorithm]).parameters)
+
+
 def make_stage(algorithm, options):
-    """The stage of a named algorithm (not "auto") with its options.
+    """The stage of a named algorithm (not "auto") with its own options.
 
     Args:
       algorithm: a name in STAGES.
-      options: dict of the stage's constructor arguments, e.g.
-        ``{"groups": [[0, 1], [2, 3]]}``; frame options are ignored here.
+      options: dict of the stage's constructor arguments (names from
+        ``stage_options``), e.g. ``{"groups": [[0, 1], [2, 3]]}``.
 
     Returns:
       frame.Stage.
 
     Raises:
-      TypeError: an option neither the stage nor the frame takes.
-      ValueError: a bad option value (from the stage's constructor).
+      ValueError, TypeError: a bad option value (the stage's constructor
+        checks them).
     """
-    stage = STAGES[algorithm]
-    own = set(inspect.signature(stage).parameters)
-    unknown = sorted(set(options) - own - set(FRAME_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"algorithm {algorithm!r} takes no option {unknown}; it takes "
-            f"{sorted(own | set(FRAME_OPTIONS))}")
-    return stage(**{name: value for name, value in options.items() if name in own})
-
-
-def frame_options(options):
-    """The frame's keyword arguments (``frame.run_stages``) from an algorithm's options.
-
-    Args:
-      options: dict of allreduce_grads options; a missing ``pack_bytes`` is
-        DEFAULT_PACK_BYTES (None packs nothing).
-
-    Returns:
-      dict with pack_bytes, sparse_as_dense and compression.
-    """
-    return {"pack_bytes": options.get("pack_bytes", DEFAULT_PACK_BYTES),
-            "sparse_as_dense": options.get("sparse_as_dense", False),
-            "compression": options.get("compression")}
+    return STAGES[algorithm](**options)

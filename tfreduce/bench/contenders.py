@@ -8,18 +8,20 @@ tf.distribute's cross-device ops, each behind one
 
 import tensorflow as tf
 
-import tfreduce
 from tfreduce.bench.units import format_bytes
 from tfreduce.choices import bench_compression
+from tfreduce.compression import Compression, as_compressor
 from tfreduce.powersgd import PowerSGD, PowerSGDState, powersgd_allreduce
+from tfreduce.reduction import Reduction
 
 __all__ = ["COMPRESSION_ROUNDOFF", "Contender", "contenders", "parse_compression",
            "tfreduce_builder"]
 
-#: --compression value -> the relative rounding it adds to the result (the
-#: unit roundoff of the wire dtype, for an input and for the result); PowerSGD
+#: Compressor name -> the relative rounding it adds to the result (the unit
+#: roundoff of the wire dtype, for an input and for the result); PowerSGD
 #: ("powersgdR", rank R) approximates and is not checked against NumPy.
-COMPRESSION_ROUNDOFF = {"none": 0.0, "fp16": 2.0**-11, "bf16": 2.0**-8}
+COMPRESSION_ROUNDOFF = {Compression.none.name: 0.0, Compression.fp16.name: 2.0**-11,
+                        Compression.bf16.name: 2.0**-8}
 
 
 class Contender:
@@ -46,27 +48,26 @@ class Contender:
 
 
 def parse_compression(text):
-    """A --compression item (``choices.bench_compression``) as the all-reduce takes it.
+    """A --compression item (``choices.bench_compression``) as the setting it names.
 
     Returns:
-      None, "fp16", "bf16" or a tfreduce.PowerSGD.
+      a tfreduce.Compressor (Compression.none, .fp16, .bf16) or a
+      tfreduce.PowerSGD; its ``name`` is the item.
 
     Raises:
       ValueError: an unknown item.
     """
     name, rank = bench_compression(text)
-    if rank is not None:
-        return PowerSGD(rank=rank)
-    return None if name == "none" else name
+    return as_compressor(name) if rank is None else PowerSGD(rank=rank)
 
 
-def tfreduce_builder(algorithm, pack_bytes, compression=None):
-    """A contender's build callable for ``tfreduce.allreduce_grads``.
+def tfreduce_builder(algorithm, pack_bytes, compression=Compression.none):
+    """A contender's build callable for a ``tfreduce.Reduction``.
 
     Args:
       algorithm: str, one of ``tfreduce.ALGORITHMS``.
       pack_bytes: int bytes, or None for no packing.
-      compression: None, "fp16", "bf16" (wire compression) or a
+      compression: a tfreduce.Compressor (wire compression) or a
         tfreduce.PowerSGD (its state made per build, starting from its seed).
 
     Returns:
@@ -74,16 +75,16 @@ def tfreduce_builder(algorithm, pack_bytes, compression=None):
       devices K strings, average bool; out[k][n] is the sum (mean) over k of
       grads[k][n], placed on devices[k].
     """
-    wire = compression if isinstance(compression, str) else None
+    powersgd = compression if isinstance(compression, PowerSGD) else None
+    reduction = Reduction(algorithm, pack_bytes=pack_bytes,
+                          compression=None if powersgd else compression)
 
     def build(grads, devices, average):
         def allreduce(all_grads, mean):
-            return tfreduce.allreduce_grads(all_grads, devices, average=mean,
-                                            algorithm=algorithm, pack_bytes=pack_bytes,
-                                            **({"compression": wire} if wire else {}))
-        if not isinstance(compression, PowerSGD):
+            return reduction(all_grads, devices, average=mean)
+        if powersgd is None:
             return allreduce(grads, average)
-        state = PowerSGDState(compression, devices, grads[0])
+        state = PowerSGDState(powersgd, devices, grads[0])
         return powersgd_allreduce(grads, state, allreduce, average, len(devices))
     return build
 
@@ -134,14 +135,15 @@ def contenders(num_devices, device_type, pack_sizes, packing="both", compression
         for name, description, size in variants:
             for text in compressions:
                 setting = parse_compression(text)
-                if setting is None:
+                if setting is Compression.none:
                     out.append(Contender(name, algorithm, description,
                                          tfreduce_builder(algorithm, size)))
                     continue
                 out.append(Contender(
-                    f"{name}+{text}", algorithm, f"{description}, compression={setting!r}",
+                    f"{name}+{setting.name}", algorithm,
+                    f"{description}, compression={setting!r}",
                     tfreduce_builder(algorithm, size, setting),
-                    roundoff=COMPRESSION_ROUNDOFF.get(text), base=name))
+                    roundoff=COMPRESSION_ROUNDOFF.get(setting.name), base=name))
     try:
         import tensorpack.graph_builder.utils  # noqa: F401
     except ImportError as error:

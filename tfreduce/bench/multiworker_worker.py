@@ -140,12 +140,14 @@ def _contenders(tf, cluster, local, devices, grads, average, rank):
                                                         cluster=cluster, compression=compression)
         return allreduce
 
-    state = PowerSGDState(PowerSGD(rank=rank), devices, [v for v in grads[0]])
+    powersgd = PowerSGD(rank=rank)
+    state = PowerSGDState(powersgd, devices, [v for v in grads[0]])
+    fp16 = tfreduce.Compression.fp16
     builders = {
         "per-tensor collective": per_tensor,
         "tfreduce": lambda: multiworker()(read(), average),
-        "tfreduce+fp16": lambda: multiworker("fp16")(read(), average),
-        f"tfreduce+powersgd{rank}": lambda: powersgd_allreduce(
+        f"tfreduce+{fp16.name}": lambda: multiworker(fp16)(read(), average),
+        f"tfreduce+{powersgd.name}": lambda: powersgd_allreduce(
             read(), state, multiworker(), average, total),
     }
     # Tower 0's outputs: an eager call returns once the whole reduction ran.

@@ -66,7 +66,7 @@ def run(args, log):
 
     def sample(epoch, logs):
         samples.append({"step": trainer.step, "resident_mb": _resident_mb(),
-                        "traces": trainer._steps.tracing_counts(),
+                        "traces": trainer.tracing_counts(),
                         "seconds": time.perf_counter() - start})
         if epoch % 20 == 0:
             log(f"step {trainer.step}: {samples[-1]['resident_mb']:.0f} MB, "

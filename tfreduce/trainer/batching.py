@@ -38,7 +38,7 @@ def worker_batch(x, y, cluster, num_devices, total_towers, class_indices=False):
 
     Args:
       x, y: tf.Tensor or np.ndarray [batch, ...], the global batch.
-      cluster: the started tfreduce.Cluster, or None in a single process.
+      cluster: the started tfreduce.Cluster, or a LocalCluster.
       num_devices: int K, the towers of each worker.
       total_towers: int T = W * K, the towers of all workers.
       class_indices: bool, y must hold class indices (whole numbers).
@@ -63,19 +63,17 @@ def worker_batch(x, y, cluster, num_devices, total_towers, class_indices=False):
     batch = int(x.shape[0])
     total = total_towers
     if batch < total:
-        towers = (
-            f"{total} towers ({cluster.num_workers} workers x {num_devices})"
-            if cluster is not None
-            else f"{total} towers"
-        )
+        workers = (f" ({cluster.num_workers} workers x {num_devices})"
+                   if cluster.num_workers > 1 else "")
         raise ValueError(
             f"train_step: the global batch has {batch} examples but there are "
-            f"{towers}; every tower needs at least one example, so use "
+            f"{total} towers{workers}; every tower needs at least one example, so use "
             f"a batch of at least {total}"
         )
-    if cluster is not None:
-        # Every worker is given the same global batch and takes its part.
-        start, stop = cluster.batch_slice(batch, num_devices)
+    # Every worker is given the same global batch and takes its part (one
+    # process: all of it).
+    start, stop = cluster.batch_slice(batch, num_devices)
+    if (start, stop) != (0, batch):
         x, y = x[start:stop], y[start:stop]
     return x, y, batch
 

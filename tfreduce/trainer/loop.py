@@ -1,16 +1,15 @@
 """The loops over batches: fit (epochs, progress, TensorBoard, Ctrl-C), evaluate, predict.
 
 The fit loop drives a trainer through its public face (step, is_chief,
-cluster, optimizers, evaluate, save) and one private method,
-`_run_train_step(x, y) -> (mean loss, correct count or None)`, looked up on
-the trainer at every step so that a replaced method is the one that runs.
-Evaluate and predict loop over batches with the step functions they are
-given.
+optimizers, skipped_steps, evaluate, save) and `FitHooks`, the few things
+of the trainer's own that fit needs and nobody else does. Evaluate and
+predict loop over batches with the step functions they are given.
 """
 
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 
 import keras
 import numpy as np
@@ -25,6 +24,31 @@ from tfreduce.trainer.batching import (
 )
 from tfreduce.trainer.losses import regularization
 from tfreduce.trainer.signals import Terminated
+
+
+@dataclasses.dataclass(frozen=True)
+class FitHooks:
+    """What the fit loop needs of a trainer beyond its public face.
+
+    Attributes:
+      run_step: fn(x, y) -> (float mean loss, int correct count or None,
+        bool stopping): trains on one global batch; stopping is True once
+        a stop was asked for (SIGTERM), on every worker after the same step.
+      stop: signals.StopRequest, the SIGTERM handling while fit runs.
+      epoch_totals: the float64 [3] tf.Variable of the epoch's running loss
+        sum, correct count and examples (checkpointed: a resume mid-epoch
+        logs the epoch's means).
+      reports_skipped: bool, every epoch's logs count the skipped steps
+        (on_nonfinite="skip"), not only those with a skipped step.
+      finish: fn(), waits for every worker (``Cluster.finish``; nothing in
+        one process).
+    """
+
+    run_step: Callable
+    stop: object
+    epoch_totals: object
+    reports_skipped: bool
+    finish: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +83,7 @@ class Epochs:
 
 def fit_loop(
     trainer,
+    hooks,
     x,
     y,
     total_towers,
@@ -77,6 +102,7 @@ def fit_loop(
 
     Args:
       trainer: the ReplicatedTrainer.
+      hooks: FitHooks of that trainer.
       total_towers: int T, the towers of all workers.
       the others: as `ReplicatedTrainer.fit`.
 
@@ -97,35 +123,33 @@ def fit_loop(
         x, y, epochs, batch_size, shuffle, seed, steps_per_epoch, total_towers, writer, verbose
     )
     history = {}
-    trainer._stopping = False
     try:
-        with trainer._stop.handling():
-            _fit_epochs(trainer, run, validation_data, checkpoint_dir, callbacks, history)
+        with hooks.stop.handling():
+            _fit_epochs(trainer, hooks, run, validation_data, checkpoint_dir, callbacks, history)
             # A signal after the last step's flag was read: the run is done
             # and saved, but the caller asked to stop.
-            late = trainer._stop.signum
+            late = hooks.stop.signum
     except KeyboardInterrupt as stop:
-        _save_on_interrupt(trainer, checkpoint_dir, stop)
+        _save_on_interrupt(trainer, hooks, checkpoint_dir, stop)
         raise
     finally:
         if writer is not None:
             writer.close()
-    if trainer.cluster is not None:
-        # No worker leaves while a peer still needs its answers. Not in
-        # a finally: after a failure the peers may never get here.
-        trainer.cluster.finish()
+    # No worker leaves while a peer still needs its answers. Not in a
+    # finally: after a failure the peers may never get here.
+    hooks.finish()
     if late is not None:
         raise Terminated(late, trainer.step)
     return history
 
 
-def _fit_epochs(trainer, run, validation_data, checkpoint_dir, callbacks, history):
+def _fit_epochs(trainer, hooks, run, validation_data, checkpoint_dir, callbacks, history):
     """The epochs of fit from the trainer's step on; adds each epoch's logs to history."""
     first_epoch, skip = divmod(trainer.step, run.steps_per_epoch)
     for epoch in range(first_epoch, run.epochs):
-        logs = fit_epoch(trainer, run, epoch, skip)
+        logs, stopping = fit_epoch(trainer, hooks, run, epoch, skip)
         skip = 0
-        stop = Terminated(trainer._stop.signum, trainer.step) if trainer._stopping else None
+        stop = Terminated(hooks.stop.signum, trainer.step) if stopping else None
         if stop is not None and trainer.step % run.steps_per_epoch:
             raise stop  # mid-epoch: the resume finishes this epoch
         logs = _end_epoch(trainer, run, epoch, logs, validation_data)
@@ -140,11 +164,11 @@ def _fit_epochs(trainer, run, validation_data, checkpoint_dir, callbacks, histor
             raise stop
 
 
-def _save_on_interrupt(trainer, checkpoint_dir, stop):
+def _save_on_interrupt(trainer, hooks, checkpoint_dir, stop):
     """Ctrl-C or SIGTERM: writes a checkpoint (rank 0) and says where, before re-raising."""
-    if isinstance(stop, Terminated) and trainer.cluster is not None:
+    if isinstance(stop, Terminated):
         # Every worker stops after the same step: let all arrive first.
-        trainer.cluster.finish()
+        hooks.finish()
     if checkpoint_dir is not None:
         path = trainer.save(checkpoint_dir)
         if path is not None:
@@ -186,18 +210,21 @@ def _epoch_batches(run, epoch, skip):
     )
 
 
-def fit_epoch(trainer, run, epoch, skip):
+def fit_epoch(trainer, hooks, run, epoch, skip):
     """Runs the steps of one epoch from batch `skip`; returns the epoch's logs.
 
     Args:
-      trainer: the ReplicatedTrainer; each step calls its `_run_train_step`.
+      trainer: the ReplicatedTrainer.
+      hooks: FitHooks; each step calls its `run_step`.
       run: Epochs, what every epoch of this fit shares.
       epoch: int, the 0-based epoch.
       skip: int, the batches of this epoch already trained (on a resume).
 
     Returns:
-      dict: "loss", "accuracy" (when defined), "images_per_sec", and
-      "skipped_steps" with on_nonfinite="skip" or when a step was skipped.
+      (logs, stopping): logs a dict of "loss", "accuracy" (when defined),
+      "images_per_sec", and "skipped_steps" with on_nonfinite="skip" or
+      when a step was skipped; stopping a bool, the epoch ended early
+      because a stop was asked for.
     """
     batches = _epoch_batches(run, epoch, skip)
     if run.verbose == 1:
@@ -211,15 +238,16 @@ def fit_epoch(trainer, run, epoch, skip):
     loss_total, correct_total, seen, has_accuracy = 0.0, 0, 0, False
     if skip:
         # Resumed mid-epoch: the totals of the steps before the checkpoint.
-        totals = trainer._epoch_totals.numpy()
+        totals = hooks.epoch_totals.numpy()
         loss_total, correct_total, seen = float(totals[0]), int(totals[1]), int(totals[2])
     # Throughput is measured on the wall clock, so it counts batching,
     # logging and tracing too, not just the time inside the step.
     epoch_start = time.perf_counter()
     skipped_before = trainer.skipped_steps
+    stopping = False
     for step_in_epoch, (x_batch, y_batch) in enumerate(batches, start=skip + 1):
         start = time.perf_counter()
-        loss, correct = trainer._run_train_step(x_batch, y_batch)
+        loss, correct, stopping = hooks.run_step(x_batch, y_batch)
         step_time = time.perf_counter() - start
         size = int(x_batch.shape[0])
         elapsed = time.perf_counter() - epoch_start
@@ -232,7 +260,7 @@ def fit_epoch(trainer, run, epoch, skip):
             values.append(("accuracy", correct_total / seen))
         values.append(("images/s", seen / elapsed))
         progress.update(step_in_epoch, values)
-        trainer._epoch_totals.assign([loss_total, correct_total, seen])
+        hooks.epoch_totals.assign([loss_total, correct_total, seen])
         if run.writer is not None:
             with run.writer.as_default(step=trainer.step):
                 tf.summary.scalar("train/loss", loss)
@@ -240,16 +268,16 @@ def fit_epoch(trainer, run, epoch, skip):
                     tf.summary.scalar("train/accuracy", correct / size)
                 tf.summary.scalar("train/learning_rate", _learning_rate(trainer.optimizers[0]))
                 tf.summary.scalar("train/step_time_s", step_time)
-        if trainer._stopping:
+        if stopping:
             break  # SIGTERM: the step is whole and logged; the caller stops the run
     logs = {"loss": loss_total / max(seen, 1)}
     if has_accuracy:
         logs["accuracy"] = correct_total / max(seen, 1)
     logs["images_per_sec"] = seen / (time.perf_counter() - epoch_start)
     skipped = trainer.skipped_steps - skipped_before
-    if skipped or trainer._options.on_nonfinite == "skip":
+    if skipped or hooks.reports_skipped:
         logs["skipped_steps"] = skipped  # updates skipped for NaN or Inf gradients
-    return logs
+    return logs, stopping
 
 
 def _learning_rate(optimizer):

@@ -3,9 +3,9 @@
 from tfreduce.devices import tower_devices
 from tfreduce.trainer.batching import eval_batches, input_batches, worker_batch
 from tfreduce.trainer.checkpoints import find_prefix
-from tfreduce.trainer.loop import evaluate_loop, fit_loop, predict_loop
+from tfreduce.trainer.loop import FitHooks, evaluate_loop, fit_loop, predict_loop
 from tfreduce.trainer.losses import per_example_loss_fn, takes_class_indices
-from tfreduce.trainer.options import StepOptions, check_trainer_options, split_powersgd
+from tfreduce.trainer.options import StepOptions, check_trainer_options, trainer_reduction
 from tfreduce.trainer.signals import StopRequest
 from tfreduce.trainer.step import build_run, make_counters
 from tfreduce.trainer.towers import (
@@ -30,8 +30,8 @@ class ReplicatedTrainer:
        then divides the sum by K), or times 1/B when `average=False` (the
        all-reduce sums): the reduced gradient is exactly the gradient of the
        mean loss over the B examples, even for uneven shards;
-    3. all-reduces the K x N gradients once (`tfreduce.allreduce_grads`, or
-       PowerSGD around it), checks once that the result is finite, and
+    3. all-reduces the K x N gradients once (its `reduction`, or PowerSGD
+       around it), checks once that the result is finite, and
        applies it with each tower's optimizer: every tower applies the same
        update to the same values, or none does (`on_nonfinite`);
     4. replaces the moving mean and variance of every trainable
@@ -51,12 +51,9 @@ class ReplicatedTrainer:
     A model whose variables are created on first call (a Sequential without
     an Input) is built on the first batch the trainer sees.
 
-    Several workers (see `tfreduce.cluster` and the package docstring):
-    every worker runs the same program on the same global batches and
-    trains its part of each; only rank 0 (`is_chief`) writes checkpoints
-    and summaries. A lost worker fails the step with `WorkerLostError`.
+    Several workers: see the package docstring (`tfreduce.trainer`).
 
-    Example (the README's "Training" section has more)::
+    Example (docs/training.md has more)::
 
         trainer = tfreduce.ReplicatedTrainer(make_model, "mse",          # tfreduce:
                                              lambda: keras.optimizers.Adam(1e-3))
@@ -68,27 +65,16 @@ class ReplicatedTrainer:
       devices: list of K canonical device names, devices[k] holds tower k.
       step: int, the number of training steps taken (restored by `restore`).
       cluster: the started tfreduce.Cluster, or None in a single process.
+      reduction: the tfreduce.Reduction every all-reduce is built with.
       is_chief: bool, True on rank 0 (and in a single process), the
         worker that writes checkpoints and logs.
       skipped_steps: int, the steps whose update was skipped (non-finite
         gradients) since this trainer was made.
     """
 
-    def __init__(
-        self,
-        model_fn,
-        loss,
-        optimizer_fn,
-        devices=None,
-        algorithm="auto",
-        average=True,
-        *,
-        bcast_period=0,
-        cluster="auto",
-        accumulate_steps=1,
-        on_nonfinite="raise",
-        **allreduce_options,
-    ):
+    def __init__(self, model_fn, loss, optimizer_fn, devices=None, algorithm="auto", average=True,
+                 *, bcast_period=0, cluster="auto", accumulate_steps=1, on_nonfinite="raise",
+                 reduction=None, powersgd=None, **allreduce_options):
         """Builds one model replica and one optimizer per device.
 
         Args:
@@ -103,10 +89,10 @@ class ReplicatedTrainer:
             per tower; each optimizer's slots live on its tower.
           devices: list of K device names, one tower each; default all GPUs,
             or all logical CPU devices when there is no GPU.
-          algorithm: str, a name in tfreduce.ALGORITHMS, passed to
-            tfreduce.allreduce_grads.
-          average: bool, passed to tfreduce.allreduce_grads; the loss scaling
-            adapts so the global-batch mean is optimised either way.
+          algorithm: str, a name in tfreduce.ALGORITHMS (the field of
+            ``tfreduce.Reduction``).
+          average: bool, the all-reduce's mean (True) or sum; the loss
+            scaling adapts so the global-batch mean is optimised either way.
           bcast_period: int >= 0; when positive, tower 0's variables are
             broadcast to all towers every `bcast_period` steps (MegEngine's
             bcast_period). 0 broadcasts only at start and after restore.
@@ -126,46 +112,43 @@ class ReplicatedTrainer:
             the update on every tower, counted in fit's logs ("skipped_steps").
             With a LossScaleOptimizer (mixed_float16) such steps are skipped
             by it and counted; "raise" then raises on a non-finite loss.
-          **allreduce_options: passed to tfreduce.allreduce_grads, such as
-            groups=[[0, 1], [2, 3]] for "hierarchical", pack_bytes= or
-            compression="fp16"; compression=tfreduce.PowerSGD(rank=2)
-            compresses with PowerSGD around the all-reduce;
-            topology="dgx-a100" (with algorithm "auto") builds the
-            reduction the cost model predicts fastest there. In a cluster,
-            pack_bytes goes to allreduce_grads_multiworker and the others to
-            its local algorithm (no topology).
+          reduction: a ``tfreduce.Reduction``, every all-reduce's algorithm
+            and options, instead of ``algorithm`` and ``**allreduce_options``.
+          powersgd: a ``tfreduce.PowerSGD``: each update's all-reduce is
+            compressed with PowerSGD around the reduction (its state, per
+            tower, is checkpointed); None: no PowerSGD.
+          **allreduce_options: the options of ``tfreduce.Reduction``, such
+            as groups=[[0, 1], [2, 3]] for "hierarchical", pack_bytes=,
+            compression="fp16", or topology="dgx-a100" (with algorithm
+            "auto": the reduction the cost model predicts fastest there).
+            In a cluster the reduction is followed by the cross-worker hop
+            (4 MiB packs by default, compression on that hop only; no
+            topology). compression=tfreduce.PowerSGD(...) is the deprecated
+            spelling of powersgd=.
 
         Raises:
           TypeError: model_fn or optimizer_fn is not callable or returns the
             wrong type; loss is not a loss; cluster is not "auto", None or a
-            Cluster; average not a bool; an option the algorithm lacks.
+            Cluster; average not a bool; an option the algorithm lacks;
+            reduction= with algorithm or options.
           ValueError: unknown algorithm, bad or missing devices, a negative
             bcast_period or accumulate_steps < 1, a bad option value (a
             topology with a named algorithm), or replicas that differ.
         """
         check_factories(model_fn, optimizer_fn)
-        allreduce_options, powersgd = split_powersgd(allreduce_options)
         # The checks that need no cluster come first.
-        check_trainer_options(algorithm, average, bcast_period, accumulate_steps, on_nonfinite,
-                              allreduce_options.get("compression"))
-        self.cluster = resolve_cluster(cluster)
+        self.reduction, powersgd = trainer_reduction(algorithm, reduction, powersgd,
+                                                     allreduce_options)
+        check_trainer_options(average, bcast_period, accumulate_steps, on_nonfinite)
+        self._cluster = resolve_cluster(cluster)
         self.devices = tower_devices(devices)
-        workers = self.cluster.num_workers if self.cluster is not None else 1
         self._options = StepOptions(
-            loss_fn=per_example_loss_fn(loss),
-            class_indices=takes_class_indices(loss),
-            average=bool(average),
+            loss_fn=per_example_loss_fn(loss), class_indices=takes_class_indices(loss),
+            average=bool(average), devices=self.devices, reduction=self.reduction,
             # T, the towers of all workers, among which each global batch is split.
-            total_towers=workers * len(self.devices),
-            devices=self.devices,
-            algorithm=algorithm,
-            allreduce_options=allreduce_options,
-            cluster=self.cluster,
-            accumulate_steps=accumulate_steps,
-            on_nonfinite=on_nonfinite,
-            powersgd=powersgd,
-        )
-        self._options.check()  # a bad option fails here, not at the first step
+            total_towers=self._cluster.num_workers * len(self.devices), cluster=self._cluster,
+            accumulate_steps=accumulate_steps, on_nonfinite=on_nonfinite, powersgd=powersgd)
+        self._options.check()  # devices it cannot use fail here, not at the first step
         self._bcast_period = bcast_period
         self.models, self.optimizers = create_replicas(model_fn, optimizer_fn, self.devices)
         self._step, self._epoch_totals = make_counters()
@@ -173,7 +156,6 @@ class ReplicatedTrainer:
         self._checkpoint = None
         self._pending_restore = None
         self._stop = StopRequest()  # SIGTERM while fit runs
-        self._stopping = False
         self.skipped_steps = 0
         if all(model.built for model in self.models):
             self._build(None)
@@ -184,9 +166,14 @@ class ReplicatedTrainer:
         return int(self._step.numpy())
 
     @property
+    def cluster(self):
+        """The started tfreduce.Cluster, or None in a single process."""
+        return None if self._cluster.is_local else self._cluster
+
+    @property
     def is_chief(self):
         """bool: rank 0 of the cluster, or True in a single process."""
-        return self.cluster is None or self.cluster.is_chief
+        return self._cluster.is_chief
 
     def _build(self, x):
         """Builds the towers (x: a batch for unbuilt models, or None), checkpoint and steps."""
@@ -195,6 +182,12 @@ class ReplicatedTrainer:
             x, f"bcast_period={self._bcast_period}", self._pending_restore)
         self._pending_restore = None
 
+    def _built(self, what):
+        """The StepFunctions; ValueError naming ``what`` if no batch has built the models."""
+        if self._steps is None:
+            raise ValueError(f"{what}: the models are not built yet; train on a batch first")
+        return self._steps
+
     def _built_steps(self, x):
         """The StepFunctions; batch x builds the models first if they are not built."""
         if self._steps is None:
@@ -202,20 +195,18 @@ class ReplicatedTrainer:
         return self._steps
 
     def _run_train_step(self, x, y):
-        """Runs one step; returns (mean loss float, correct count int or None)."""
-        x, y, batch = worker_batch(x, y, self.cluster, len(self.devices),
+        """Runs one step; returns (mean loss float, correct count int or None, stopping bool)."""
+        x, y, batch = worker_batch(x, y, self._cluster, len(self.devices),
                                    self._options.total_towers, self._options.class_indices)
         loss, correct, stops, skipped = self._built_steps(x).train(
             x, y, batch, self._stop.requested)
         self.skipped_steps += int(skipped)
-        # In a cluster only the sum over workers counts: all stop after the
-        # same step.
-        self._stopping = float(stops) > 0 if self.cluster else self._stop.requested
         if self._bcast_period and self.step % self._bcast_period == 0:
             self._steps.broadcast()
         # A negative count: accuracy is not defined for the model's outputs.
         correct = int(correct)
-        return float(loss), (correct if correct >= 0 else None)
+        # The stop requests summed over the workers: all stop after the same step.
+        return float(loss), (correct if correct >= 0 else None), float(stops) > 0
 
     def train_step(self, x, y):
         """Trains on one global batch, split across the towers.
@@ -236,6 +227,18 @@ class ReplicatedTrainer:
         """
         return self._run_train_step(x, y)[0]
 
+    def tracing_counts(self):
+        """How many times each step function was traced: 1 each, unless inputs vary.
+
+        Returns:
+          dict {"train", "evaluate", "predict"} (and "accumulate" with
+          accumulate_steps > 1) -> int; 0: not run yet; above 1: retraced.
+
+        Raises:
+          ValueError: the models are not built yet (no batch seen).
+        """
+        return self._built("tracing_counts").tracing_counts()
+
     def check_replicas(self):
         """Largest absolute difference between any tower's variable and tower 0's.
 
@@ -249,9 +252,7 @@ class ReplicatedTrainer:
         Raises:
           ValueError: the models are not built yet (no batch seen).
         """
-        if self._steps is None:
-            raise ValueError("check_replicas: the models are not built yet; train on a batch first")
-        return float(self._steps.difference())
+        return float(self._built("check_replicas").difference())
 
     def broadcast(self):
         """Copies tower 0's model and optimizer variables to every tower.
@@ -262,9 +263,7 @@ class ReplicatedTrainer:
         Raises:
           ValueError: the models are not built yet (no batch seen).
         """
-        if self._steps is None:
-            raise ValueError("broadcast: the models are not built yet; train on a batch first")
-        self._steps.broadcast()
+        self._built("broadcast").broadcast()
 
     def fit(
         self,
@@ -339,8 +338,13 @@ class ReplicatedTrainer:
             infinite dataset, or verbose not 0, 1 or 2.
           KeyboardInterrupt: re-raised after the checkpoint is written.
         """
+        hooks = FitHooks(
+            # Looked up at every step, so that a replaced method is the one that runs.
+            run_step=lambda x_batch, y_batch: self._run_train_step(x_batch, y_batch),
+            stop=self._stop, epoch_totals=self._epoch_totals,
+            reports_skipped=self._options.on_nonfinite == "skip", finish=self._cluster.finish)
         return fit_loop(
-            self, x, y, self._options.total_towers, epochs=epochs, batch_size=batch_size,
+            self, hooks, x, y, self._options.total_towers, epochs=epochs, batch_size=batch_size,
             shuffle=shuffle, seed=seed, validation_data=validation_data, logdir=logdir,
             checkpoint_dir=checkpoint_dir, callbacks=callbacks, verbose=verbose)
 
@@ -400,8 +404,7 @@ class ReplicatedTrainer:
           FloatingPointError: a variable holds NaN or Inf: nothing is written,
             so a diverged run cannot rotate the good checkpoints out.
         """
-        if self._steps is None:
-            raise ValueError("save: the models are not built yet; train on a batch first")
+        self._built("save")
         if not self.is_chief:
             return None
         return self._checkpoint.save(path)
@@ -427,7 +430,7 @@ class ReplicatedTrainer:
           ValueError: every checkpoint at path is damaged (each named), or
             the checkpoint does not match this trainer's model.
         """
-        if self.cluster is not None and self._steps is not None:
+        if self._cluster.num_workers > 1 and self._steps is not None:
             # Only rank 0's own tower state is in the checkpoint: every
             # worker restarts its state, so all stay consistent.
             self._steps.reset_state()

@@ -24,12 +24,7 @@ from tfreduce.consistency import check_workers_agree
 from tfreduce.contract import shard_sizes
 from tfreduce.trainer.checkpoints import TrainerCheckpoint
 from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
-from tfreduce.trainer.towers import (
-    build_towers,
-    collectives,
-    describe_variables,
-    sync_functions,
-)
+from tfreduce.trainer.towers import build_towers, describe_variables, sync_functions
 from tfreduce.trainer.update import (
     TowerState,
     all_finite,
@@ -299,8 +294,8 @@ class StepFunctions:
     every input signature stays None: a worker's part may differ in size
     from step to step, and a retrace on one worker only would build its
     collectives out of step with the others. The calls that run cross-worker
-    collectives (train, broadcast) run inside `towers.collectives`, which
-    names a lost worker.
+    collectives (train, broadcast) run inside the cluster's
+    `detect_lost_workers`, which names a lost worker.
 
     Args:
       towers: Towers, this worker's K built replicas.
@@ -328,7 +323,7 @@ class StepFunctions:
 
     def broadcast(self):
         """Copies tower 0's variables (rank 0's in a cluster) to every tower."""
-        with collectives(self._options.cluster):
+        with self._options.cluster.detect_lost_workers():
             self._broadcast_fn()
 
     def reset_state(self):
@@ -360,7 +355,7 @@ class StepFunctions:
                 input_signature=[signature(x), signature(y), tf.TensorSpec([], tf.int32),
                                  tf.TensorSpec([], tf.float64)],
             )
-        with collectives(self._options.cluster):
+        with self._options.cluster.detect_lost_workers():
             loss, correct, stops, finite, report, tower_losses = self._train_fns[update](
                 x, y, tf.constant(batch, tf.int32), tf.constant(float(stop), tf.float64))
         raises = self._options.on_nonfinite == "raise"
@@ -428,11 +423,10 @@ def build_run(models, optimizers, options, counters, x, describe, restore=None):
         does not match.
     """
     built = build_towers(models, optimizers, options.devices, x)
-    if options.cluster is not None:
-        # Before the first collective: a worker that differs fails now, on all.
-        check_workers_agree(options.cluster, len(options.devices),
-                            f"{options.describe()}, {describe}",
-                            describe_variables(built.variables[0]))
+    # Before the first collective: a worker that differs fails now, on all.
+    check_workers_agree(options.cluster, len(options.devices),
+                        f"{options.describe()}, {describe}",
+                        describe_variables(built.variables[0]))
     state = TowerState(built, options.accumulate_steps, options.powersgd, HOST)
     checkpoint = TrainerCheckpoint(models[0], optimizers[0], *counters, state)
     if restore is not None:

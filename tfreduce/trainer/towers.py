@@ -4,11 +4,9 @@ Tower k is a replica of the model and its own optimizer, all their variables
 on devices[k]. This module resolves the cluster the towers belong to (before
 any variable exists), creates the replicas, builds their variables, checks
 that every tower built the same thing, and makes the functions that
-broadcast tower 0 to every tower and measure how far the towers drifted;
-`collectives` is the context in which a lost worker is reported by name.
+broadcast tower 0 to every tower and measure how far the towers drifted.
 """
 
-import contextlib
 import dataclasses
 import os
 
@@ -17,8 +15,9 @@ import tensorflow as tf
 
 from tfreduce.cluster import Cluster
 from tfreduce.contract import tf_variables
+from tfreduce.localcluster import LocalCluster
 from tfreduce.multiworker import broadcast_variables_multiworker
-from tfreduce.replicated import broadcast_variables, max_replica_difference
+from tfreduce.replicated import max_replica_difference
 from tfreduce.trainer.update import scales_loss
 
 
@@ -45,29 +44,30 @@ class Towers:
     variables: list
 
 
-def resolve_cluster(cluster):
-    """The started Cluster of a multi-worker run, or None for one process.
+def resolve_cluster(given):
+    """The started Cluster of a multi-worker run, or a LocalCluster for one process.
+
+    The one place the trainer's ``cluster=`` argument is read: from here on
+    the trainer calls the same methods on either.
 
     Args:
-      cluster: "auto" (a Cluster from TF_CONFIG when that variable is set,
-        else None), None, or a tfreduce.Cluster.
+      given: "auto" (a Cluster from TF_CONFIG when that variable is set,
+        else one process), None (one process), or a tfreduce.Cluster.
 
     Raises:
-      TypeError: cluster is none of these.
+      TypeError: given is none of these.
     """
-    if isinstance(cluster, str) and cluster == "auto":
-        if not os.environ.get("TF_CONFIG"):
-            return None
-        cluster = Cluster.from_tf_config()
-    if cluster is None:
-        return None
-    if not isinstance(cluster, Cluster):
+    if isinstance(given, str) and given == "auto":
+        given = Cluster.from_tf_config() if os.environ.get("TF_CONFIG") else None
+    if given is None:
+        return LocalCluster()
+    if not isinstance(given, Cluster):
         raise TypeError(
-            f'cluster must be "auto", None or a tfreduce.Cluster, got {type(cluster).__name__}'
+            f'cluster must be "auto", None or a tfreduce.Cluster, got {type(given).__name__}'
         )
     # Before any tensor exists: from here on this worker's devices carry its
     # job and task. start() does nothing on a cluster that already started.
-    return cluster.start()
+    return given.start()
 
 
 def check_factories(model_fn, optimizer_fn):
@@ -200,7 +200,7 @@ def sync_functions(towers, cluster, counters):
 
     Args:
       towers: Towers, built.
-      cluster: the started tfreduce.Cluster, or None in a single process.
+      cluster: the started tfreduce.Cluster, or a LocalCluster.
       counters: the host tf.Variables of the run (the step counter, the
         epoch's running totals); in a cluster rank 0's values are broadcast
         with the variables.
@@ -214,35 +214,17 @@ def sync_functions(towers, cluster, counters):
     raw = tf_variables(towers.variables)
 
     def broadcast():
-        # The assignments run as the function's stateful ops; their
-        # Operation results cannot be returned from a tf.function.
-        broadcast_variables(raw, root=0)
-
-    def broadcast_cluster():
         # Rank 0's counters travel too: only rank 0 reads checkpoints, and
-        # every worker must continue from its step. Second, after the
-        # variables: collectives are issued in order.
+        # every worker must continue from its step (one tower of one
+        # process: nothing to copy). Second, after the variables:
+        # collectives are issued in order. The assignments' Operations
+        # cannot be returned from a tf.function: it returns a constant.
         ops = broadcast_variables_multiworker(raw, cluster)
         with tf.control_dependencies(ops):
             ops = broadcast_variables_multiworker([list(counters)], cluster)
         with tf.control_dependencies(ops):
             return tf.constant(0)
 
-    broadcast_fn = tf.function(broadcast if cluster is None else broadcast_cluster, autograph=False)
+    broadcast_fn = tf.function(broadcast, autograph=False)
     difference_fn = tf.function(lambda: max_replica_difference(raw), autograph=False)
     return broadcast_fn, difference_fn
-
-
-def collectives(cluster):
-    """Context of every call that runs cross-worker collectives.
-
-    Turns the failure of a collective whose peer died into a
-    WorkerLostError that names the lost worker.
-
-    Args:
-      cluster: the started tfreduce.Cluster, or None in a single process
-        (then the context does nothing).
-    """
-    if cluster is None:
-        return contextlib.nullcontext()
-    return cluster.detect_lost_workers()

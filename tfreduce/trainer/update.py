@@ -22,20 +22,21 @@ tower.
 import keras
 import tensorflow as tf
 
-from tfreduce.powersgd import PowerSGD, PowerSGDState, powersgd_allreduce
+from tfreduce.contract import check_flag, values_of
+from tfreduce.powersgd import PowerSGDState, powersgd_allreduce
 
 ON_NONFINITE = ("raise", "skip")
 
 
-def check_update_options(accumulate_steps, on_nonfinite, compression):
-    """Raises ValueError/TypeError for a bad accumulate_steps, on_nonfinite or compression.
+def check_update_options(average, accumulate_steps, on_nonfinite):
+    """Raises ValueError/TypeError for a bad average, accumulate_steps or on_nonfinite.
 
     Args:
+      average: bool.
       accumulate_steps: int >= 1.
       on_nonfinite: "raise" or "skip".
-      compression: None, "fp16", "bf16" (checked by the all-reduce) or a
-        tfreduce.PowerSGD.
     """
+    check_flag(average, "average")
     if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int):
         raise TypeError(f"accumulate_steps must be an int >= 1, got {accumulate_steps!r}")
     if accumulate_steps < 1:
@@ -43,8 +44,6 @@ def check_update_options(accumulate_steps, on_nonfinite, compression):
             f"accumulate_steps must be >= 1 (1: an update every step), got {accumulate_steps}")
     if on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
-    if isinstance(compression, type) and issubclass(compression, PowerSGD):
-        raise TypeError("compression=tfreduce.PowerSGD needs an instance: PowerSGD(rank=2)")
 
 
 def scales_loss(optimizer):
@@ -58,7 +57,7 @@ class TowerState:
     Args:
       towers: Towers, built.
       accumulate_steps: int M >= 1.
-      compression: a tfreduce.PowerSGD, or anything else (no PowerSGD state).
+      powersgd: a tfreduce.PowerSGD, or None (no PowerSGD state).
       host: the device of the count of accumulated examples.
 
     Attributes:
@@ -68,7 +67,7 @@ class TowerState:
       powersgd: PowerSGDState, or None.
     """
 
-    def __init__(self, towers, accumulate_steps, compression, host):
+    def __init__(self, towers, accumulate_steps, powersgd, host):
         self.devices = towers.devices
         self.accumulate_steps = accumulate_steps
         self.sums = None
@@ -84,8 +83,8 @@ class TowerState:
                 self.examples = tf.Variable(0.0, dtype=tf.float64, trainable=False,
                                             name="accumulated_examples")
         self.powersgd = None
-        if isinstance(compression, PowerSGD):
-            self.powersgd = PowerSGDState(compression, towers.devices, towers.trainable[0])
+        if powersgd is not None:
+            self.powersgd = PowerSGDState(powersgd, towers.devices, towers.trainable[0])
 
     def tower_variables(self, k):
         """Tower k's own variables (sums, Q, error feedback), for checkpoints."""
@@ -167,13 +166,9 @@ def all_finite(grads, device):
       device: where the check runs (tower 0's device).
     """
     with tf.device(device), tf.name_scope("nonfinite_check"):
-        checks = [tf.reduce_all(tf.math.is_finite(_values(g))) for g in grads
+        checks = [tf.reduce_all(tf.math.is_finite(values_of(g))) for g in grads
                   if g is not None and g.dtype.is_floating]
         return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
-
-
-def _values(g):
-    return g.values if isinstance(g, tf.IndexedSlices) else g
 
 
 def locate_nonfinite(finite, all_grads, reduced, devices, host):
@@ -189,7 +184,7 @@ def locate_nonfinite(finite, all_grads, reduced, devices, host):
         rows = []
         for k, grads in enumerate(list(all_grads) + [reduced]):
             with tf.device(devices[k] if k < num_towers else devices[0]):
-                rows.append([tf.logical_not(tf.reduce_all(tf.math.is_finite(_values(g))))
+                rows.append([tf.logical_not(tf.reduce_all(tf.math.is_finite(values_of(g))))
                              if g is not None and g.dtype.is_floating else tf.constant(False)
                              for g in grads])
         with tf.device(host):
@@ -229,7 +224,7 @@ def nonfinite_error(report, step, towers, cluster):
       report: np.ndarray int [K + 1, N] from locate_nonfinite.
       step: int, the 1-based number of the step.
       towers: Towers, whose variables name the columns.
-      cluster: the tfreduce.Cluster, or None.
+      cluster: the tfreduce.Cluster, or a LocalCluster.
 
     Returns:
       FloatingPointError naming the step, the first tower and variable.
@@ -247,7 +242,7 @@ def nonfinite_error(report, step, towers, cluster):
                 f"gradient of variable {bad[0]!r}{more}; {advice}")
     bad = [names[n] for n in range(len(names)) if report[num_towers][n]]
     where = ("a tower of another worker, or the sum overflowed"
-             if cluster is not None else "every tower's gradient is finite: the sum overflowed")
+             if not cluster.is_local else "every tower's gradient is finite: the sum overflowed")
     return FloatingPointError(
         f"step {step}: the all-reduced gradient of variable {bad[0] if bad else '?'!r} is NaN "
         f"or Inf ({where}; compression='fp16' crosses devices in float16, at most 65504); "

@@ -1,0 +1,354 @@
+"""tfreduce.Reduction: the one value that owns "how to communicate", and every door built on it."""
+
+import dataclasses
+import inspect
+import pydoc
+import re
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfreduce
+import tfreduce.reduction
+from helpers import CPU_DEVICES, GPU_DEVICES, check, place, placeholders, run_in_function
+from tfreduce import planner
+from tfreduce.cluster import Cluster
+from tfreduce.localcluster import LocalCluster
+from tfreduce.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
+from tfreduce.trainer import ReplicatedTrainer
+
+OPTIONS = ["algorithm", "groups", "communication", "keys", "timeout", "pack_bytes",
+           "sparse_as_dense", "compression", "topology"]
+SPEC = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
+
+
+def mlp():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"),
+                             keras.layers.Dense(3)])
+
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def sgd():
+    return keras.optimizers.SGD(0.1)
+
+
+def data(n=32):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 5)).astype(np.float32), rng.integers(0, 3, size=n)
+
+
+# ------------------------------------------------------------------ the value
+
+def test_every_option_is_in_the_signature_and_help_points_to_it():
+    assert list(inspect.signature(tfreduce.Reduction).parameters) == OPTIONS
+    # Only the algorithm is positional.
+    kinds = [p.kind for p in inspect.signature(tfreduce.Reduction).parameters.values()]
+    assert kinds == [inspect.Parameter.POSITIONAL_OR_KEYWORD] + [
+        inspect.Parameter.KEYWORD_ONLY] * (len(OPTIONS) - 1)
+    doc = pydoc.render_doc(tfreduce.Reduction, renderer=pydoc.plaintext)
+    for name in OPTIONS:
+        assert re.search(rf"^[ |]+{name}: ", doc, re.MULTILINE), name
+    for door in (tfreduce.allreduce_grads, tfreduce.ReplicatedTrainer, tfreduce.CrossDeviceOps):
+        assert "tfreduce.Reduction" in pydoc.render_doc(door, renderer=pydoc.plaintext)
+
+
+def test_a_frozen_value_compared_by_its_choice():
+    a = tfreduce.Reduction("hierarchical", groups=[[0, 1], [2, 3]], compression="fp16")
+    b = tfreduce.Reduction("hierarchical", groups=((0, 1), (2, 3)),
+                           compression=tfreduce.Compression.fp16)
+    assert a == b and hash(a) == hash(b)
+    assert a != tfreduce.Reduction("hierarchical", groups=[[0, 2], [1, 3]], compression="fp16")
+    assert a.groups == ((0, 1), (2, 3)) and a.compression is tfreduce.Compression.fp16
+    assert tfreduce.Reduction().compression is tfreduce.Compression.none
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.algorithm = "ring"
+    assert repr(a) == ("tfreduce.Reduction('hierarchical', groups=[[0, 1], [2, 3]], "
+                       "compression='fp16')")
+    keys = tfreduce.CollectiveKeys()
+    assert tfreduce.Reduction("collective", keys=keys, timeout=5).describe() == (
+        "'collective', keys=CollectiveKeys, timeout=5")
+    assert tfreduce.Reduction(topology="dgx-a100", pack_bytes=None).describe() == (
+        "'auto', pack_bytes=None, topology='dgx-a100'")
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"algorithm": "butterfly"}, ValueError,
+     "unknown all-reduce algorithm 'butterfly'; choose one of ('auto', 'flat', 'hierarchical', "
+     "'ring', 'nccl', 'collective')"),
+    ({"algorithm": "flat", "groups": [[0], [1]]}, TypeError,
+     "algorithm 'flat' takes no option ['groups']; it takes ['compression', 'pack_bytes', "
+     "'sparse_as_dense']"),
+    ({"algorithm": "ring", "timeout": 3}, TypeError, "algorithm 'ring' takes no option ['timeout']"),
+    ({"groups": [[0, 1]]}, TypeError,
+     "algorithm 'auto' takes no option ['groups']; it takes ['compression', 'pack_bytes', "
+     "'sparse_as_dense']: 'auto' picks the algorithm from the devices; name the algorithm to "
+     "give its own options"),
+    ({"algorithm": "ring", "topology": "dgx-a100"}, ValueError,
+     "topology= chooses the algorithm (algorithm='auto'), but algorithm='ring' was named"),
+    ({"topology": "dgx-a100", "communication": "ring"}, TypeError,
+     "planning takes only the frame's options ['pack_bytes', 'sparse_as_dense', "
+     "'compression'], got ['communication']"),
+    ({"topology": "dgx-z"}, ValueError, "unknown topology preset 'dgx-z'"),
+    ({"topology": 3}, TypeError, 'topology must be a tfreduce.Topology, a preset name or "host"'),
+    ({"pack_bytes": -1}, ValueError, "pack_bytes must be >= 0 bytes, got -1"),
+    ({"pack_bytes": "big"}, TypeError, "pack_bytes must be an int number of bytes or None, "
+                                       "got 'big'"),
+    ({"sparse_as_dense": 1}, TypeError, "sparse_as_dense must be True or False"),
+    ({"compression": "fp8"}, ValueError, "compression must be None, 'fp16' or 'bf16', got 'fp8'"),
+    ({"algorithm": "hierarchical", "groups": [[0, 1], [1]]}, ValueError,
+     "device index 1 is in groups[0] and groups[1]"),
+    ({"algorithm": "hierarchical", "groups": [[0, 2]]}, ValueError,
+     "groups [[0, 2]] leave device indices [1] out"),
+    ({"algorithm": "hierarchical", "groups": [[0], "1"]}, TypeError,
+     "groups[1] must be a list of device indices, got '1'"),
+    ({"algorithm": "collective", "communication": "pigeon"}, ValueError,
+     "communication must be one of ('auto', 'ring', 'nccl'), got 'pigeon'"),
+    ({"algorithm": "collective", "timeout": 0}, ValueError,
+     "timeout must be a number of seconds > 0 or None (wait forever), got 0"),
+    ({"algorithm": "collective", "keys": 7}, TypeError,
+     "keys must be a tfreduce.CollectiveKeys or None, got int 7"),
+])
+def test_every_choice_is_checked_when_made(kwargs, error, message):
+    with pytest.raises(error) as info:
+        tfreduce.Reduction(**kwargs)
+    assert message in str(info.value)
+
+
+# ------------------------------------------------------------------ the one check
+
+@pytest.fixture
+def count_checks(monkeypatch):
+    """Counts the checks of the communication choice (each runs Reduction.__post_init__)."""
+    calls = []
+    check = tfreduce.Reduction.__post_init__
+
+    def counting(self):
+        calls.append(self.algorithm)
+        check(self)
+
+    monkeypatch.setattr(tfreduce.Reduction, "__post_init__", counting)
+    return calls
+
+
+def test_allreduce_grads_checks_its_choice_once(count_checks):
+    with tf.Graph().as_default():
+        grads = placeholders(GPU_DEVICES[:4], [(3,), (2, 2)])
+        tfreduce.allreduce_grads(grads, GPU_DEVICES[:4], algorithm="hierarchical",
+                                 groups=[[0, 1], [2, 3]], pack_bytes=None)
+        tfreduce.allreduce_grads_ring(grads, GPU_DEVICES[:4], compression="bf16")
+    assert count_checks == ["hierarchical", "ring"]
+
+
+def test_the_trainer_checks_its_choice_once(count_checks):
+    trainer = ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2], algorithm="ring",
+                                pack_bytes=None)
+    x, y = data()
+    trainer.train_step(x, y)
+    trainer.train_step(x, y)
+    assert count_checks == ["ring"]
+
+
+def test_cross_device_ops_checks_its_choice_once(count_checks):
+    strategy = tf.distribute.MirroredStrategy(
+        CPU_DEVICES[:2], cross_device_ops=tfreduce.CrossDeviceOps("ring", pack_bytes=None))
+    value = strategy.run(lambda: tf.ones([3]) * tf.cast(
+        tf.distribute.get_replica_context().replica_id_in_sync_group + 1, tf.float32))
+    for _ in range(2):
+        out = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(value, value)])
+    assert [v.numpy().tolist() for v in out[0].values] == [[3.0] * 3, [3.0] * 3]
+    assert count_checks == ["ring"]
+
+
+def test_the_multi_worker_path_checks_its_choice_once(count_checks):
+    with tf.Graph().as_default():
+        grads = placeholders(GPU_DEVICES[:2], [(3,), (5,)])
+        allreduce_grads_multiworker(grads, GPU_DEVICES[:2], cluster=Cluster(SPEC, "worker", 1),
+                                    local_algorithm="hierarchical",
+                                    local_options={"groups": [[0], [1]]}, compression="fp16")
+    assert count_checks == ["hierarchical"]
+
+
+# ------------------------------------------------------------------ calling it
+
+@pytest.mark.parametrize("algorithm", ["flat", "hierarchical", "ring", "collective"])
+def test_calling_the_value_equals_numpy_on_every_device(algorithm):
+    devices = CPU_DEVICES[:3]
+    rng = np.random.default_rng(1)
+    arrays = [[rng.integers(-9, 9, size=(4, 3)).astype(np.float32),
+               rng.integers(-9, 9, size=(5,)).astype(np.float64)] for _ in devices]
+    reduction = tfreduce.Reduction(algorithm, pack_bytes=None)
+    for average in (False, True):
+        values, placed = run_in_function(
+            lambda grads: reduction(grads, devices, average=average), arrays, devices)
+        check(values, placed, arrays, average, [d[len("/device"):] for d in devices])
+
+
+def test_every_door_takes_a_reduction():
+    reduction = tfreduce.Reduction("hierarchical", groups=[[0], [1]], pack_bytes=None)
+    devices = CPU_DEVICES[:2]
+    arrays = [[np.full((3,), k + 1.0, np.float32)] for k in range(2)]
+    out = tfreduce.allreduce_grads(place(arrays, devices), devices, reduction=reduction)
+    assert [t.numpy().tolist() for t in (out[0][0], out[1][0])] == [[3.0] * 3] * 2
+    assert out[1][0].device.endswith("CPU:1")
+    trainer = ReplicatedTrainer(mlp, LOSS, sgd, devices=devices, reduction=reduction)
+    assert trainer.reduction is reduction
+    assert tfreduce.CrossDeviceOps(reduction=reduction).reduction is reduction
+    with pytest.raises(TypeError, match=re.escape(
+            "pass either reduction= or the algorithm and its options, not both: got "
+            "tfreduce.Reduction('hierarchical', groups=[[0], [1]], pack_bytes=None) and "
+            "algorithm='ring', options []")):
+        tfreduce.allreduce_grads(place(arrays, devices), devices, algorithm="ring",
+                                 reduction=reduction)
+    with pytest.raises(TypeError, match=r"^CrossDeviceOps: pass either reduction= or the "
+                                        r"algorithm and its options, not both: .* options "
+                                        r"\['pack_bytes'\]$"):
+        tfreduce.CrossDeviceOps(reduction=reduction, pack_bytes=None)
+    with pytest.raises(TypeError, match="reduction must be a tfreduce.Reduction, got str 'ring'"):
+        ReplicatedTrainer(mlp, LOSS, sgd, devices=devices, reduction="ring")
+
+
+def test_the_trainer_checks_the_devices_when_made():
+    with pytest.raises(ValueError, match=r"groups \[\[0, 1, 2\]\] leave device indices \[3\]"):
+        ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:4],
+                          reduction=tfreduce.Reduction("hierarchical", groups=[[0, 1, 2]]))
+    with pytest.raises(ValueError, match="NCCL runs only on GPUs"):
+        ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2], algorithm="nccl")
+
+
+def test_a_topology_plans_once_per_layout_and_the_plan_holds_a_reduction(monkeypatch):
+    plans = []
+
+    def recording(*args):
+        plans.append(planner.plan_for(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(tfreduce.reduction, "plan_for", recording)
+    bandwidth_bound = tfreduce.Topology.fully_connected(4, 1e9, 0.0)
+    reduction = tfreduce.Reduction(topology=bandwidth_bound, compression="bf16")
+    devices = CPU_DEVICES[:4]
+    for shape in ((2**16,), (2**16,), (2**14,)):
+        with tf.Graph().as_default():
+            reduction(placeholders(devices, [shape]), devices)
+    assert len(plans) == 2  # the second call with the first shape reuses its plan
+    plan = plans[0]
+    chosen = plan.reduction
+    assert isinstance(chosen, tfreduce.Reduction) and chosen.topology is None
+    assert chosen.algorithm == plan.algorithm == "ring"
+    assert chosen.pack_bytes == plan.options["pack_bytes"]
+    assert chosen.compression is tfreduce.Compression.bf16  # kept from the planned reduction
+    same = tfreduce.plan_allreduce([[2**16]], devices, bandwidth_bound, average=False,
+                                   compression="bf16")
+    assert same.reduction == chosen and same.kwargs() == plan.kwargs()
+    with pytest.raises(ValueError, match="plan: this Reduction has no topology to plan for"):
+        tfreduce.Reduction("ring").plan([[4]], devices)
+
+
+def test_a_topology_is_for_one_process():
+    reduction = tfreduce.Reduction(topology="dgx-a100")
+    with pytest.raises(ValueError) as info:
+        reduction.check_devices(GPU_DEVICES[:2], Cluster(SPEC, "worker", 0))
+    assert str(info.value) == (
+        "topology='dgx-a100': a plan is for the devices of one process; across workers pass "
+        "its choice, tfreduce.plan_allreduce(...).reduction")
+    reduction.check_devices(GPU_DEVICES[:2], LocalCluster())  # one process: fine
+    with pytest.raises(ValueError, match="has 8 devices, fewer than the 16 given"):
+        reduction.check_devices([f"/gpu:{k}" for k in range(16)])
+
+
+# ------------------------------------------------------------------ compression, PowerSGD
+
+def test_one_compression_type_everywhere():
+    fp16 = tfreduce.Compression.fp16
+    with tf.Graph().as_default() as graph:
+        grads = placeholders(GPU_DEVICES[:2], [(8,)])
+        allreduce_grads_multiworker(grads, GPU_DEVICES[:2], cluster=Cluster(SPEC, "worker", 0),
+                                    local_algorithm="flat", compression=fp16)
+        [cross] = [op for op in graph.get_operations() if op.name.endswith("_cross_worker")]
+        assert cross.inputs[0].dtype == tf.float16
+        out = tfreduce.allreduce_grads(grads, GPU_DEVICES[:2], algorithm="ring", compression=fp16)
+        assert tfreduce.analyze_traffic(out, inputs=grads).total_bytes == 2 * 2 * 4 * 2
+    assert tfreduce.CrossDeviceOps("flat", compression=fp16).reduction.compression is fp16
+    trainer = ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2], compression=fp16)
+    assert trainer.reduction.compression is fp16
+
+
+def test_powersgd_is_an_option_of_its_own_and_the_old_spelling_warns():
+    x, y = data(48)
+    weights = {}
+    for how in ("powersgd", "compression"):
+        kwargs = {how: tfreduce.PowerSGD(rank=1, min_compression_rate=0)}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2], **kwargs)
+        deprecated = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+        assert len(deprecated) == (how == "compression")
+        if deprecated:
+            assert str(deprecated[0].message) == (
+                "ReplicatedTrainer(compression=tfreduce.PowerSGD(...)) is deprecated: pass "
+                "powersgd=tfreduce.PowerSGD(...)")
+        for step in range(3):
+            trainer.train_step(x[step * 16:(step + 1) * 16], y[step * 16:(step + 1) * 16])
+        assert trainer.reduction.compression is tfreduce.Compression.none
+        weights[how] = trainer.models[1].get_weights()
+    for a, b in zip(weights["powersgd"], weights["compression"]):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(TypeError, match=r"^powersgd=tfreduce.PowerSGD needs an instance: "
+                                        r"PowerSGD\(rank=2\)$"):
+        ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2], powersgd=tfreduce.PowerSGD)
+    with pytest.raises(TypeError, match="powersgd must be a tfreduce.PowerSGD or None, got str"):
+        ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2], powersgd="rank2")
+
+
+def test_powersgd_with_16_bit_wire_compression():
+    # Both at once: the P's and Q's of PowerSGD cross devices in bfloat16.
+    x, y = data(32)
+    trainer = ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2], algorithm="flat",
+                                compression="bf16",
+                                powersgd=tfreduce.PowerSGD(rank=1, min_compression_rate=0))
+    losses = [trainer.train_step(x, y) for _ in range(4)]
+    assert trainer.check_replicas() == 0.0 and losses[-1] < losses[0]
+    graph = trainer._steps._train_fns[True].get_concrete_function().graph
+    casts = [op for op in graph.get_operations()
+             if op.type == "Cast" and op.outputs[0].dtype == tf.bfloat16]
+    assert casts
+
+
+# ------------------------------------------------------------------ one process as a cluster
+
+def test_one_process_is_a_local_cluster():
+    trainer = ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2], cluster=None)
+    assert trainer.cluster is None and trainer.is_chief
+    local = LocalCluster()
+    assert (local.is_local, local.num_workers, local.rank, local.is_chief) == (True, 1, 0, True)
+    assert local.batch_slice(10, 4) == (0, 10) and local.start() is local
+    assert local.devices(["/cpu:1", "CPU:0"]) == ["/device:CPU:1", "/device:CPU:0"]
+    with local.detect_lost_workers():
+        pass
+    assert local.finish() is None
+    # The multi-worker broadcast over one process is the local broadcast.
+    variables = []
+    for k, device in enumerate(CPU_DEVICES[:3]):
+        with tf.device(device):
+            variables.append([tf.Variable([float(k)] * 2), tf.Variable(float(k) + 10)])
+    assert broadcast_variables_multiworker(variables, local) is None
+    assert [[v.numpy().tolist() for v in row] for row in variables] == [[[0.0, 0.0], 10.0]] * 3
+    assert all(row[0].device.endswith(f"CPU:{k}") for k, row in enumerate(variables))
+
+
+def test_tracing_counts_is_public():
+    unbuilt = ReplicatedTrainer(lambda: keras.Sequential([keras.layers.Dense(3)]), LOSS, sgd,
+                                devices=CPU_DEVICES[:2])
+    with pytest.raises(ValueError, match="tracing_counts: the models are not built yet"):
+        unbuilt.tracing_counts()
+    trainer = ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2])
+    assert trainer.tracing_counts() == {"train": 0, "evaluate": 0, "predict": 0}
+    x, y = data()
+    trainer.train_step(x, y)
+    trainer.train_step(x[:9], y[:9])  # another batch size: no retrace
+    assert trainer.tracing_counts() == {"train": 1, "evaluate": 0, "predict": 0}
