@@ -2,6 +2,7 @@
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from tfreduce.cluster import Cluster
 
 PACKAGE = pathlib.Path(tfreduce.__file__).parent
 
-# Each module's layer (DESIGN.md): a module imports only modules of a
+# Each module's layer (docs/architecture.md): a module imports only modules of a
 # smaller layer, or of its own layer where the pair is listed below.
 LAYERS = {
     "tf_config": 0, "startup": 0, "choices": 0, "topology": 0,
@@ -144,3 +145,38 @@ def test_one_call_validates_its_input_once(call, count_validations):
         out = call(grads, devices)
     assert len(out) == 4 and all(len(row) == 3 for row in out)
     assert len(count_validations) == 1
+
+
+def test_no_module_imports_another_modules_private_names():
+    found = []
+    for path in sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tfreduce"):
+                found += [f"{path.name}: {node.module}.{alias.name}" for alias in node.names
+                          if alias.name.startswith("_")]
+    assert not found, f"private names imported from another module: {found}"
+
+
+def test_the_trainer_has_one_code_path_for_one_process_and_a_cluster():
+    # One process is a LocalCluster: no trainer module asks whether there is a cluster.
+    branches = [f"{path.name}:{number}" for path in sorted((PACKAGE / "trainer").glob("*.py"))
+                for number, line in enumerate(path.read_text().splitlines(), 1)
+                if "cluster is None" in line or "cluster is not None" in line]
+    assert not branches, branches
+
+
+def test_the_trainer_options_reach_few_modules():
+    # The communication choice is one value: the trainer's settings need
+    # Reduction, PowerSGD and the update's checks, not the layers below.
+    modules = set(tfreduce_imports(PACKAGE / "trainer" / "options.py"))
+    assert len(modules) <= 3, modules
+
+
+def test_the_architecture_page_gives_every_module_its_layer():
+    # docs/architecture.md's table: "| layer | `module.py`, ... | what it owns |".
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    documented = {}
+    for layer, modules in re.findall(r"^\| (\d+) \| ([^|]+) \|", page, re.MULTILINE):
+        for name in re.findall(r"`([a-z_]+)(?:\.py|/)`", modules):
+            documented[name] = int(layer)
+    assert documented == LAYERS

@@ -40,8 +40,7 @@ def allreduce_grads(all_grads, devices=None, average=False, algorithm="auto", *,
     option is a field of ``tfreduce.Reduction``, documented and checked there.
 
     Args:
-      all_grads: list of K lists of N gradients (``tf.Tensor``,
-        ``tf.IndexedSlices`` or None); ``all_grads[k][n]`` from tower k.
+      all_grads: list of K lists of N gradients (the module's K x N contract).
       devices: list of K device strings, or None for the tensors' devices.
       average: bool, mean instead of sum.
       algorithm: a name in ``tfreduce.ALGORITHMS``; "auto" picks NCCL when
@@ -104,24 +103,19 @@ def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=DEFA
     the result is copied to each device with ``identity``.
 
     Args:
-      all_grads: list of K lists of N gradients; ``all_grads[k][n]`` is a
-        ``tf.Tensor`` (any float or int dtype, any shape), a
-        ``tf.IndexedSlices`` or None, computed on tower k.
-      devices: list of K device strings, or None to use each tower's tensor
-        device.
+      all_grads: list of K lists of N gradients (the module's K x N contract).
+      devices: list of K device strings, or None for the tensors' devices.
       average: bool; True divides the sum by K, once per gradient, on its root.
       pack_bytes: see ``tfreduce.Reduction``.
       sparse_as_dense: see ``tfreduce.Reduction``.
       compression: see ``tfreduce.Reduction``.
 
     Returns:
-      list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``,
-      has the shape and dtype of ``all_grads[k][n]`` (IndexedSlices stay
-      IndexedSlices), and is None where every tower's gradient is None.
-      float16/bfloat16 are summed in float32 and rounded once.
+      list[list[tf.Tensor]], K x N (the module's contract).
 
     Raises:
-      TypeError, ValueError: bad input, see ``contract.validate_grads``.
+      TypeError, ValueError: bad input (the tower, the variable and the
+        values named) or a bad option (see ``tfreduce.Reduction``).
     """
     return Reduction("flat", pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense,
                      compression=compression)(all_grads, devices, average)
@@ -148,10 +142,8 @@ def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=
     5. ``dev{k}_out``: each root copies the total to the devices of its group.
 
     Args:
-      all_grads: list of K lists of N gradients (``tf.Tensor``,
-        ``tf.IndexedSlices`` or None); ``all_grads[k][n]`` from tower k.
-      devices: list of K device strings, or None to use each tower's tensor
-        device.
+      all_grads: list of K lists of N gradients (the module's K x N contract).
+      devices: list of K device strings, or None for the tensors' devices.
       average: bool; divide by K once per gradient, where the total is formed.
       groups: list of lists of device indices that covers 0..K-1 exactly once,
         e.g. ``[[0, 1, 2, 3], [4, 5, 6, 7]]``; default ``default_groups(K)``.
@@ -160,10 +152,8 @@ def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=
       compression: see ``tfreduce.Reduction``.
 
     Returns:
-      list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``
-      with the shape and dtype of ``all_grads[k][n]``; None stays None.
-      float16/bfloat16 are summed in float32 (group sums cross between groups
-      in float32) and rounded once.
+      list[list[tf.Tensor]], K x N (the module's contract); float16 and
+      bfloat16 group sums cross between groups in float32.
 
     Raises:
       TypeError, ValueError: bad gradients or devices (see
@@ -199,28 +189,24 @@ def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=DEFA
     do the same, rotated; each device ends with [sum a, sum b, sum c].
 
     Args:
-      all_grads: list of K lists of N gradients; ``all_grads[k][n]`` is a
-        ``tf.Tensor`` (any float or int dtype, any shape, static or not), a
-        ``tf.IndexedSlices`` or None, computed on tower k.
-      devices: list of K device strings, or None to use each tower's tensor
-        device. Their order is the ring order.
+      all_grads: list of K lists of N gradients (the module's K x N contract).
+      devices: list of K device strings, or None for the tensors' devices;
+        their order is the ring order.
       average: bool; True multiplies by 1/K once per chunk, on its owner.
       pack_bytes: see ``tfreduce.Reduction``.
       sparse_as_dense: see ``tfreduce.Reduction``.
       compression: see ``tfreduce.Reduction``.
 
     Returns:
-      list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``,
-      has the shape and dtype of ``all_grads[k][n]`` (IndexedSlices stay
-      IndexedSlices), and is None where every tower's gradient is None.
-      float16/bfloat16 are summed in float32 and rounded once, as in every
-      tfreduce algorithm: partial sums travel in float32 from the first add
-      on (the first reduce-scatter hop and the all-gather carry the
-      gradient's own dtype), so each device sends at most 3(K-1)/K * S bytes
-      instead of 2(K-1)/K * S.
+      list[list[tf.Tensor]], K x N (the module's contract). float16 and
+      bfloat16 partial sums travel in float32 from the first add on (the
+      first reduce-scatter hop and the all-gather carry the gradient's own
+      dtype), so each device sends at most 3(K-1)/K * S bytes instead of
+      2(K-1)/K * S.
 
     Raises:
-      TypeError, ValueError: bad input, see ``contract.validate_grads``.
+      TypeError, ValueError: bad input (the tower, the variable and the
+        values named) or a bad option (see ``tfreduce.Reduction``).
     """
     return Reduction("ring", pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense,
                      compression=compression)(all_grads, devices, average)
@@ -248,7 +234,7 @@ def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=DEFA
       compression: see ``tfreduce.Reduction``.
 
     Returns:
-      list[list[tf.Tensor]], K x N; ``out[k][n]`` on ``devices[k]``.
+      list[list[tf.Tensor]], K x N (the module's contract).
 
     Raises:
       ValueError: at build time if any device is not a GPU (naming them), or
@@ -277,7 +263,7 @@ def allreduce_grads_collective(all_grads, devices=None, average=False, communica
     a few CPU threads.
 
     Args:
-      all_grads: list of K lists of N gradients.
+      all_grads: list of K lists of N gradients (the module's K x N contract).
       devices: list of K device strings, or None for the tensors' devices.
       average: bool; each device multiplies its sum by 1/K (every device
         forms the sum, so there is no single place to do it once).
@@ -289,9 +275,8 @@ def allreduce_grads_collective(all_grads, devices=None, average=False, communica
       timeout: see ``tfreduce.Reduction``.
 
     Returns:
-      list[list[tf.Tensor]], K x N; ``out[k][n]`` on ``devices[k]``.
-      float16/bfloat16 are cast to float32 on each device before the
-      reduction (twice the bytes, one rounding) and back after.
+      list[list[tf.Tensor]], K x N (the module's contract); float16 and
+      bfloat16 cross as float32 (twice the bytes, one rounding).
 
     Raises:
       ValueError: unknown communication, a timeout that is neither None nor

@@ -216,7 +216,7 @@ class Cluster:
         The global batch of B examples is cut into T = W * K tower shards of
         sizes differing by at most one, the first B % T shards one example
         larger (the split of ``ReplicatedTrainer`` applied to all T towers);
-        worker of rank r takes the K consecutive shards r*K .. r*K+K-1. Its
+        worker of rank r takes the K consecutive shards ``r*K .. r*K+K-1``. Its
         part, split again over its K towers the same way, gives every tower
         its shard of the global split. Example: B=10, W=2, K=2 gives shards
         3, 3, 2, 2: rank 0 takes (0, 6), rank 1 (6, 10).

@@ -201,7 +201,9 @@ class Topology:
         every pair: the textbook alpha-beta machine.
 
         Args:
-          num_devices, bandwidth, latency: as described.
+          num_devices: int K >= 1.
+          bandwidth: float bytes/s of each link, per direction.
+          latency: float seconds of each link.
           **compute: memory_bandwidth, launch_cost, compute_lanes, cache,
             collective_cost, copy_cost, collective_bandwidth, fresh_memory,
             name (see Topology); by default compute is free.
