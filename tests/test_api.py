@@ -50,6 +50,7 @@ EXPORTS = {
     'CrossDeviceOps.reduce_implementation': '(self, reduce_op, per_replica_value, destinations, options)',
     'PowerSGD': '(rank=2, *, min_compression_rate=2.0, seed=0)',
     'PowerSGD.matrix_rank': '(self, shape)',
+    'PowerSGD.name': 'property',
     'PowerSGD.payload_elements': '(self, shapes)',
     'ReplicatedTrainer': "(model_fn, loss, optimizer_fn, devices=None, algorithm='auto', average=True, *, bcast_period=0, cluster='auto', accumulate_steps=1, on_nonfinite='raise', reduction=None, powersgd=None, **allreduce_options)",
     'Reduction': "(algorithm: str = 'auto', *, groups: collections.abc.Sequence[collections.abc.Sequence[int]] | None = None, communication: str = 'auto', keys: tfreduce.collective.CollectiveKeys | None = None, timeout: float | None = None, pack_bytes: int | str | None = 'auto', sparse_as_dense: bool = False, compression: tfreduce.compression.Compressor | str | None = None, topology: tfreduce.topology.Topology | str | None = None) -> None",
