@@ -87,7 +87,7 @@ EXPORTS = {
     'allreduce_grads_collective': "(all_grads, devices=None, average=False, communication='auto', pack_bytes=65536, sparse_as_dense=False, keys=None, timeout=None, compression=None)",
     'allreduce_grads_flat': '(all_grads, devices=None, average=False, pack_bytes=65536, sparse_as_dense=False, compression=None)',
     'allreduce_grads_hierarchical': '(all_grads, devices=None, average=False, groups=None, pack_bytes=65536, sparse_as_dense=False, compression=None)',
-    'allreduce_grads_multiworker': "(all_grads, devices=None, average=False, cluster=None, local_algorithm='auto', local_options=None, pack_bytes=4194304, communication='auto', keys=None, timeout=None, compression=None)",
+    'allreduce_grads_multiworker': "(all_grads, devices=None, average=False, cluster=None, local_algorithm='auto', local_options=None, pack_bytes=4194304, communication='auto', keys=None, timeout=None, compression=None, *, reduction=None)",
     'allreduce_grads_nccl': '(all_grads, average=False, devices=None, pack_bytes=65536, sparse_as_dense=False, compression=None)',
     'allreduce_grads_ring': '(all_grads, devices=None, average=False, pack_bytes=65536, sparse_as_dense=False, compression=None)',
     'analyze_traffic': '(target, inputs=None)',

@@ -84,7 +84,8 @@ def test_a_frozen_value_compared_by_its_choice():
     ({"algorithm": "flat", "groups": [[0], [1]]}, TypeError,
      "algorithm 'flat' takes no option ['groups']; it takes ['compression', 'pack_bytes', "
      "'sparse_as_dense']"),
-    ({"algorithm": "ring", "timeout": 3}, TypeError, "algorithm 'ring' takes no option ['timeout']"),
+    ({"algorithm": "ring", "timeout": 3}, TypeError,
+     "algorithm 'ring' takes no option ['timeout']"),
     ({"groups": [[0, 1]]}, TypeError,
      "algorithm 'auto' takes no option ['groups']; it takes ['compression', 'pack_bytes', "
      "'sparse_as_dense']: 'auto' picks the algorithm from the devices; name the algorithm to "
@@ -352,3 +353,57 @@ def test_tracing_counts_is_public():
     trainer.train_step(x, y)
     trainer.train_step(x[:9], y[:9])  # another batch size: no retrace
     assert trainer.tracing_counts() == {"train": 1, "evaluate": 0, "predict": 0}
+
+
+def test_sparse_as_dense_across_workers_reduces_densely_through_the_cross_worker_hop():
+    devices = GPU_DEVICES[:2]
+    with tf.Graph().as_default() as graph:
+        grads = []
+        for k, device in enumerate(devices):
+            with tf.device(device):
+                grads.append([tf.IndexedSlices(tf.ones([2, 3]), tf.constant([k, 3]),
+                                               tf.constant([5, 3]))])
+        out = tfreduce.Reduction("flat", sparse_as_dense=True)(
+            grads, devices, average=True, cluster=Cluster(SPEC, "worker", 1))
+        types = [op.type for op in graph.get_operations()]
+        [cross] = [op for op in graph.get_operations() if op.name.endswith("_cross_worker")]
+    assert cross.type == "CollectiveReduceV2" and cross.inputs[0].shape == [5, 3]
+    assert "CollectiveGatherV2" not in types
+    assert all(isinstance(row[0], tf.Tensor) and row[0].shape == [5, 3] for row in out)
+    assert out[1][0].device == "/job:worker/replica:0/task:1/device:GPU:1"
+
+
+def test_a_stop_asked_for_during_a_step_ends_fit_after_that_step():
+    # SIGTERM while step 2 runs: one process stops after step 2, not 3.
+    trainer = ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2])
+    x, y = data(64)
+    trainer.train_step(x[:8], y[:8])  # builds the step functions
+    steps, train = trainer._steps, trainer._steps.train
+
+    def signalled(*args, **kwargs):
+        out = train(*args, **kwargs)
+        if trainer.step == 3:
+            trainer._stop.signum = 15  # as its SIGTERM handler does
+        return out
+
+    steps.train = signalled
+    with pytest.raises(KeyboardInterrupt) as info:
+        trainer.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    assert trainer.step == 3
+    assert "SIGTERM" in str(info.value)
+
+
+def test_the_multi_worker_reduction_takes_a_reduction():
+    cluster = Cluster(SPEC, "worker", 0)
+    reduction = tfreduce.Reduction("hierarchical", groups=[[0], [1]], compression="fp16")
+    with tf.Graph().as_default() as graph:
+        grads = placeholders(GPU_DEVICES[:2], [(8,), (3, 2)])
+        allreduce_grads_multiworker(grads, GPU_DEVICES[:2], cluster=cluster, reduction=reduction)
+        # Both gradients in one 4 MiB pack, crossing workers in float16.
+        [cross] = [op for op in graph.get_operations() if op.name.endswith("_cross_worker")]
+        assert cross.inputs[0].dtype == tf.float16 and cross.inputs[0].shape == [14]
+        assert [op for op in graph.get_operations() if "allreduce_hierarchical" in op.name]
+        with pytest.raises(TypeError, match=r"pass either reduction= or the algorithm and its "
+                                            r"options, not both: .* options \['compression'\]"):
+            allreduce_grads_multiworker(grads, GPU_DEVICES[:2], cluster=cluster,
+                                        reduction=reduction, compression="bf16")

@@ -371,7 +371,7 @@ def test_save_never_overwrites_and_restores_a_named_checkpoint(tmp_path):
 
 def test_unknown_algorithm():
     with pytest.raises(
-        ValueError, match=r"unknown all-reduce algorithm 'butterfly'; choose one of \('auto', 'flat'"
+        ValueError, match=r"unknown all-reduce algorithm 'butterfly'; choose one of \('auto', "
     ):
         ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2], algorithm="butterfly")
 

@@ -23,7 +23,6 @@ once.
 import tensorflow as tf
 
 from tfreduce.choices import DEFAULT_PACK_BYTES
-from tfreduce.devices import normalize_devices
 from tfreduce.reduction import Reduction, as_reduction
 
 __all__ = ["allreduce_grads", "allreduce_grads_flat", "allreduce_grads_hierarchical",
@@ -89,8 +88,7 @@ def plan_allreduce(shapes, devices, topology, dtype=tf.float32, average=True, **
       TypeError: an option other than the frame's, or a topology of the
         wrong type.
     """
-    return Reduction(topology=topology, **options).plan(shapes, normalize_devices(devices),
-                                                        dtype, average)
+    return Reduction(topology=topology, **options).plan(shapes, devices, dtype, average)
 
 
 def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=DEFAULT_PACK_BYTES,
@@ -237,8 +235,10 @@ def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=DEFA
       list[list[tf.Tensor]], K x N (the module's contract).
 
     Raises:
-      ValueError: at build time if any device is not a GPU (naming them), or
-        bad input (see ``contract.validate_grads``).
+      ValueError: at build time if any device is not a GPU (naming them).
+      TypeError, ValueError: bad input (the tower, the variable and the
+        values named), a dtype NCCL cannot sum (bfloat16), or a bad option
+        (see ``tfreduce.Reduction``).
     """
     return Reduction("nccl", pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense,
                      compression=compression)(all_grads, devices, average)

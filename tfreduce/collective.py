@@ -27,8 +27,8 @@ import zlib
 import tensorflow as tf
 
 __all__ = ["COMMUNICATIONS", "CollectiveOptions", "CollectiveKeys", "CollectiveChain",
-           "check_timeout", "all_reduce", "all_gather", "broadcast_send", "broadcast_recv",
-           "in_function"]
+           "check_timeout", "check_keys", "all_reduce", "all_gather", "broadcast_send",
+           "broadcast_recv", "in_function"]
 
 #: TF's communication hints for collective ops.
 COMMUNICATIONS = ("auto", "ring", "nccl")
@@ -141,6 +141,26 @@ class CollectiveKeys:
         key = self._next
         self._next += 1
         return key
+
+
+def check_keys(keys, none_means=None):
+    """The one check of a ``keys=`` argument: a CollectiveKeys, or None.
+
+    Args:
+      keys: what was given.
+      none_means: str, what None stands for (for the message), or None.
+
+    Returns:
+      keys.
+
+    Raises:
+      TypeError: anything else.
+    """
+    if keys is not None and not isinstance(keys, CollectiveKeys):
+        meaning = f" ({none_means})" if none_means else ""
+        raise TypeError(f"keys must be a tfreduce.CollectiveKeys or None{meaning}, got "
+                        f"{type(keys).__name__} {keys!r}")
+    return keys
 
 
 def all_reduce(x, group_size, group_key, instance_key, options, ordering_token=None,

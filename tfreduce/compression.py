@@ -29,6 +29,13 @@ __all__ = ["Compressor", "Compression", "as_compressor"]
 class Compressor:
     """Casts float32 and float64 tensors to a wire dtype on the sender, and back after.
 
+    Every reduction calls ``compress`` on each tower's gradient (or, across
+    workers, on each worker's local sum) before it crosses devices, and
+    ``decompress`` on each result; a subclass may do more than a cast, as
+    long as ``compress`` gives float32 and float64 tensors the dtype
+    ``dtype``, which the stages read to check what they can sum (and which
+    they sum in, prescaled by 1/K when averaging).
+
     Args:
       name: str, the name the aliases and the benchmark use ("fp16").
       dtype: tf.DType, the wire dtype of float32 and float64 gradients, or

@@ -79,8 +79,8 @@ def check_workers_agree(cluster, towers, settings, variables):
         the first variable that differs, with each worker's version).
       WorkerLostError: a worker is lost or does not arrive in time.
     """
-    if cluster.num_workers == 1:
-        return  # one worker agrees with itself
+    if cluster.is_local:
+        return  # one process agrees with itself
     described = [description for _, description in variables]
     row = [towers, len(variables), _hash(settings), _hash("\n".join(described))]
     rows = _gather(cluster, row)

@@ -9,7 +9,8 @@ casts back, then copies the result to the worker's other devices.
 
 import tensorflow as tf
 
-from tfreduce.collective import CollectiveChain, CollectiveKeys, CollectiveOptions
+from tfreduce.collective import CollectiveChain, CollectiveOptions, check_keys
+from tfreduce.compression import Compression
 from tfreduce.contract import nbytes
 from tfreduce.devices import local_name
 from tfreduce.frame import Stage
@@ -28,12 +29,8 @@ def cross_worker_options(cluster, communication, timeout, keys):
     """(CollectiveOptions, CollectiveKeys) of cross-worker collectives; None: the cluster's."""
     options = CollectiveOptions(communication, timeout,
                                 none_means=f"the cluster's {cluster.timeout:g}s")
-    if keys is None:
-        keys = cluster.keys
-    elif not isinstance(keys, CollectiveKeys):
-        raise TypeError(f"keys must be a tfreduce.CollectiveKeys or None (the "
-                        f"cluster's), got {type(keys).__name__}")
-    return options.with_timeout(cluster.timeout), keys
+    check_keys(keys, none_means="the cluster's")
+    return options.with_timeout(cluster.timeout), cluster.keys if keys is None else keys
 
 
 class CrossWorkerStage(Stage):
@@ -55,14 +52,14 @@ class CrossWorkerStage(Stage):
       cluster: tfreduce.Cluster of this worker.
       options: collective.CollectiveOptions, with a timeout.
       keys: CollectiveKeys that hand out the same keys on every worker.
-      compression: compression.Compressor.
+      compression: compression.Compressor of the cross-worker hop.
     """
 
     name = "cross_worker"
     collective = True
     needs_function = True
 
-    def __init__(self, cluster, options, keys, compression=None):
+    def __init__(self, cluster, options, keys, compression=Compression.none):
         self.cluster = cluster
         self.options = options
         self.keys = keys
@@ -118,30 +115,27 @@ class CrossWorkerStage(Stage):
             # tf.compat.v1 session hangs.
             others = ([buffers[k][m] for k in range(num_local) if k != r]
                       if ctx.upstream_collective else [])
-            wire = self.compression.wire_dtype(ctx.dtypes[m])
             local_sum = buffers[r][m]
-            if wire != ctx.dtypes[m]:
-                local_sum = _to_wire(local_sum, wire, ctx.average, self._towers, devices[r], m)
+            # Compressed, only the network hop crosses in the wire dtype: the
+            # local sum, scaled by 1/T first when averaging (a mean cannot
+            # overflow), is compressed on r and the sum restored there.
+            compressed = self.compression.wire_dtype(ctx.dtypes[m]) != ctx.dtypes[m]
+            if compressed:
+                with tf.device(devices[r]), tf.name_scope(f"entry{m}_to_wire"):
+                    if ctx.average:
+                        local_sum = scale_by_reciprocal(local_sum, self._towers)
+                    local_sum, restore = self.compression.compress(local_sum)
             with chain.after_previous(devices[r], extra=others):
                 summed = chain.all_reduce(local_sum, devices[r], num_workers, group_keys[r],
                                           self.keys.instance_key(),
                                           name=f"entry{m}_cross_worker")
-            if wire != ctx.dtypes[m]:
+            if compressed:
                 with tf.device(devices[r]):
-                    summed = tf.cast(summed, buffers[r][m].dtype)
+                    summed = self.compression.decompress(summed, restore)
             # Prescaled entries are means already.
             total = finish_sum(summed, ctx.dtypes[m], self._towers,
-                               ctx.average and wire == ctx.dtypes[m], devices[r],
+                               ctx.average and not compressed, devices[r],
                                name=f"entry{m}_total")
             for k, t in enumerate(broadcast(total, devices, name_fmt=f"entry{m}_dev{{}}_out")):
                 out[k][m] = t
         return out
-
-
-def _to_wire(local_sum, wire, average, num_towers, device, m):
-    # The local sum in the 16-bit wire dtype, scaled by 1/T first when
-    # averaging (a mean cannot overflow): only the cross-worker hop is compressed.
-    with tf.device(device):
-        if average:
-            local_sum = scale_by_reciprocal(local_sum, num_towers)
-        return tf.cast(local_sum, wire, name=f"entry{m}_to_{wire.name}")

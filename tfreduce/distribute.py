@@ -5,9 +5,9 @@ reduces across its K devices. Keras 3 ``model.fit`` under the strategy ends
 each step's gradient path in one ``batch_reduce`` call that carries all N
 gradients, each a per-replica value over the K devices: tfreduce's K x N
 input. ``CrossDeviceOps`` turns that call into one call of its
-``tfreduce.Reduction``, so every Keras user gets tfreduce's algorithms (any-K hierarchical with
-groups as data, packing, the ring, traffic analysis of the built step)
-without leaving ``model.fit``.
+``tfreduce.Reduction``, so every Keras user gets tfreduce's algorithms
+(any-K hierarchical with groups as data, packing, the ring, traffic
+analysis of the built step) without leaving ``model.fit``.
 
 It subclasses ``tf.distribute.CrossDeviceOps`` and implements the methods
 TensorFlow's own implementations (``NcclAllReduce``,
@@ -89,6 +89,8 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
         except (TypeError, ValueError) as error:
             raise type(error)(f"CrossDeviceOps: {error}") from None
         self._one_device = tf.distribute.ReductionToOneDevice()
+        # The reduction with a call's CommunicationOptions, made once each.
+        self._with_options = {(None, None): self.reduction}
 
     def __repr__(self):
         return f"tfreduce.CrossDeviceOps(reduction={self.reduction!r})"
@@ -121,21 +123,35 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
         return self._one_device._gather_implementation(  # pylint: disable=protected-access
             per_replica_value, destinations, axis, options)
 
+    def _reduction_for(self, options):
+        """The reduction, with the call's bytes_per_pack and timeout when it sets them."""
+        key = _call_options(self.reduction, options)
+        if key not in self._with_options:
+            pack_bytes, timeout = key
+            changes = {"pack_bytes": pack_bytes} if pack_bytes else {}
+            if timeout:
+                changes["timeout"] = timeout
+            self._with_options[key] = dataclasses.replace(self.reduction, **changes)
+        return self._with_options[key]
+
     def _all_reduce_batch(self, reduce_op, values, options):
         """N per-replica values over the same K devices -> N Mirrored values, one call."""
         devices = list(tf_cross_device_ops.get_devices_from(values[0]))
         num_devices = len(devices)
         all_grads = [[value.values[k] for value in values] for k in range(num_devices)]
-        reduction = self.reduction
-        if options is not None and options.bytes_per_pack:
-            reduction = dataclasses.replace(reduction, pack_bytes=options.bytes_per_pack)
-        if (options is not None and options.timeout_seconds
-                and reduction.algorithm == "collective"):
-            reduction = dataclasses.replace(reduction, timeout=options.timeout_seconds)
-        out = reduction(all_grads, devices, average=reduce_op == tf.distribute.ReduceOp.MEAN)
+        out = self._reduction_for(options)(all_grads, devices,
+                                           average=reduce_op == tf.distribute.ReduceOp.MEAN)
         return [distribute_utils.regroup(tuple(out[k][n] for k in range(num_devices)),
                                          wrap_class=tf_values.Mirrored)
                 for n in range(len(values))]
+
+
+def _call_options(reduction, options):
+    """The (pack_bytes, timeout) a call's CommunicationOptions set; None: the reduction's."""
+    if options is None:
+        return None, None
+    timeout = (options.timeout_seconds or None) if reduction.algorithm == "collective" else None
+    return options.bytes_per_pack or None, timeout
 
 
 def _devices_match(value, destinations):

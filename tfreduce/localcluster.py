@@ -20,6 +20,9 @@ class LocalCluster:
     Attributes:
       is_local: True; a ``tfreduce.Cluster`` has False (its reductions cross
         workers).
+      num_workers: 1.
+      rank: 0.
+      is_chief: True: this process writes checkpoints and logs.
     """
 
     is_local = True

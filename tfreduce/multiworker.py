@@ -29,16 +29,17 @@ ring over gRPC on CPUs), as under MultiWorkerMirroredStrategy.
 import tensorflow as tf
 
 from tfreduce.cluster import Cluster
-from tfreduce.collective import broadcast_recv, broadcast_send, in_function
+from tfreduce.collective import (CollectiveOptions, broadcast_recv, broadcast_send, check_keys,
+                                 in_function)
 from tfreduce.contract import check_flag, check_variables, validate_grads
 from tfreduce.crossworker import CROSS_WORKER_PACK_BYTES, CrossWorkerStage, cross_worker_options
 from tfreduce.devices import local_name, normalize_devices
 from tfreduce.localcluster import LocalCluster
-from tfreduce.reduction import Reduction
+from tfreduce.reduction import as_reduction
 from tfreduce.replicated import broadcast_variables
 
 __all__ = ["allreduce_grads_multiworker", "broadcast_variables_multiworker",
-           "check_local_options", "CROSS_WORKER_PACK_BYTES"]
+           "check_local_options", "CROSS_WORKER_PACK_BYTES", "CrossWorkerStage"]
 
 # Options of the local algorithm that this function decides itself.
 _OWN_OPTIONS = ("pack_bytes", "sparse_as_dense", "devices", "average")
@@ -74,15 +75,16 @@ def check_local_options(local_options):
 
 def _check_cluster(cluster, local_too=False):
     if not isinstance(cluster, (Cluster, LocalCluster) if local_too else Cluster):
+        local = " or a LocalCluster" if local_too else ""
         raise TypeError(
             f"cluster must be a tfreduce.Cluster (e.g. Cluster.from_tf_config(), "
-            f"then cluster.start()), got {type(cluster).__name__} {cluster!r}")
+            f"then cluster.start()){local}, got {type(cluster).__name__} {cluster!r}")
 
 
 def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=None,
                                 local_algorithm="auto", local_options=None,
                                 pack_bytes=CROSS_WORKER_PACK_BYTES, communication="auto",
-                                keys=None, timeout=None, compression=None):
+                                keys=None, timeout=None, compression=None, *, reduction=None):
     """All-reduces the gradients of every tower of every worker.
 
     Every worker of ``cluster`` calls this with its own K towers' gradients,
@@ -143,6 +145,9 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
         cross-worker hop is compressed: each worker's float32 local sum,
         prescaled by 1/T when averaging, is summed across workers in the
         wire dtype; IndexedSlices and 16-bit gradients are not compressed.
+      reduction: a ``tfreduce.Reduction`` (not "auto" with a topology)
+        instead of local_algorithm, local_options, pack_bytes and
+        compression; its pack_bytes "auto" is 4 MiB here.
 
     Returns:
       list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``
@@ -158,9 +163,11 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
         worker, or bad gradients or devices.
     """
     _check_cluster(cluster)
-    reduction = Reduction(local_algorithm, **{**check_local_options(local_options),
-                                              "pack_bytes": pack_bytes,
-                                              "compression": compression})
+    own = {} if pack_bytes == CROSS_WORKER_PACK_BYTES else {"pack_bytes": pack_bytes}
+    if compression is not None:
+        own["compression"] = compression
+    reduction = as_reduction(local_algorithm, reduction,
+                             {**check_local_options(local_options), **own})
     check_flag(average, "average")
     options, keys = cross_worker_options(cluster, communication, timeout, keys)
     grads = validate_grads(all_grads, devices)
@@ -211,10 +218,14 @@ def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
         communication, a variable on another worker's device.
     """
     _check_cluster(cluster, local_too=True)
-    check_variables(all_vars, fully_defined=True)
     if cluster.is_local:
+        # One process: the local broadcast; the collective options are
+        # checked all the same, so a mistake shows before a cluster runs.
+        CollectiveOptions(communication, timeout, none_means="the cluster's")
+        check_keys(keys)
         ops = broadcast_variables(all_vars, root=0)
         return None if tf.executing_eagerly() else ops
+    check_variables(all_vars, fully_defined=True)
     options, keys = cross_worker_options(cluster, communication, timeout, keys)
     devices = normalize_devices([cluster.device(t[0].device or "/device:CPU:0",
                                                 where=f"tower {k}'s device")

@@ -15,7 +15,7 @@ device; there is no single place where the sum exists.
 import tensorflow as tf
 from tensorflow.python.ops import nccl_ops as _tf_nccl
 
-from tfreduce.collective import CollectiveChain, CollectiveKeys, CollectiveOptions
+from tfreduce.collective import CollectiveChain, CollectiveKeys, CollectiveOptions, check_keys
 from tfreduce.devices import is_gpu
 from tfreduce.frame import Stage
 from tfreduce.primitives import accumulation_dtype, finish_sum, scale_by_reciprocal
@@ -78,10 +78,7 @@ class CollectiveStage(Stage):
 
     def __init__(self, communication="auto", keys=None, timeout=None):
         self.options = CollectiveOptions(communication, timeout)
-        if keys is not None and not isinstance(keys, CollectiveKeys):
-            raise TypeError(f"keys must be a tfreduce.CollectiveKeys or None, got "
-                            f"{type(keys).__name__} {keys!r}")
-        self.keys = keys
+        self.keys = check_keys(keys)
 
     def reduce(self, buffers, ctx):
         devices = ctx.devices

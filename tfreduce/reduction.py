@@ -23,12 +23,14 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfreduce.choices import ALGORITHMS, DEFAULT_PACK_BYTES
+from tfreduce.cluster import Cluster
 from tfreduce.collective import CollectiveKeys
 from tfreduce.compression import Compression, Compressor, as_compressor
 from tfreduce.contract import check_flag, dense_shape, validate_grads, values_of
 from tfreduce.crossworker import CROSS_WORKER_PACK_BYTES, CrossWorkerStage, cross_worker_options
 from tfreduce.devices import normalize_devices
 from tfreduce.frame import run_stages
+from tfreduce.localcluster import LocalCluster
 from tfreduce.packing import check_pack_bytes
 from tfreduce.planner import plan_for, plan_shapes
 from tfreduce.registry import choose_algorithm, make_stage, stage_options
@@ -38,10 +40,6 @@ __all__ = ["Reduction", "as_reduction", "FRAME_OPTIONS"]
 
 #: The options every algorithm takes: the frame's.
 FRAME_OPTIONS = ("pack_bytes", "sparse_as_dense", "compression")
-
-# The options that only some algorithms take, each with the value that
-# means "not given".
-_ALGORITHM_OPTIONS = {"groups": None, "communication": "auto", "keys": None, "timeout": None}
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -124,8 +122,9 @@ class Reduction:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown all-reduce algorithm {self.algorithm!r}; choose one of "
                              f"{ALGORITHMS}")
-        given = [name for name, default in _ALGORITHM_OPTIONS.items()
-                 if _given(getattr(self, name), default)]
+        given = [name for name, default in _defaults().items()
+                 if name not in FRAME_OPTIONS + ("topology",)
+                 and _given(getattr(self, name), default)]
         if self.topology is not None:
             if self.algorithm != "auto":
                 raise ValueError(f"topology= chooses the algorithm (algorithm='auto'), but "
@@ -168,11 +167,9 @@ class Reduction:
 
     def _arguments(self, text):
         parts = [repr(self.algorithm)]
-        defaults = {**_ALGORITHM_OPTIONS, "pack_bytes": "auto", "sparse_as_dense": False,
-                    "topology": None}
-        for name, default in defaults.items():
+        for name, default in _defaults().items():
             value = getattr(self, name)
-            if _given(value, default):
+            if name != "compression" and _given(value, default):
                 if name == "groups":
                     value = [list(g) for g in value]
                 parts.append(f"{name}={text(value)}")
@@ -207,6 +204,9 @@ class Reduction:
             cover K), a topology across workers.
         """
         check_flag(average, "average")
+        if cluster is not None and not isinstance(cluster, (Cluster, LocalCluster)):
+            raise TypeError(f"cluster must be a tfreduce.Cluster or None (this process), got "
+                            f"{type(cluster).__name__} {cluster!r}")
         grads = validate_grads(all_grads, devices)
         later = []
         if cluster is not None and not cluster.is_local:
@@ -218,7 +218,10 @@ class Reduction:
         return self.reduce(grads, average, later)
 
     def reduce(self, grads, average, later=()):
-        """Builds the reduction of gradients validated by the caller.
+        """Builds the reduction of gradients validated by the caller (a lower level than a call).
+
+        The doors call it: a call of the value, and the multi-worker
+        reduction with a cross-worker stage of its own options.
 
         Args:
           grads: contract.Gradients, the K x N input, validated once.
@@ -289,7 +292,7 @@ class Reduction:
             raise ValueError("plan: this Reduction has no topology to plan for; make it with "
                              "topology=<a tfreduce.Topology, a preset name or \"host\">")
         if not shapes:
-            raise ValueError("plan_allreduce: give the shapes of at least one gradient")
+            raise ValueError("plan: give the shapes of at least one gradient")
         specs = [(list(s), tf.as_dtype(dtype)) for s in shapes]
         return plan_shapes(specs, normalize_devices(devices), self.topology, average, self)
 
@@ -343,6 +346,12 @@ def as_reduction(algorithm="auto", reduction=None, options=None):
                         f"got {reduction!r} and algorithm={algorithm!r}, options "
                         f"{sorted(options)}")
     return reduction
+
+
+def _defaults():
+    """{option: the default that means "not given"} of every field but the algorithm."""
+    return {f.name: f.default for f in dataclasses.fields(Reduction)
+            if f.init and f.name != "algorithm"}
 
 
 def _given(value, default):

@@ -14,10 +14,10 @@ K devices; see `tfreduce.cluster`): under TF_CONFIG, or with
 batches. Each step then takes this worker's part of the global batch
 (`Cluster.batch_slice`), so the T = W * K towers of all W workers get
 the shards one process with T devices would give them, and every
-all-reduce is the reduction followed by the cross-worker hop (one
-process is a `tfreduce.localcluster.LocalCluster`: the same code, no hop). The broadcasts
-copy rank 0's tower 0, step counter included, to every tower of every
-worker. Only rank 0 (`is_chief`) writes checkpoints and summaries and
+all-reduce is the reduction followed by the cross-worker hop (one process
+is a `tfreduce.localcluster.LocalCluster`: the same code, no hop). The
+broadcasts copy rank 0's tower 0, step counter included, to every tower
+of every worker. Only rank 0 (`is_chief`) writes checkpoints and summaries and
 shows progress; `restore` reads the checkpoint on rank 0 only. Every
 worker evaluates and predicts on all the data it is given, so all get
 the same results. A lost worker fails the step with

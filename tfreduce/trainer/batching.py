@@ -63,8 +63,8 @@ def worker_batch(x, y, cluster, num_devices, total_towers, class_indices=False):
     batch = int(x.shape[0])
     total = total_towers
     if batch < total:
-        workers = (f" ({cluster.num_workers} workers x {num_devices})"
-                   if cluster.num_workers > 1 else "")
+        workers = ("" if cluster.is_local
+                   else f" ({cluster.num_workers} workers x {num_devices})")
         raise ValueError(
             f"train_step: the global batch has {batch} examples but there are "
             f"{total} towers{workers}; every tower needs at least one example, so use "

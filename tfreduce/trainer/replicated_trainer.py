@@ -130,7 +130,8 @@ class ReplicatedTrainer:
           TypeError: model_fn or optimizer_fn is not callable or returns the
             wrong type; loss is not a loss; cluster is not "auto", None or a
             Cluster; average not a bool; an option the algorithm lacks;
-            reduction= with algorithm or options.
+            reduction= with algorithm or options, or not a Reduction;
+            powersgd not a PowerSGD instance, or given twice.
           ValueError: unknown algorithm, bad or missing devices, a negative
             bcast_period or accumulate_steps < 1, a bad option value (a
             topology with a named algorithm), or replicas that differ.
@@ -205,8 +206,11 @@ class ReplicatedTrainer:
             self._steps.broadcast()
         # A negative count: accuracy is not defined for the model's outputs.
         correct = int(correct)
-        # The stop requests summed over the workers: all stop after the same step.
-        return float(loss), (correct if correct >= 0 else None), float(stops) > 0
+        # Across workers the requests summed over the workers (the flags sent
+        # into the step): all stop after the same step. One process also
+        # stops for a request that came during the step.
+        stopping = float(stops) > 0 or (self._cluster.is_local and self._stop.requested)
+        return float(loss), (correct if correct >= 0 else None), stopping
 
     def train_step(self, x, y):
         """Trains on one global batch, split across the towers.
@@ -265,21 +269,8 @@ class ReplicatedTrainer:
         """
         self._built("broadcast").broadcast()
 
-    def fit(
-        self,
-        x,
-        y=None,
-        *,
-        epochs=1,
-        batch_size=32,
-        shuffle=True,
-        seed=0,
-        validation_data=None,
-        logdir=None,
-        checkpoint_dir=None,
-        callbacks=(),
-        verbose=1,
-    ):
+    def fit(self, x, y=None, *, epochs=1, batch_size=32, shuffle=True, seed=0,
+            validation_data=None, logdir=None, checkpoint_dir=None, callbacks=(), verbose=1):
         """Trains until `epochs` epochs are done, counting restored ones.
 
         The epoch and batch to start from follow from the step counter, so
@@ -430,7 +421,7 @@ class ReplicatedTrainer:
           ValueError: every checkpoint at path is damaged (each named), or
             the checkpoint does not match this trainer's model.
         """
-        if self._cluster.num_workers > 1 and self._steps is not None:
+        if not self._cluster.is_local and self._steps is not None:
             # Only rank 0's own tower state is in the checkpoint: every
             # worker restarts its state, so all stay consistent.
             self._steps.reset_state()
