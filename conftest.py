@@ -11,10 +11,18 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
 from pytest_markdown_docs._runners import DefaultRunner, register_runner
 
 # MkDocs' hook (mkdocs.yml), not a test module.
 collect_ignore = ["docs/_hooks"]
+
+
+def pytest_collection_modifyitems(items):
+    """A block that starts two worker processes is slow: the quick tier leaves it out."""
+    for item in items:
+        if getattr(item, "runner_name", None) == "TwoWorkers":
+            item.add_marker(pytest.mark.slow)
 
 
 @register_runner()

@@ -65,6 +65,7 @@ def test_allreduce_mode_sum_half_precision_selected_contenders(tmp_path):
     assert "odd K = 3" in result["skipped"]["tf-hierarchical-copy"]
 
 
+@pytest.mark.slow
 def test_allreduce_mode_compression_axis(tmp_path, capsys):
     # A small Keras model: PowerSGD compresses matrices, and synthetic
     # tensors are vectors.
@@ -116,6 +117,7 @@ def test_multiworker_mode_two_workers_through_the_launcher(tmp_path, capsys):
     assert "2 workers x 2 devices on 127.0.0.1" in out and "vs per-tensor" in out
 
 
+@pytest.mark.slow
 def test_allreduce_mode_predicts_on_presets_and_the_host(tmp_path, capsys):
     result = run(tmp_path, "--model", "synthetic", "--num-tensors", "4", "--total-bytes",
                  "16KB", "--devices", "2", "--steps", "2", "--warmup", "1",
@@ -142,6 +144,7 @@ def test_allreduce_mode_predicts_on_presets_and_the_host(tmp_path, capsys):
         assert check["ratios"][name] == pytest.approx(step / row["median_ms"])
 
 
+@pytest.mark.slow
 def test_the_host_model_follows_the_measurement(tmp_path):
     # The issue's check, loosely (a shared 2-core machine is noisy; the
     # README's table has the 1.5x figures): ResNet50's shapes at 1 MB per

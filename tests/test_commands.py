@@ -75,6 +75,7 @@ def test_start_up_noise_is_filtered_and_everything_else_kept():
     assert done.stderr.splitlines() == [kept[0], "from python", "after"]
 
 
+@pytest.mark.slow
 def test_a_healthy_run_prints_no_error_and_one_line_per_epoch(tmp_path):
     # Off a terminal (a pipe here, a log file or the launcher in real use)
     # the progress bar's \r and ANSI codes are replaced by a line per epoch.
@@ -92,6 +93,7 @@ def test_a_healthy_run_prints_no_error_and_one_line_per_epoch(tmp_path):
     assert all(" - loss: " in line and " - val_accuracy: " in line for line in epochs)
 
 
+@pytest.mark.slow
 def test_a_healthy_bench_run_prints_no_error(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "tfreduce.bench", "--devices", "2", "--model", "synthetic",
@@ -166,6 +168,7 @@ def test_a_file_that_is_no_image_is_named(example, capsys, tmp_path, content, wh
                    f"image (see --help)\n")
 
 
+@pytest.mark.slow
 def test_a_damaged_image_fails_the_run_in_one_line_naming_it(example, capsys, tmp_path):
     write_images(str(tmp_path / "images"), ["cats", "dogs"])
     bad = tmp_path / "images" / "dogs" / "3.png"
@@ -179,6 +182,7 @@ def test_a_damaged_image_fails_the_run_in_one_line_naming_it(example, capsys, tm
         f"decoder.) (--verbose shows the traceback)\n")
 
 
+@pytest.mark.slow
 def test_a_logdir_that_holds_a_run(example, capsys, tmp_path):
     logdir = tmp_path / "run"
     common = ["--limit", "64", "--batch-size", "32", "--epochs", "1", "--quiet",

@@ -114,6 +114,7 @@ def test_bad_compression_values():
         tfreduce.CrossDeviceOps("flat", compression=16)
 
 
+@pytest.mark.slow
 def test_replicated_trainer_trains_with_compression():
     import keras
 

@@ -240,6 +240,7 @@ def test_the_host_probe_measures_this_machine():
     assert host.copy_cost > 0 and host.links[0].bandwidth == float("inf")
 
 
+@pytest.mark.slow
 def test_plan_allreduce_picks_the_fastest_predicted_candidate():
     shapes = [[3, 3, 64, 64], [64], [2048, 1000], [1000]]
     dgx1 = tfreduce.plan_allreduce(shapes, GPU_DEVICES[:8], "dgx1-v100")

@@ -34,6 +34,7 @@ def default_run(request, tmp_path_factory):
     return request.param, weights, list(saved["losses"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", CPU_ALGORITHMS)
 def test_fit_equals_mirrored_strategys_default(default_run, algorithm):
     num_devices, want, want_losses = default_run
@@ -45,6 +46,7 @@ def test_fit_equals_mirrored_strategys_default(default_run, algorithm):
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_devices", [2, 4])
 @pytest.mark.parametrize("algorithm", CPU_ALGORITHMS)
 def test_fit_in_float64_equals_one_device(num_devices, algorithm):

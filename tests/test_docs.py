@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -50,6 +51,7 @@ def _mkdocs_config():
         return yaml.load(f, Loader=Loader)
 
 
+@pytest.mark.slow
 def test_mkdocs_build_strict(tmp_path):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     done = subprocess.run(

@@ -21,6 +21,7 @@ def example():
     return load_script(EXAMPLE, "image_classification")
 
 
+@pytest.mark.slow
 def test_digits_run_then_resume(example, tmp_path, capsys):
     logdir = str(tmp_path / "run")
     common = [
@@ -60,6 +61,7 @@ def test_digits_run_then_resume(example, tmp_path, capsys):
     assert history[1]["val_accuracy"] > 0.3
 
 
+@pytest.mark.slow
 def test_mnist_subset_tiny_run(example, tmp_path, capsys):
     argv = [
         "--dataset",
@@ -97,6 +99,7 @@ def write_image_folder(root, per_class=6):
             )
 
 
+@pytest.mark.slow
 def test_image_folder_dataset(example, tmp_path, capsys):
     folder = str(tmp_path / "images")
     write_image_folder(folder)
@@ -163,6 +166,7 @@ def test_bad_arguments(example, tmp_path, capsys):
     assert "--resume: no checkpoint in" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_two_workers_under_the_launcher(tmp_path):
     """Two worker processes on 127.0.0.1: the same results, one writer."""
     logdir = tmp_path / "run"
@@ -191,6 +195,7 @@ def test_two_workers_under_the_launcher(tmp_path):
         assert [h["epoch"] for h in json.load(f)] == [1]
 
 
+@pytest.mark.slow
 def test_keras_trainer_fits_through_tfreduce_cross_device_ops(example, tmp_path, capsys):
     logdir = tmp_path / "run"
     common = ["--trainer", "keras", "--devices", "2", "--limit", "128", "--batch-size", "32",
@@ -236,6 +241,7 @@ def run_example_process(args, tmp_path):
     return result.stdout
 
 
+@pytest.mark.slow
 def test_powersgd_rank_2_trains_digits_with_a_fraction_of_the_bytes(tmp_path):
     out = run_example_process(["--compression", "powersgd", "--powersgd-rank", "2"], tmp_path)
     accuracy = float(re.search(r"test accuracy: ([0-9.]+)", out).group(1))
@@ -253,6 +259,7 @@ def test_powersgd_rank_2_trains_digits_with_a_fraction_of_the_bytes(tmp_path):
     assert sent <= bound < full / 10
 
 
+@pytest.mark.slow
 def test_mixed_float16_trains_digits_with_replicas_equal(tmp_path):
     out = run_example_process(["--mixed-precision", "mixed_float16"], tmp_path)
     assert ", mixed_float16\n" in out

@@ -125,6 +125,7 @@ def test_a_killed_worker_and_its_children_are_reported_and_cleaned_up(pids):
     assert len(recorded(pids)) == 4  # two workers, two grandchildren: all gone
 
 
+@pytest.mark.slow
 def test_timeout_stops_every_worker(pids):
     code, _, err, seconds = run(pids, "time.sleep(60)\n", "--workers", "2", "--timeout", "2")
     assert code == 124
@@ -245,6 +246,7 @@ def test_a_worker_that_always_fails_uses_up_every_restart(pids):
     assert len(recorded(pids)) == 6  # 3 starts of 2 workers, all gone
 
 
+@pytest.mark.slow
 def test_timeout_bounds_the_restarts_too(pids):
     code, _, err, seconds = run(pids, """\
         time.sleep(0.5)
@@ -257,6 +259,7 @@ def test_timeout_bounds_the_restarts_too(pids):
     assert seconds < 20
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 @pytest.mark.parametrize("failing", [False, True], ids=["running", "after-a-failure"])
 def test_a_signal_to_the_launcher_never_restarts(pids, tmp_path, signum, failing):

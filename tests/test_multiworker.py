@@ -295,6 +295,7 @@ def expected(case, inputs, n):
     return (total / 4 if average else total).astype(dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["function", "session"])
 def test_two_workers_reduce_like_numpy(tmp_path, mode):
     code, out, err, _ = launch_workers(
@@ -338,6 +339,7 @@ def trained(tmp_path_factory):
     return [np.load(out / f"rank{r}.npz") for r in range(2)]
 
 
+@pytest.mark.slow
 def test_training_matches_one_process_with_four_devices(trained):
     # One process, 4 towers, the same global batch of 10 (shards 3, 3, 2, 2)
     # and the same pairing of towers as 2 workers x 2 devices.
@@ -369,6 +371,7 @@ def killed(tmp_path_factory):
     return result, ckpt, len(list(pids.iterdir())), left
 
 
+@pytest.mark.slow
 def test_killed_worker_fails_the_run_fast_and_cleanly(killed):
     (code, out, err, seconds), _, started, left = killed
     assert started == 2 and left == [], f"processes left running: {left}"
@@ -384,6 +387,7 @@ def test_killed_worker_fails_the_run_fast_and_cleanly(killed):
     assert seconds < 60
 
 
+@pytest.mark.slow
 def test_resume_continues_from_the_last_checkpoint(killed, trained, tmp_path):
     _, ckpt, _, _ = killed
     code, out, err, _ = launch_workers("train_worker.py", "--steps", 5, "--ckpt", ckpt,
@@ -427,6 +431,7 @@ def assert_matches(got, want, rank):
                                    err_msg=f"rank {rank} {key}")
 
 
+@pytest.mark.slow
 def test_trainer_on_two_workers_matches_one_process_with_four_devices(trainer_runs):
     first, _, _, _ = trainer_runs
     # 53 examples in batches of 10 over 4 towers: 5 steps (shards 3, 3, 2, 2;
@@ -442,6 +447,7 @@ def test_trainer_on_two_workers_matches_one_process_with_four_devices(trainer_ru
     assert np.abs(first[1]["0/0"] - start[0].numpy()).max() > 0.1
 
 
+@pytest.mark.slow
 def test_trainer_resume_reads_rank_0_checkpoint_and_only_rank_0_writes(trainer_runs):
     _, second, out, logdir = trainer_runs
     assert re.search(r"\[worker 0\] rank 0: restored .*ckpt-1 at step 5", out), out
@@ -454,6 +460,7 @@ def test_trainer_resume_reads_rank_0_checkpoint_and_only_rank_0_writes(trainer_r
     assert any(n.startswith("events.out.tfevents") for n in os.listdir(logdir / "rank0"))
 
 
+@pytest.mark.slow
 def test_accumulation_and_powersgd_on_two_workers_match_one_process(tmp_path):
     options = ["--accumulate-steps", 2, "--powersgd-rank", 1]
     code, _, err, _ = launch_workers("trainer_worker.py", "--out", tmp_path, *options)
@@ -476,6 +483,7 @@ def test_accumulation_and_powersgd_on_two_workers_match_one_process(tmp_path):
      r"\(127\.0\.0\.1:\d+\) has \S+ \(8, 16\) float32; worker 1 \(127\.0\.0\.1:\d+\) has "
      r"\S+ \(8, 17\) float32"),
 ])
+@pytest.mark.slow
 def test_workers_that_differ_fail_fast_on_every_worker(tmp_path, mistake, message):
     # Once: workers with other device counts trained to different weights
     # with rc 0, and a different model made rank 0 wait out its timeout.
@@ -488,6 +496,7 @@ def test_workers_that_differ_fail_fast_on_every_worker(tmp_path, mistake, messag
     assert seconds < 60
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_once_is_restarted_and_ends_like_an_undisturbed_run(trained, tmp_path):
     # The launcher restarts both workers (--restarts 1); the restarted ones
     # resume from rank 0's checkpoint and finish the same 5 steps.

@@ -37,7 +37,8 @@ def make_grads(num_towers, seed):
 
 @pytest.mark.parametrize("pack_bytes", [None, 64])
 @pytest.mark.parametrize("average", [False, True])
-@pytest.mark.parametrize("num_towers", [1, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("num_towers", [1, 2, 3, 4] + [pytest.param(k, marks=pytest.mark.slow)
+                                                      for k in (6, 8)])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_exact_values_on_every_device(runner, algorithm, num_towers, average, pack_bytes):
     devices = CPU_DEVICES[:num_towers]

@@ -44,7 +44,7 @@ def spy_on_plans(monkeypatch):
     return plans
 
 
-@pytest.mark.parametrize("num_devices", [4, 8])
+@pytest.mark.parametrize("num_devices", [4, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("topology, size, want", [
     (BANDWIDTH_BOUND, 2**16, "ring"), (LATENCY_BOUND, 1, "flat")])
 def test_auto_with_a_topology_runs_the_planned_algorithm(topology, size, want, num_devices,
@@ -70,7 +70,7 @@ def op_types(outputs):
     return collections.Counter(op.type for op in graph.get_operations())
 
 
-@pytest.mark.parametrize("preset", ["dgx1-v100", "pcie3x8"])
+@pytest.mark.parametrize("preset", ["dgx1-v100", pytest.param("pcie3x8", marks=pytest.mark.slow)])
 def test_the_dispatcher_builds_what_plan_allreduce_names(preset):
     # Groups and pack size included: the same ops as the plan's keywords.
     shapes = [[3, 3, 64, 64], [64], [1024, 100], [100]]
@@ -135,6 +135,7 @@ def test_the_trainer_plans_and_trains_as_the_named_algorithm(monkeypatch):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_keras_fit_with_cross_device_ops_follows_the_plan(monkeypatch):
     plans = spy_on_plans(monkeypatch)
     got, _ = worker.fit_weights(CPU_DEVICES[:2],

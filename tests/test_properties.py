@@ -275,6 +275,7 @@ def check_case(case, got, placed, values, indices, devices):
                                               err_msg=where + " dense_shape")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", CPU_ALGORITHMS)
 def test_every_algorithm_equals_numpy_on_every_device(algorithm):
     # Zero-size gradients through "collective" are the subprocess test's:
@@ -304,6 +305,7 @@ def collective_zero_size_property():
     prop()
 
 
+@pytest.mark.slow
 def test_collective_zero_size_in_subprocess():
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     script = (f"import sys; sys.path.insert(0, {tests_dir!r}); "
@@ -510,6 +512,7 @@ def call(bad, all_grads, kwargs):
     return tfreduce.allreduce_grads(all_grads, algorithm=bad.algorithm, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", FAULTS)
 def test_malformed_input_raises_value_or_type_error(fault):
     @property_settings(ERROR_EXAMPLES)

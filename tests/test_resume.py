@@ -19,6 +19,9 @@ import tensorflow as tf
 
 from helpers import EXAMPLE
 
+# Each test trains the example in subprocesses, killed and resumed.
+pytestmark = pytest.mark.slow
+
 ARGS = ["--devices", "2", "--limit", "256", "--batch-size", "32", "--epochs", "12", "--quiet"]
 
 

@@ -91,7 +91,7 @@ def assert_equivalent(trainer, model_fn, optimizer_fn):
     assert trainer.step == len(BATCH_SIZES)
 
 
-@pytest.mark.parametrize("num_towers", [2, 4])
+@pytest.mark.parametrize("num_towers", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("algorithm", CPU_ALGORITHMS)
 def test_k_towers_train_like_one_device(algorithm, num_towers):
     trainer = ReplicatedTrainer(
@@ -100,6 +100,7 @@ def test_k_towers_train_like_one_device(algorithm, num_towers):
     assert_equivalent(trainer, mlp, sgd)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("average", [True, False])
 def test_equivalence_with_adam_and_regularisation(average):
     def model_fn():
@@ -311,6 +312,7 @@ def start_like(trainer, initial):
     trainer.broadcast()
 
 
+@pytest.mark.slow
 def test_restore_continues_the_run_exactly(tmp_path, uninterrupted):
     initial, want = uninterrupted
     x, y = data(40)
@@ -325,6 +327,7 @@ def test_restore_continues_the_run_exactly(tmp_path, uninterrupted):
     assert_same_state(full_state(second), want)
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_resumes_mid_epoch(tmp_path, uninterrupted):
     initial, want = uninterrupted
     x, y = data(40)
