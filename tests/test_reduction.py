@@ -12,9 +12,8 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-import tfreduce.reduction
 from helpers import CPU_DEVICES, GPU_DEVICES, check, place, placeholders, run_in_function
-from tfreduce import planner
+from test_planner import spy_on_plans
 from tfreduce.cluster import Cluster
 from tfreduce.localcluster import LocalCluster
 from tfreduce.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
@@ -223,13 +222,7 @@ def test_the_trainer_checks_the_devices_when_made():
 
 
 def test_a_topology_plans_once_per_layout_and_the_plan_holds_a_reduction(monkeypatch):
-    plans = []
-
-    def recording(*args):
-        plans.append(planner.plan_for(*args))
-        return plans[-1]
-
-    monkeypatch.setattr(tfreduce.reduction, "plan_for", recording)
+    plans = spy_on_plans(monkeypatch)
     bandwidth_bound = tfreduce.Topology.fully_connected(4, 1e9, 0.0)
     reduction = tfreduce.Reduction(topology=bandwidth_bound, compression="bf16")
     devices = CPU_DEVICES[:4]

@@ -109,7 +109,8 @@ def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=DEFA
       compression: see ``tfreduce.Reduction``.
 
     Returns:
-      list[list[tf.Tensor]], K x N (the module's contract).
+      list[list[tf.Tensor]], K x N (the module's contract); float16 and
+      bfloat16 are summed in float32 on the root and rounded once there.
 
     Raises:
       TypeError, ValueError: bad input (the tower, the variable and the
@@ -205,6 +206,9 @@ def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=DEFA
     Raises:
       TypeError, ValueError: bad input (the tower, the variable and the
         values named) or a bad option (see ``tfreduce.Reduction``).
+      tf.errors.InvalidArgumentError: when the graph runs, a gradient whose
+        shape was known only then differs between towers (the ring splits
+        shapes unknown when it is built too; the message names the tower).
     """
     return Reduction("ring", pack_bytes=pack_bytes, sparse_as_dense=sparse_as_dense,
                      compression=compression)(all_grads, devices, average)

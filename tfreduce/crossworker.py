@@ -64,8 +64,7 @@ class CrossWorkerStage(Stage):
         self.options = options
         self.keys = keys
         self.compression = compression
-        self._chain = None
-        self._towers = None
+        self._chain = self._towers = None  # set by bind, per call
 
     def bind(self, devices):
         # A fresh chain for each call, shared by its dense and sparse entries.
