@@ -200,3 +200,42 @@ def test_a_compressor_and_its_alias_build_the_same_reduction(algorithm):
     by_type = reduce_eagerly(arrays, algorithm, True, tfreduce.Compression.bf16)
     for a, b in zip(by_alias, by_type):
         np.testing.assert_array_equal(a[0].numpy(), b[0].numpy())
+
+
+@pytest.mark.parametrize("algorithm", CPU_ALGORITHMS)
+def test_a_mean_that_fits_never_overflows_whatever_one_tower_holds(algorithm):
+    # Property over magnitudes up to 65504 * K: one tower far beyond float16's
+    # range, the mean within it. Each tower scales by 1/K before the cast.
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=12, deadline=None, derandomize=True, database=None)
+    @given(num_towers=st.sampled_from([2, 3, 8]), data=st.data())
+    def prop(num_towers, data):
+        limit = 65504.0 * num_towers
+        big = data.draw(st.floats(-limit, limit, width=32))
+        rest = data.draw(st.lists(st.floats(-60000.0, 60000.0, width=32),
+                                  min_size=num_towers - 1, max_size=num_towers - 1))
+        column = np.array([big] + rest, np.float64)
+        mean = column.mean()
+        if abs(mean) > 60000.0:
+            return  # the mean itself does not fit
+        arrays = [[np.full((3,), value, np.float32)] for value in column]
+        out = reduce_eagerly(arrays, algorithm, True, "fp16", pack_bytes=None)
+        # Every input and partial sum rounds to float16: (K + 1) roundings
+        # of at most the largest magnitude / K.
+        bound = (num_towers + 2) * UNIT["fp16"] * np.abs(column).sum() / num_towers + 1e-3
+        for row in out:
+            got = row[0].numpy()
+            assert np.all(np.isfinite(got)), (column, got)
+            assert np.all(np.abs(got - mean) <= bound), (column, got, mean, bound)
+
+    prop()
+
+
+def test_a_sum_that_does_not_fit_is_inf():
+    # Without averaging nothing is scaled: a float16 sum above 65504 is inf,
+    # as Horovod's; the trainer's non-finite guard names it.
+    arrays = [[np.full((2,), 40000.0, np.float32)] for _ in range(2)]
+    for algorithm in CPU_ALGORITHMS:
+        out = reduce_eagerly(arrays, algorithm, False, "fp16")
+        assert np.all(np.isinf(out[1][0].numpy())), algorithm

@@ -31,7 +31,8 @@ from tfreduce.contract import nbytes, values_of
 from tfreduce.devices import host_device
 from tfreduce.packing import PackPlan
 from tfreduce.primitives import (RootBalancer, accumulation_dtype, broadcast_slices,
-                                 check_average_dtype, finish_sum, gather_slices, sum_order)
+                                 check_average_dtype, finish_sum, gather_slices,
+                                 scale_by_reciprocal, sum_order)
 
 __all__ = ["Stage", "ReduceContext", "run_stages"]
 
@@ -114,9 +115,10 @@ class ReduceContext:
         run (see ``Stage.collective``).
       wire_sum: bool, the call compresses (``compression=``): partial sums
         of 16-bit entries cross devices in 16 bits too (hierarchical group
-        sums, ring hops, the collective's sum), each prescaled by 1/K when
-        averaging so that a mean cannot overflow, instead of going up to
-        float32 first.
+        sums, ring hops, the collective's sum) instead of going up to
+        float32 first; when averaging, the frame has prescaled the inputs
+        by 1/K and asks the stages for a sum (``average`` False), so no
+        partial sum of a mean overflows.
     """
 
     def __init__(self, devices, average, dtypes, upstream_collective=False, wire_sum=False):
@@ -187,15 +189,23 @@ def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_de
                     f"choose another algorithm or cast the gradients")
     scope = scope or f"allreduce_{stages[0].name}"
 
+    # Compressed, a mean is formed from means: each tower scales its
+    # gradients by 1/K before the cast, so a mean that fits in 16 bits never
+    # overflows on the way (a value above 65504 on one tower included), and
+    # the stages only sum (Horovod's prescale).
+    prescale = average and compression.compresses
+
     def build():
         with tf.name_scope(scope):
             _check_shapes_at_run_time(grads)
             _densify(grads, sparse_as_dense)
+            if prescale:
+                _prescale(grads)
             restore = _compress(grads, compression)
             plan = PackPlan(grads, pack_bytes)
             packed = plan.pack()  # K x M
-            out = plan.unpack(_reduce_entries(packed, grads.devices, average, stages,
-                                              compression.compresses))
+            out = plan.unpack(_reduce_entries(packed, grads.devices, average and not prescale,
+                                              stages, compression.compresses))
             return _decompress(out, restore, grads.devices, compression)
 
     if not any(stage.needs_function for stage in stages):
@@ -298,6 +308,20 @@ def _densify(grads, sparse_as_dense):
                 if isinstance(g, tf.IndexedSlices):
                     with tf.device(grads.devices[k]):
                         grads.grads[k][n] = tf.convert_to_tensor(g)
+
+
+def _prescale(grads):
+    # Each tower's gradients times 1/K, in their dtype, on the tower.
+    for n in grads.reduced:
+        for k, device in enumerate(grads.devices):
+            g = grads.grads[k][n]
+            with tf.device(device), tf.name_scope(f"var{n}_dev{k}_prescale"):
+                if isinstance(g, tf.IndexedSlices):
+                    g = tf.IndexedSlices(scale_by_reciprocal(g.values, grads.num_towers),
+                                         g.indices, g.dense_shape)
+                else:
+                    g = scale_by_reciprocal(g, grads.num_towers)
+            grads.grads[k][n] = g
 
 
 def _compress(grads, compression):

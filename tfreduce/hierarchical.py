@@ -84,14 +84,13 @@ class HierarchicalStage(Stage):
                 for gi, (g, r) in enumerate(zip(groups, roots))]
             if ctx.wire_sum:
                 # Compressed: the group sums cross between roots in 16 bits too
-                # (one more rounding each), already scaled by 1/K when
-                # averaging so that a mean cannot overflow; the combiner sums
-                # them in float32 and only rounds.
-                group_sums = [finish_sum(t, buffers[0][m].dtype, num_towers, ctx.average,
+                # (one more rounding each; of means when averaging: the
+                # frame prescaled); the combiner sums them in float32.
+                group_sums = [finish_sum(t, buffers[0][m].dtype, num_towers, False,
                                          devices[r], name=f"entry{m}_group{gi}_wire")
                               for gi, (t, r) in enumerate(zip(group_sums, roots))]
             total = reduce_to(group_sums, devices[combiner], name=f"entry{m}_sum")
-            total = finish_sum(total, ctx.dtypes[m], num_towers, ctx.average and not ctx.wire_sum,
+            total = finish_sum(total, ctx.dtypes[m], num_towers, ctx.average,
                                devices[combiner], name=f"entry{m}_total")
             for gi, (g, r) in enumerate(zip(groups, roots)):
                 root_total = total

@@ -18,7 +18,7 @@ from tensorflow.python.ops import nccl_ops as _tf_nccl
 from tfreduce.collective import CollectiveChain, CollectiveKeys, CollectiveOptions, check_keys
 from tfreduce.devices import is_gpu
 from tfreduce.frame import Stage
-from tfreduce.primitives import accumulation_dtype, finish_sum, scale_by_reciprocal
+from tfreduce.primitives import accumulation_dtype, scale_by_reciprocal
 
 __all__ = ["NcclStage", "CollectiveStage"]
 
@@ -104,20 +104,14 @@ class CollectiveStage(Stage):
             instance_key = keys.instance_key()  # one per entry, shared by its K ops
             for k, d in enumerate(devices):
                 g = buffers[k][m]
-                # Compressed (ctx.wire_sum): 16 bits cross, prescaled by 1/K
-                # (Horovod's prescale), so the sum is of means and cannot
-                # overflow where the mean does not. Otherwise half types go
-                # up to float32 first and the sum is scaled once.
+                # Compressed (ctx.wire_sum): 16 bits cross (means when
+                # averaging: the frame prescaled the inputs). Otherwise half
+                # types go up to float32 first and the sum is scaled once.
                 in_wire = ctx.wire_sum and g.dtype != accumulation_dtype(g.dtype)
                 acc = g.dtype if in_wire else accumulation_dtype(g.dtype)
                 with chain.after_previous(d):
-                    if in_wire and ctx.average:
-                        x = scale_by_reciprocal(g, num_towers)
-                    else:
-                        x = tf.cast(g, acc) if acc != g.dtype else tf.identity(g)
+                    x = tf.cast(g, acc) if acc != g.dtype else tf.identity(g)
                     r = chain.all_reduce(x, d, num_towers, group_key, instance_key,
                                          name=f"entry{m}_dev{k}_allreduce")
-                name = f"entry{m}_dev{k}_out"
-                out[k][m] = (finish_sum(r, ctx.dtypes[m], num_towers, False, d, name) if in_wire
-                             else ctx.finish(r, m, num_towers, d, name=name))
+                out[k][m] = ctx.finish(r, m, num_towers, d, name=f"entry{m}_dev{k}_out")
         return out

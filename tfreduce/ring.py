@@ -24,8 +24,7 @@ import tensorflow as tf
 
 from tfreduce.contract import shard_sizes
 from tfreduce.frame import Stage
-from tfreduce.primitives import (finish_sum, ring_all_gather, ring_reduce_scatter,
-                                 scale_by_reciprocal)
+from tfreduce.primitives import ring_all_gather, ring_reduce_scatter
 
 __all__ = ["RingStage"]
 
@@ -61,16 +60,13 @@ def _ring_entry(column, ctx, m):
         chunks = list(range(num_devices))
     owners = [(j + m) % num_devices for j in chunks]
 
-    # Compressed (ctx.wire_sum): partial sums cross in 16 bits, each piece
-    # prescaled by 1/K when averaging so that no partial sum of a mean overflows.
+    # Compressed (ctx.wire_sum): partial sums cross in 16 bits (of means
+    # when averaging: the frame prescaled the inputs).
     dtype = column[0].dtype
     wire = dtype if ctx.wire_sum and dtype.is_floating and dtype.size == 2 else None
-    prescale = wire is not None and ctx.average
     pieces = [[None] * num_devices for _ in range(num_devices)]
     for k, (g, d) in enumerate(zip(column, devices)):
         with tf.device(d):
-            if prescale:
-                g = scale_by_reciprocal(g, num_devices)
             # Packed buffers and biases are 1-D already: no reshape op.
             flat = g if g.shape.rank == 1 else tf.reshape(g, [-1], name=f"{name}_dev{k}_flat")
             if static and len(chunks) == 1:
@@ -86,8 +82,7 @@ def _ring_entry(column, ctx, m):
 
     totals = ring_reduce_scatter(pieces, devices, name, wire)
     for c in owners:
-        totals[c] = finish_sum(totals[c], ctx.dtypes[m], num_devices,
-                               ctx.average and not prescale, devices[c],
+        totals[c] = ctx.finish(totals[c], m, num_devices, devices[c],
                                name=f"{name}_chunk{c}_total")
     gathered = ring_all_gather(totals, devices, name)
     return _reassemble(column, gathered, owners, devices, static, name)
