@@ -36,7 +36,7 @@ import math
 
 import tensorflow as tf
 
-from tfreduce.devices import topology_index
+from tfreduce.devices import canonical_or_empty, topology_index
 from tfreduce.graphwalk import as_graph, static_bytes, tensors, walk_back
 from tfreduce.hostprobe import resolve_topology
 
@@ -106,10 +106,14 @@ def predict(target, topology, inputs=None, devices_per_task=None):
       Prediction.
 
     Raises:
-      ValueError: a device index beyond the topology's devices, no tensor.
+      ValueError: a device index beyond the topology's devices, no tensor,
+        or a tensor that crosses devices (or a collective's input) whose
+        shape is not fully known: its bytes are unknown, so its time would
+        be a guess (named).
       TypeError: target or inputs hold something that is not a tensor.
     """
     ops, outputs, stop = _ops(target, inputs)
+    _check_known_sizes(ops)
     used = {topology_index(op.device, devices_per_task) for op in ops} - {None}
     topology = resolve_topology(topology, max(used, default=0) + 1, at_least=False)
     sim = _Simulation(ops, topology, devices_per_task, sources=stop)
@@ -131,6 +135,23 @@ def _ops(target, inputs):
     # the transfers out of them are costed.
     read = {t.op for op in walked for t in op.inputs} & stop
     return walked + sorted(read, key=lambda op: op.name), outputs, stop
+
+
+def _check_known_sizes(ops):
+    # Every byte the model moves must be known: a transfer or a collective
+    # of unknown size would cost nothing and the prediction be too fast.
+    members = set(ops)
+    for op in ops:
+        moved = [op.inputs[0]] if op.type in COLLECTIVE_OPS and op.inputs else [
+            t for t in op.inputs if t.op in members and t.op.device and op.device
+            and canonical_or_empty(t.op.device) != canonical_or_empty(op.device)]
+        for t in moved:
+            if t.dtype.is_numeric and static_bytes(t) is None:
+                raise ValueError(
+                    f"predict costs the bytes of static shapes, but tensor {t.name!r} "
+                    f"({t.op.type} on {t.op.device}) has shape {t.shape} and reaches "
+                    f"{op.name!r} on {op.device}: build the reduction on gradients of known "
+                    f"shapes (tfreduce.plan_allreduce takes the shapes you expect)")
 
 
 def _bytes_per_device(outputs, inputs):
@@ -410,5 +431,6 @@ def _best_ring(topology, devices, cache):
                        for a, b in zip(order, order[1:] + order[:1]))
         orders = ([devices[:1] + list(rest) for rest in itertools.permutations(devices[1:])]
                   if 2 < len(devices) <= 8 else [devices])
-        cache[key] = max(orders, key=narrowest)
+        # One member (a collective over one device) has no ring to search.
+        cache[key] = max(orders, key=narrowest) if len(devices) > 1 else list(devices)
     return cache[key]

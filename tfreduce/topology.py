@@ -161,7 +161,19 @@ class Topology:
         return f"gpu{k}"
 
     def route(self, src, dst):
-        """The links (list of Link) a transfer from device src to device dst crosses."""
+        """The links (list of Link) a transfer from device src to device dst crosses.
+
+        A device's route to itself crosses none (K=1 included).
+
+        Raises:
+          ValueError: src or dst is not a device index of this topology.
+        """
+        for k in (src, dst):
+            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < self.num_devices:
+                raise ValueError(f"topology {self.name!r} has devices 0..{self.num_devices - 1}, "
+                                 f"no device {k!r}")
+        if src == dst:
+            return []
         return [self.links[i] for i in self._routes[(src, dst)]]
 
     def _widest_routes(self, src):
