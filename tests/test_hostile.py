@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import tfreduce
 from helpers import CPU_DEVICES
+from test_update import mixed_float16  # noqa: F401 (a fixture)
 from tfreduce.trainer import ReplicatedTrainer
 
 CPU_ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]
@@ -94,3 +95,28 @@ def test_predict_names_a_tensor_of_unknown_size(algorithm):
     assert message.startswith("predict costs the bytes of static shapes, but tensor 'Identity")
     assert "has shape (None,)" in message
     assert "tfreduce.plan_allreduce takes the shapes you expect" in message
+
+
+# ------------------------------------------------------------------ mixed precision
+
+@pytest.mark.parametrize("accumulate_steps", [2, 4, 8])
+def test_mixed_float16_with_accumulation_skips_no_update_on_clean_data(mixed_float16,
+                                                                       accumulate_steps):
+    # Between updates the loss was scaled by K instead of K/B: the float16
+    # backward pass overflowed and LossScaleOptimizer skipped 2 of 2 updates.
+    def model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((20,)), keras.layers.Dense(64, activation="relu"),
+                                 keras.layers.Dense(10, dtype="float32")])
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(256, 20)).astype("float32"), rng.integers(0, 10, 256)
+    trainer = ReplicatedTrainer(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                                lambda: keras.optimizers.SGD(0.1), devices=CPU_DEVICES[:2],
+                                accumulate_steps=accumulate_steps)
+    for s in range(2 * accumulate_steps):
+        trainer.train_step(x[s * 16:(s + 1) * 16], y[s * 16:(s + 1) * 16])
+    assert trainer.skipped_steps == 0
+    scale = trainer.optimizers[0].dynamic_scale
+    assert float(scale) == 2.0**15  # Keras' initial scale: never lowered
+    assert trainer.check_replicas() == 0.0

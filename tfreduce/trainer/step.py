@@ -73,9 +73,10 @@ def _tower_gradients(towers, options, x_shards, y_shards, batch, accumulating):
 
     Args:
       accumulating: bool, the gradients go into sums that the update divides
-        by the examples of all its micro-batches; the loss is then not
-        divided by this batch's size, and the regularisation is weighted by
-        it, so the update is the gradient of the mean over all of them.
+        by the examples of all its micro-batches: each is the gradient of
+        this micro-batch's mean loss, as in a step without accumulation (so
+        a float16 backward pass sees the same magnitudes), times its number
+        of examples B, so the update is the gradient of the mean over all.
 
     Returns:
       (all_grads K x N, loss_sums [K], corrects [K] int64 or None, regs [K]).
@@ -91,18 +92,20 @@ def _tower_gradients(towers, options, x_shards, y_shards, batch, accumulating):
                 # Scale before the reduction so that its sum (or mean)
                 # is the gradient of the global-batch mean loss.
                 numerator = tf.cast(options.total_towers if options.average else 1, dtype)
-                per_batch = tf.cast(batch, dtype)
-                scale = numerator if accumulating else numerator / per_batch
+                scale = numerator / tf.cast(batch, dtype)
                 reg = regularization(model, dtype)
                 # Every tower adds the same regularisation term; a sum
                 # over the T towers would count it T times.
                 reg_weight = 1.0 if options.average else 1.0 / options.total_towers
-                if accumulating:
-                    reg_weight = reg_weight * per_batch
                 # Keras' loss scaling (LossScaleOptimizer, loss_scale_factor);
                 # apply_gradients divides it out again.
                 tower_loss = towers.optimizers[k].scale_loss(loss_sum * scale + reg * reg_weight)
             grads = tape.gradient(tower_loss, towers.trainable[k])
+            if accumulating:
+                # Weighted by B after the backward pass, in the variables'
+                # dtype: the sums then add up per-example gradients.
+                grads = [None if g is None else tf.convert_to_tensor(g) * tf.cast(batch, g.dtype)
+                         for g in grads]
         all_grads.append(list(grads))
         loss_sums.append(loss_sum)
         regs.append(reg)
