@@ -2,7 +2,10 @@
 
 Every test here failed before the fix it names: a 16-bit mean that
 overflowed, a topology of one device that crashed with a KeyError, a
-prediction that costed unknown shapes as 0 bytes.
+prediction that costed unknown shapes as 0 bytes, mixed precision whose
+accumulated micro-batches overflowed, and a skipped (or raised) step that
+left NaN or moved state behind: BatchNorm statistics, Dropout's seed,
+PowerSGD's error feedback and Q, checkpoints of any of them.
 """
 
 import keras
@@ -48,7 +51,7 @@ def one_device_topology():
     return tfreduce.Topology(1, [], memory_bandwidth=1e11, launch_cost=5e-6, name="one")
 
 
-@pytest.mark.parametrize("topology", ["dgx-a100", "one"])
+@pytest.mark.parametrize("topology", [pytest.param("dgx-a100", marks=pytest.mark.slow), "one"])
 def test_a_topology_with_one_device_plans_and_runs(topology):
     # Every entry point raised a bare KeyError: (0, 0) from Topology.route.
     topology = one_device_topology() if topology == "one" else topology
@@ -120,3 +123,127 @@ def test_mixed_float16_with_accumulation_skips_no_update_on_clean_data(mixed_flo
     scale = trainer.optimizers[0].dynamic_scale
     assert float(scale) == 2.0**15  # Keras' initial scale: never lowered
     assert trainer.check_replicas() == 0.0
+
+
+# ------------------------------------------------------------------ a step is a transaction
+
+def bn_dropout_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
+                             keras.layers.BatchNormalization(), keras.layers.Dropout(0.3),
+                             keras.layers.Dense(3)])
+
+
+def plain_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                             keras.layers.Dense(3)])
+
+
+def stream(n=96, nan_row=None, seed=0):
+    rng = np.random.default_rng(seed)
+    x, y = rng.normal(size=(n, 6)).astype("float32"), rng.integers(0, 3, n)
+    if nan_row is not None:
+        x[nan_row] = np.nan
+    return x, y
+
+
+def trainer_for(model_fn=bn_dropout_model, **options):
+    return ReplicatedTrainer(model_fn, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                             lambda: keras.optimizers.Adam(0.01), devices=CPU_DEVICES[:2],
+                             **options)
+
+
+def train(trainer, x, y, batch=16):
+    for start in range(0, len(x), batch):
+        try:
+            trainer.train_step(x[start:start + batch], y[start:start + batch])
+        except FloatingPointError:
+            pass  # on_nonfinite="raise": the step raised and changed nothing
+
+
+def state_of(trainer):
+    """Every value a step may change, tower by tower (the step counter aside)."""
+    state = trainer._steps._state
+    out = [v.numpy() for m, o in zip(trainer.models, trainer.optimizers)
+           for v in list(m.variables) + list(o.variables)]
+    for k in range(len(trainer.devices)):
+        out += [v.numpy() for v in state.tower_variables(k)]
+    return out
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for i, (u, v) in enumerate(zip(a, b)):
+        np.testing.assert_array_equal(u, v, err_msg=f"value {i}")
+
+
+KEEP = np.r_[0:32, 48:96]  # the stream without batch 2 (rows 32..47)
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param({"on_nonfinite": "skip"}, marks=pytest.mark.slow),
+    {"on_nonfinite": "skip", "powersgd": tfreduce.PowerSGD(rank=1, min_compression_rate=0)},
+    pytest.param({"on_nonfinite": "raise",
+                  "powersgd": tfreduce.PowerSGD(rank=1, min_compression_rate=0)},
+                 marks=pytest.mark.slow),
+    pytest.param({"on_nonfinite": "skip", "compression": "fp16", "bcast_period": 2},
+                 marks=pytest.mark.slow),
+], ids=["skip", "skip-powersgd", "raise-powersgd", "skip-fp16-bcast"])
+def test_a_nan_batch_changes_nothing(options):
+    # BatchNorm's statistics, Dropout's seed, PowerSGD's Q and error
+    # feedback went NaN (or moved) on a skipped batch, and every later step
+    # skipped too; after a raise the next clean batch raised again.
+    x, y = stream(nan_row=40)
+    with_nan = trainer_for(**options)
+    train(with_nan, x, y)
+    without = trainer_for(**options)
+    clean_x, clean_y = stream()
+    train(without, clean_x[KEEP], clean_y[KEEP])
+    assert_same(state_of(with_nan), state_of(without))
+    assert with_nan.skipped_steps == (options["on_nonfinite"] == "skip")
+    assert np.isfinite(with_nan.evaluate(x[KEEP], y[KEEP])["loss"])
+    assert with_nan.check_replicas() == 0.0
+
+
+@pytest.mark.slow
+def test_accumulation_skips_the_whole_cycle_of_a_nan_micro_batch():
+    # M = 3: the NaN micro-batch spoils its cycle's update, which is skipped
+    # whole; the run equals the stream without that cycle's three batches.
+    x, y = stream(n=144, nan_row=60)  # batch 3, in the cycle of batches 3, 4, 5
+    options = {"on_nonfinite": "skip", "accumulate_steps": 3,
+               "powersgd": tfreduce.PowerSGD(rank=1, min_compression_rate=0)}
+    with_nan = trainer_for(**options)
+    train(with_nan, x, y)
+    keep = np.r_[0:48, 96:144]
+    without = trainer_for(**options)
+    train(without, *(a[keep] for a in stream(n=144)))
+    assert_same(state_of(with_nan), state_of(without))
+    assert with_nan.skipped_steps == 1
+
+
+def test_a_save_refuses_any_non_finite_state_and_names_it(tmp_path):
+    trainer = trainer_for(plain_model,
+                          powersgd=tfreduce.PowerSGD(rank=1, min_compression_rate=0))
+    train(trainer, *stream(n=32))
+    assert trainer.save(str(tmp_path)).endswith("ckpt-1")
+    error = trainer._steps._state.powersgd.error[1][0]
+    error.assign(error * np.nan)
+    with pytest.raises(FloatingPointError) as info:
+        trainer.save(str(tmp_path))
+    assert str(info.value).startswith(f"save: {error.name} holds NaN or Inf")
+    assert tf.train.latest_checkpoint(str(tmp_path)).endswith("ckpt-1")
+
+
+def test_fit_with_a_nan_batch_every_50_steps_keeps_good_checkpoints(tmp_path):
+    x, y = stream(n=400)
+    x[200] = np.nan  # batch 25 of every epoch of 50
+    trainer = trainer_for(on_nonfinite="skip")  # BatchNorm and Dropout
+    history = trainer.fit(x, y, epochs=10, batch_size=8, shuffle=False, verbose=0,
+                          checkpoint_dir=str(tmp_path))
+    assert history["skipped_steps"] == [1] * 10 and trainer.step == 500
+    assert all(np.isfinite(history["loss"])) and history["loss"][-1] < history["loss"][0]
+    for prefix in tf.train.get_checkpoint_state(str(tmp_path)).all_model_checkpoint_paths:
+        restored = trainer_for(on_nonfinite="skip")
+        restored.restore(prefix)
+        assert all(np.all(np.isfinite(v)) for v in state_of(restored)), prefix

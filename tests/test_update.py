@@ -220,7 +220,7 @@ def test_overflow_of_the_sum_alone_is_named():
         "trainable": [[type("V", (), {"path": "dense/kernel"})(),
                        type("V", (), {"path": "dense/bias"})()]]})
     report = np.array([[0, 0], [0, 0], [0, 1]])
-    error = nonfinite_error(report, 7, towers, LocalCluster())
+    error = nonfinite_error(report, 7, towers, LocalCluster(), tfreduce.Compression.fp16)
     assert str(error).startswith(
         "step 7: the all-reduced gradient of variable 'dense/bias' is NaN or Inf (every "
         "tower's gradient is finite: the sum overflowed; compression='fp16' crosses devices "

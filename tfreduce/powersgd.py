@@ -188,7 +188,8 @@ def powersgd_allreduce(all_grads, state, allreduce, average, num_replicas):
 
     Two all-reduces per step: the uncompressed gradients with the P's, then
     the Q's. Error feedback and Q are updated in `state` (assignments the
-    outputs depend on, so a v1 graph runs them too).
+    outputs depend on, so a v1 graph runs them too); ``powersgd_reduce``
+    leaves them to the caller, who may skip them.
 
     Args:
       all_grads: K x N list, all_grads[k][n] tower k's gradient of variable
@@ -204,6 +205,24 @@ def powersgd_allreduce(all_grads, state, allreduce, average, num_replicas):
 
     Example, K = 2, one [4, 3] kernel compressed at rank 3 (full rank): the
     output equals the plain all-reduce up to rounding.
+    """
+    out, pending = powersgd_reduce(all_grads, state, allreduce, average, num_replicas)
+    for k, row in enumerate(out):
+        with tf.device(state.devices[k]), tf.name_scope(f"powersgd_tower{k}"):
+            updates = [v.assign(value) for v, value in pending[k]]
+            with tf.control_dependencies(updates):
+                out[k] = [tf.identity(g) if isinstance(g, tf.Tensor) else g for g in row]
+    return out
+
+
+def powersgd_reduce(all_grads, state, allreduce, average, num_replicas):
+    """``powersgd_allreduce`` without the state update: (out, pending).
+
+    Returns:
+      (out, pending): out as ``powersgd_allreduce`` returns it; pending a
+      list of K lists of (tf.Variable, new value) pairs, tower k's new error
+      feedback and Q, on devices[k], for the caller to assign when the step
+      commits (a step whose result is not finite leaves the state as it was).
     """
     num_towers = len(all_grads)
     # A matrix whose gradient is None or IndexedSlices goes the plain way.
@@ -228,18 +247,18 @@ def powersgd_allreduce(all_grads, state, allreduce, average, num_replicas):
             first[k][len(plain):] = p_hat
     # Round 2: the Q's.
     second = allreduce(qs, average) if compressed else [[] for _ in range(num_towers)]
-    out = []
+    out, pending = [], []
     for k in range(num_towers):
-        row = [None] * len(state.ranks)
+        row, updates = [None] * len(state.ranks), []
         for i, n in enumerate(plain):
             row[n] = first[k][i]
         with tf.device(state.devices[k]), tf.name_scope(f"powersgd_tower{k}"):
             for i, n in enumerate(compressed):
                 approx = tf.matmul(first[k][len(plain) + i], second[k][i], transpose_b=True)
                 share = approx if average else approx / tf.cast(num_replicas, approx.dtype)
-                updates = [state.error[k][n].assign(matrices[k][i] - share),
-                           state.q[k][n].assign(second[k][i])]
-                with tf.control_dependencies(updates):
-                    row[n] = tf.reshape(tf.identity(approx), all_grads[k][n].shape)
+                updates += [(state.error[k][n], matrices[k][i] - share),
+                            (state.q[k][n], second[k][i])]
+                row[n] = tf.reshape(approx, all_grads[k][n].shape)
         out.append(row)
-    return out
+        pending.append(updates)
+    return out, pending

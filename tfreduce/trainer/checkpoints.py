@@ -47,10 +47,15 @@ class TrainerCheckpoint:
         if tower_state is not None:
             parts.update(tower_state.checkpointed())
         self._checkpoint = tf.train.Checkpoint(**parts, epoch_totals=epoch_totals)
+        self._tower_state = tower_state
         # Checkpoints written before epoch_totals existed restore without it.
         self._without_totals = tf.train.Checkpoint(**parts)
         self._epoch_totals = epoch_totals
-        self._variables = list(model.variables) + list(optimizer.variables)
+        # Every variable a checkpoint holds is checked before a save.
+        own = [v for k in range(len(tower_state.devices)) for v in tower_state.tower_variables(k)
+               ] if tower_state is not None else []
+        self._variables = (list(model.variables) + list(optimizer.variables) + own
+                           + [step, epoch_totals])
 
     def save(self, path):
         """Writes checkpoint `ckpt-<n>` under `path` with a fresh n; returns its prefix.
@@ -63,8 +68,10 @@ class TrainerCheckpoint:
           path: str, checkpoint directory (created if missing).
 
         Raises:
-          FloatingPointError: a model or optimizer variable holds NaN or Inf;
-            nothing is written and the checkpoints in `path` stay.
+          FloatingPointError: a variable the checkpoint holds (model,
+            optimizer, a tower's accumulated gradients or PowerSGD state, the
+            epoch's running totals) holds NaN or Inf; nothing is written and
+            the checkpoints in `path` stay.
         """
         bad = _first_non_finite(self._variables)
         if bad is not None:
@@ -106,6 +113,9 @@ class TrainerCheckpoint:
             raise ValueError(
                 f"restore: checkpoint {prefix!r} does not match this trainer's model: {error}"
             ) from None
+        if self._tower_state is not None:
+            # A skip of the resumed cycle goes back to the restored state.
+            self._tower_state.save_forward(always=True)
 
 
 def _first_non_finite(variables):

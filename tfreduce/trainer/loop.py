@@ -7,6 +7,7 @@ predict loop over batches with the step functions they are given.
 """
 
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -156,10 +157,13 @@ def _fit_epochs(trainer, hooks, run, validation_data, checkpoint_dir, callbacks,
         logs = {"epoch": epoch + 1, **logs}
         for name, value in logs.items():
             history.setdefault(name, []).append(value)
-        if checkpoint_dir is not None and stop is None:
-            trainer.save(checkpoint_dir)  # on a stop, the interrupt handler saves
+        # The callbacks before the checkpoint: what they record (a history
+        # file) never lags the checkpoint a resume starts from, wherever a
+        # kill lands; an epoch recorded but not saved is run and recorded again.
         for callback in callbacks:
             callback(epoch + 1, logs)
+        if checkpoint_dir is not None and stop is None:
+            trainer.save(checkpoint_dir)  # on a stop, the interrupt handler saves
         if stop is not None:
             raise stop
 
@@ -251,13 +255,16 @@ def fit_epoch(trainer, hooks, run, epoch, skip):
         step_time = time.perf_counter() - start
         size = int(x_batch.shape[0])
         elapsed = time.perf_counter() - epoch_start
-        seen += size
-        loss_total += loss * size
-        values = [("loss", loss_total / seen)]
+        if math.isfinite(loss):
+            # A batch whose loss is NaN or Inf (skipped, on_nonfinite="skip")
+            # does not make the epoch's means, nor the checkpointed totals, NaN.
+            seen += size
+            loss_total += loss * size
+            correct_total += correct or 0
+        values = [("loss", loss_total / max(seen, 1))]
         if correct is not None:
             has_accuracy = True
-            correct_total += correct
-            values.append(("accuracy", correct_total / seen))
+            values.append(("accuracy", correct_total / max(seen, 1)))
         values.append(("images/s", seen / elapsed))
         progress.update(step_in_epoch, values)
         hooks.epoch_totals.assign([loss_total, correct_total, seen])

@@ -313,7 +313,8 @@ class ReplicatedTrainer:
           checkpoint_dir: directory where a checkpoint is written after every
             epoch and on Ctrl-C (see `save`). None: no checkpoints.
           callbacks: functions fn(epoch, logs) called after every epoch with
-            the 1-based epoch number and that epoch's dict of results.
+            the 1-based epoch number and that epoch's dict of results,
+            before its checkpoint is written.
           verbose: 0 silent; 1 a progress bar per epoch on a terminal, one line
             per epoch when stdout is a file or a pipe; 2 one line per epoch.
 

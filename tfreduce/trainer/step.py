@@ -121,13 +121,15 @@ def _update(towers, options, state, all_grads, batch):
       the tensors a later collective must run after).
     """
     grads = state.take(all_grads, batch)
-    reduced = state.reduce(grads, options.allreduce, options.average, options.total_towers)
+    reduced, pending = state.reduce(grads, options.allreduce, options.average,
+                                    options.total_towers)
     finite = all_finite(reduced[0], towers.devices[0])
     report = locate_nonfinite(finite, grads, reduced[0], towers.devices, HOST)
     apply_gradients(towers, reduced, finite)
     # Each worker's collectives run one after the other, in the same
     # order on every worker: independent ones could wait for each other.
-    return finite, report, [g for g in reduced[0] if g is not None] if options.multiworker else []
+    after = [g for g in reduced[0] if g is not None] if options.multiworker else []
+    return finite, pending, report, after
 
 
 def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
@@ -157,12 +159,16 @@ def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
     """
     num_towers = len(towers.devices)
     sizes, (x_shards, y_shards) = _split([x, y], num_towers)
+    # A step is a transaction: what its forward pass changes is kept first,
+    # to be put back if the update cycle does not commit.
+    state.save_forward()
     all_grads, loss_sums, corrects, regs = _tower_gradients(
         towers, options, x_shards, y_shards, batch, state.accumulate_steps > 1)
     with tf.device(HOST):
         tower_losses = tf.stack([tf.cast(loss, tf.float64) for loss in loss_sums])
+    pending = None
     if update:
-        finite, report, after = _update(towers, options, state, all_grads, batch)
+        finite, pending, report, after = _update(towers, options, state, all_grads, batch)
     else:
         state.accumulate(all_grads, batch)
         with tf.device(HOST):
@@ -172,6 +178,8 @@ def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
     # Every step, between updates too: each forward pass moved every tower's
     # BatchNorm statistics, and the replicas must stay equal.
     after = sync_moving(towers, sizes, batch, after, options.allreduce)
+    if pending is not None:
+        state.commit(finite, pending)
     has_accuracy = corrects[0] is not None
     if options.multiworker:
         loss_sums, corrects, stop = sum_metrics(
@@ -372,7 +380,8 @@ class StepFunctions:
                     "NaN or Inf loss; no update was applied and the checkpoints stay as they "
                     "were")
         elif raises and not bool(finite):
-            raise nonfinite_error(report.numpy(), number, self._towers, self._options.cluster)
+            raise nonfinite_error(report.numpy(), number, self._towers, self._options.cluster,
+                                  self._options.reduction.compression)
         return loss, correct, stops, not bool(finite)
 
     def tracing_counts(self):

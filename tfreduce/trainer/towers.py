@@ -32,6 +32,8 @@ class Towers:
       trainable: K x N list of the trainable variables, the gradients' order.
       moving: K x M list of the moving mean and variance of every trainable
         BatchNormalization layer (M may be 0).
+      forward: K x F list of what a training forward pass changes: the
+        moving statistics and the seed state of random layers (Dropout).
       variables: K x V list of every model and optimizer variable, the ones a
         broadcast copies and a replica check compares.
     """
@@ -41,6 +43,7 @@ class Towers:
     devices: list
     trainable: list
     moving: list
+    forward: list
     variables: list
 
 
@@ -137,6 +140,18 @@ def moving_statistics(model):
     return found
 
 
+def forward_state(model):
+    """The variables a training forward pass changes: moving statistics, seed states.
+
+    A skipped step puts them back (``update.TowerState``): Keras assigns
+    them inside the forward pass, before anything knows whether the step's
+    gradients are finite.
+    """
+    seeds = [v for v in model.non_trainable_variables
+             if v.path.rsplit("/", 1)[-1] == "seed_generator_state"]
+    return moving_statistics(model) + seeds
+
+
 def build_towers(models, optimizers, devices, x):
     """Creates every variable on its tower and checks that the towers match.
 
@@ -165,6 +180,7 @@ def build_towers(models, optimizers, devices, x):
         devices=devices,
         trainable=[list(m.trainable_variables) for m in models],
         moving=[moving_statistics(m) for m in models],
+        forward=[forward_state(m) for m in models],
         variables=[list(m.variables) + list(o.variables) for m, o in zip(models, optimizers)],
     )
     _check_match(towers.variables)

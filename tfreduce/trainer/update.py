@@ -22,8 +22,9 @@ tower.
 import keras
 import tensorflow as tf
 
+from tfreduce.compression import Compression
 from tfreduce.contract import check_flag, values_of
-from tfreduce.powersgd import PowerSGDState, powersgd_allreduce
+from tfreduce.powersgd import PowerSGDState, powersgd_reduce
 
 ON_NONFINITE = ("raise", "skip")
 
@@ -65,6 +66,8 @@ class TowerState:
         the gradients since the last update, on devices[k].
       examples: float64 scalar tf.Variable, the examples those sums cover.
       powersgd: PowerSGDState, or None.
+      saved: K x F list of tf.Variables, tower k's forward state (moving
+        statistics, seed states) as the current update cycle began.
     """
 
     def __init__(self, towers, accumulate_steps, powersgd, host):
@@ -85,6 +88,54 @@ class TowerState:
         self.powersgd = None
         if powersgd is not None:
             self.powersgd = PowerSGDState(powersgd, towers.devices, towers.trainable[0])
+        self.forward = towers.forward
+        self.saved = []
+        for k, device in enumerate(towers.devices):
+            with tf.device(device), tf.name_scope(f"forward_state_tower{k}"):
+                self.saved.append([tf.Variable(v, trainable=False, name=f"saved{i}")
+                                   for i, v in enumerate(towers.forward[k])])
+
+    def save_forward(self, always=False):
+        """Keeps the forward state as an update cycle begins (its first micro-batch).
+
+        Not checkpointed: after a restore (``always``) it is kept again, so a
+        cycle resumed midway and then skipped goes back to the resumed state.
+        """
+        def save():
+            for row, saved in zip(self.forward, self.saved):
+                for v, s in zip(row, saved):
+                    s.assign(v)
+        if not any(self.forward):
+            return
+        if self.examples is None or always:
+            save()
+        else:
+            tf.cond(tf.equal(self.examples, 0.0), save, lambda: None)
+
+    def commit(self, finite, pending):
+        """Ends an update: the pending state on commit, the forward state back on a skip.
+
+        A step whose reduced gradients are not finite changes nothing (its
+        optimizers apply nothing, see ``apply_gradients``): PowerSGD's error
+        feedback and Q keep their values, and the moving statistics and
+        seed states go back to those of the cycle's start.
+
+        Args:
+          finite: bool scalar, the step commits.
+          pending: K lists of (tf.Variable, value), tower k's new state.
+        """
+        for k, device in enumerate(self.devices):
+            def keep(k=k):
+                for v, value in pending[k]:
+                    v.assign(value)
+
+            def restore(k=k):
+                for v, s in zip(self.forward[k], self.saved[k]):
+                    v.assign(s)
+
+            if pending[k] or self.forward[k]:
+                with tf.device(device), tf.name_scope(f"commit_tower{k}"):
+                    tf.cond(finite, keep, restore)
 
     def tower_variables(self, k):
         """Tower k's own variables (sums, Q, error feedback), for checkpoints."""
@@ -151,10 +202,14 @@ class TowerState:
         return out
 
     def reduce(self, all_grads, allreduce, average, num_replicas):
-        """The all-reduce of the update: plain, or PowerSGD around `allreduce`."""
+        """The all-reduce of the update: plain, or PowerSGD around `allreduce`.
+
+        Returns:
+          (K x N reduced gradients, pending state for ``commit``).
+        """
         if self.powersgd is None:
-            return allreduce(all_grads, average)
-        return powersgd_allreduce(all_grads, self.powersgd, allreduce, average, num_replicas)
+            return allreduce(all_grads, average), [[] for _ in self.devices]
+        return powersgd_reduce(all_grads, self.powersgd, allreduce, average, num_replicas)
 
 
 def all_finite(grads, device):
@@ -217,7 +272,7 @@ def apply_gradients(towers, reduced, finite):
             tf.cond(finite, apply, lambda: None)
 
 
-def nonfinite_error(report, step, towers, cluster):
+def nonfinite_error(report, step, towers, cluster, compression=Compression.none):
     """The FloatingPointError of a step whose gradients are not finite.
 
     Args:
@@ -225,6 +280,8 @@ def nonfinite_error(report, step, towers, cluster):
       step: int, the 1-based number of the step.
       towers: Towers, whose variables name the columns.
       cluster: the tfreduce.Cluster, or a LocalCluster.
+      compression: the reduction's compression.Compressor: a 16-bit wire
+        dtype is named as a cause of an overflowing sum.
 
     Returns:
       FloatingPointError naming the step, the first tower and variable.
@@ -243,7 +300,10 @@ def nonfinite_error(report, step, towers, cluster):
     bad = [names[n] for n in range(len(names)) if report[num_towers][n]]
     where = ("a tower of another worker, or the sum overflowed"
              if not cluster.is_local else "every tower's gradient is finite: the sum overflowed")
+    if compression.compresses:
+        limit = tf.as_dtype(compression.dtype).max
+        where += (f"; compression={compression.name!r} crosses devices in "
+                  f"{compression.dtype.name}, at most {limit:g}")
     return FloatingPointError(
         f"step {step}: the all-reduced gradient of variable {bad[0] if bad else '?'!r} is NaN "
-        f"or Inf ({where}; compression='fp16' crosses devices in float16, at most 65504); "
-        f"{advice}")
+        f"or Inf ({where}); {advice}")
