@@ -23,3 +23,13 @@ tf.config.set_logical_device_configuration(
 def runner(request):
     """Runs a reduction in a tf.function (TF2) or a tf.compat.v1 Session."""
     return run_in_function if request.param == "function" else run_in_session
+
+
+@pytest.fixture
+def mixed_float16():
+    """Keras' mixed_float16 policy for one test, float32 again after it."""
+    import keras
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")

@@ -15,7 +15,6 @@ import tensorflow as tf
 
 import tfreduce
 from helpers import CPU_DEVICES
-from test_update import mixed_float16  # noqa: F401 (a fixture)
 from tfreduce.trainer import ReplicatedTrainer
 
 CPU_ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]

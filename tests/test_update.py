@@ -230,13 +230,6 @@ def test_overflow_of_the_sum_alone_is_named():
 # ------------------------------------------------------------- mixed precision
 
 
-@pytest.fixture
-def mixed_float16():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
 def small_classifier():
     return keras.Sequential([keras.Input((5,)), keras.layers.Dense(16, activation="relu"),
                              keras.layers.Dense(3, dtype="float32")])
