@@ -12,7 +12,12 @@ One update of a step, in order:
 3. one finiteness check on tower 0's reduced gradients (a NaN or Inf on any
    tower reaches every tower's sum, so one check sees it) that decides for
    every tower at once: apply the update, or skip it. What was non-finite
-   (which tower, which variable) is worked out only when the check fails.
+   (which tower, which variable) is worked out only when the check fails;
+4. the commit: a step is a transaction. Only when it applies do PowerSGD's
+   new Q and error feedback take effect; when it skips, the moving
+   statistics and seed states its forward pass moved go back to those of
+   the update cycle's start, so the run goes on as if the cycle's batches
+   had not been in the stream.
 
 The per-tower state (the sums, PowerSGD's Q and error feedback) is never
 broadcast from tower 0: it is each tower's own, and it is checkpointed per
