@@ -90,7 +90,7 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
             raise type(error)(f"CrossDeviceOps: {error}") from None
         self._one_device = tf.distribute.ReductionToOneDevice()
         # The reduction with a call's CommunicationOptions, made once each.
-        self._with_options = {(None, None): self.reduction}
+        self._with_options = {(): self.reduction}
 
     def __repr__(self):
         return f"tfreduce.CrossDeviceOps(reduction={self.reduction!r})"
@@ -125,12 +125,14 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
 
     def _reduction_for(self, options):
         """The reduction, with the call's bytes_per_pack and timeout when it sets them."""
-        key = _call_options(self.reduction, options)
+        changes = {}
+        if options is not None and options.bytes_per_pack:
+            changes["pack_bytes"] = options.bytes_per_pack
+        if (options is not None and options.timeout_seconds
+                and self.reduction.algorithm == "collective"):
+            changes["timeout"] = options.timeout_seconds
+        key = tuple(sorted(changes.items()))
         if key not in self._with_options:
-            pack_bytes, timeout = key
-            changes = {"pack_bytes": pack_bytes} if pack_bytes else {}
-            if timeout:
-                changes["timeout"] = timeout
             self._with_options[key] = dataclasses.replace(self.reduction, **changes)
         return self._with_options[key]
 
@@ -144,14 +146,6 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
         return [distribute_utils.regroup(tuple(out[k][n] for k in range(num_devices)),
                                          wrap_class=tf_values.Mirrored)
                 for n in range(len(values))]
-
-
-def _call_options(reduction, options):
-    """The (pack_bytes, timeout) a call's CommunicationOptions set; None: the reduction's."""
-    if options is None:
-        return None, None
-    timeout = (options.timeout_seconds or None) if reduction.algorithm == "collective" else None
-    return options.bytes_per_pack or None, timeout
 
 
 def _devices_match(value, destinations):
