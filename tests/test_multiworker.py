@@ -474,6 +474,31 @@ def test_accumulation_and_powersgd_on_two_workers_match_one_process(tmp_path):
             np.testing.assert_array_equal(got[key], np.load(tmp_path / "rank0.npz")[key])
 
 
+@pytest.mark.slow
+def test_a_nan_on_one_worker_is_skipped_by_both_like_the_run_without_its_batch(tmp_path):
+    # 53 rows in batches of 10, not shuffled: row 28 is in batch 2, on a
+    # tower of rank 1 only (shards 3, 3 | 2, 2). Rank 0's losses are
+    # finite, so only a cluster-wide check keeps its LossScaleOptimizer
+    # from lowering its scale, and its BatchNorm statistics, PowerSGD state
+    # and weights from moving.
+    options = ["--on-nonfinite", "skip", "--compression", "fp16", "--powersgd-rank", 1,
+               "--mixed", "--no-shuffle"]
+    runs = {}
+    for name, data in [("nan", ["--nan-row", 28]), ("without", ["--drop-rows", "20:30"])]:
+        (tmp_path / name).mkdir()
+        code, _, err, _ = launch_workers("trainer_worker.py", "--out", tmp_path / name,
+                                         *options, *data)
+        assert code == 0, err[-3000:]
+        runs[name] = [np.load(tmp_path / name / f"rank{r}.npz") for r in range(2)]
+    for r in range(2):
+        got, want = runs["nan"][r], runs["without"][r]
+        assert int(got["step"]) == 5 and int(want["step"]) == 4
+        assert int(got["skipped_steps"]) == int(want["skipped_steps"]) + 1
+        for key in got.files:
+            if key not in ("step", "skipped_steps"):
+                np.testing.assert_array_equal(got[key], want[key], err_msg=f"rank {r} {key}")
+
+
 @pytest.mark.parametrize("mistake, message", [
     (["--rank1-devices", "3"],
      r"the workers do not run the same training: their numbers of towers \(devices\) differ: "

@@ -11,7 +11,9 @@ fit in one process with 4 towers, what the cluster must reproduce.
 
 ``--logdir DIR`` gives rank r the directory DIR/rank<r> for summaries and
 checkpoints (only rank 0 may write there); ``--resume`` restores rank 0's
-latest checkpoint before fitting up to ``--epochs``.
+latest checkpoint before fitting up to ``--epochs``. ``--nan-row R`` and
+``--drop-rows A:B`` change the data fitted on (a NaN in row R; rows A..B-1
+left out), not the data evaluated and predicted on.
 """
 
 import argparse
@@ -28,11 +30,22 @@ FEATURES, HIDDEN, CLASSES = 8, 16, 3
 EXAMPLES, GLOBAL_BATCH = 53, 10
 
 
-def data():
-    """x [53, 8] float32 and y [53] int32 class labels."""
+def data(nan_row=None, drop_rows=None):
+    """x [53, 8] float32 and y [53] int32 class labels.
+
+    Args:
+      nan_row: int, x[nan_row] is NaN; or None.
+      drop_rows: (a, b), rows a..b-1 are left out; or None.
+    """
     rng = np.random.default_rng(7)
     x = rng.normal(size=(EXAMPLES, FEATURES)).astype(np.float32)
-    return x, (x[:, 0] + x[:, 1] > 0).astype(np.int32) + (x[:, 2] > 1).astype(np.int32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(np.int32) + (x[:, 2] > 1).astype(np.int32)
+    if nan_row is not None:
+        x[nan_row] = np.nan
+    if drop_rows is not None:
+        keep = np.r_[0:drop_rows[0], drop_rows[1]:EXAMPLES]
+        x, y = x[keep], y[keep]
+    return x, y
 
 
 def make_model(seed, hidden=HIDDEN):
@@ -67,14 +80,14 @@ def make_trainer(devices, seed, cluster, hidden=HIDDEN, **options):
     )
 
 
-def run(trainer, epochs, logdir):
-    """Fits, evaluates and predicts; returns a dict of results."""
+def run(trainer, epochs, logdir, shuffle=True, fit_data=None):
+    """Fits (on `fit_data`, or data()), evaluates and predicts; returns a dict of results."""
     x, y = data()
     history = trainer.fit(
-        x,
-        y,
+        *(fit_data or (x, y)),
         epochs=epochs,
         batch_size=GLOBAL_BATCH,
+        shuffle=shuffle,
         seed=3,
         logdir=logdir,
         checkpoint_dir=None if logdir is None else os.path.join(logdir, "ckpt"),
@@ -83,6 +96,7 @@ def run(trainer, epochs, logdir):
     results = trainer.evaluate(x, y, batch_size=16)
     out = {
         "step": trainer.step,
+        "skipped_steps": trainer.skipped_steps,
         "loss": np.array(history["loss"]),
         "accuracy": np.array(history["accuracy"]),
         "eval_loss": results["loss"],
@@ -92,16 +106,21 @@ def run(trainer, epochs, logdir):
     for k, model in enumerate(trainer.models):
         for n, v in enumerate(model.variables):
             out[f"{k}/{n}"] = v.numpy()
+        for n, v in enumerate(trainer.optimizers[k].variables):
+            out[f"{k}/optimizer/{n}"] = v.numpy()
     return out
 
 
-def update_options(accumulate_steps=1, powersgd_rank=0):
-    """The trainer options of --accumulate-steps and --powersgd-rank (0: none)."""
+def update_options(accumulate_steps=1, powersgd_rank=0, on_nonfinite="raise",
+                   compression="none"):
+    """The trainer options of --accumulate-steps, --powersgd-rank (0: none), --on-nonfinite
+    and --compression."""
     from tfreduce.powersgd import PowerSGD
 
-    options = {"accumulate_steps": accumulate_steps}
+    options = {"accumulate_steps": accumulate_steps, "on_nonfinite": on_nonfinite,
+               "compression": compression}
     if powersgd_rank:
-        options["compression"] = PowerSGD(rank=powersgd_rank, min_compression_rate=0)
+        options["powersgd"] = PowerSGD(rank=powersgd_rank, min_compression_rate=0)
     return options
 
 
@@ -122,6 +141,12 @@ def main(argv=None):
     parser.add_argument("--out", required=True, help="directory for rank<r>.npz")
     parser.add_argument("--accumulate-steps", type=int, default=1)
     parser.add_argument("--powersgd-rank", type=int, default=0, help="0: no PowerSGD")
+    parser.add_argument("--on-nonfinite", default="raise")
+    parser.add_argument("--compression", default="none")
+    parser.add_argument("--mixed", action="store_true", help="Keras' mixed_float16 policy")
+    parser.add_argument("--no-shuffle", action="store_true")
+    parser.add_argument("--nan-row", type=int, default=None)
+    parser.add_argument("--drop-rows", default=None, help="A:B, rows A..B-1 left out of fit")
     parser.add_argument("--rank1-devices", type=int, default=None,
                         help="rank 1 uses this many devices instead (a mistake to detect)")
     parser.add_argument("--rank1-hidden", type=int, default=HIDDEN,
@@ -137,15 +162,20 @@ def main(argv=None):
     )
     devices = [f"/cpu:{k}" for k in range(num_devices)]
     hidden = args.rank1_hidden if rank == 1 else HIDDEN
+    if args.mixed:
+        keras.mixed_precision.set_global_policy("mixed_float16")
     # Every rank starts from other weights: only the broadcast makes them agree.
     trainer = make_trainer(devices, rank, "auto", hidden=hidden, algorithm="flat",
-                           **update_options(args.accumulate_steps, args.powersgd_rank))
+                           **update_options(args.accumulate_steps, args.powersgd_rank,
+                                            args.on_nonfinite, args.compression))
     assert trainer.cluster.rank == rank and trainer.is_chief == (rank == 0)
     logdir = None if args.logdir is None else os.path.join(args.logdir, f"rank{rank}")
     if args.resume:
         restored = trainer.restore(os.path.join(logdir, "ckpt"))
         print(f"rank {rank}: restored {restored} at step {trainer.step}", flush=True)
-    out = run(trainer, args.epochs, logdir)
+    drop = None if args.drop_rows is None else [int(r) for r in args.drop_rows.split(":")]
+    out = run(trainer, args.epochs, logdir, shuffle=not args.no_shuffle,
+              fit_data=data(args.nan_row, drop))
     np.savez(os.path.join(args.out, f"rank{rank}.npz"), **out)
     print(f"rank {rank}: finished at step {trainer.step}", flush=True)
 

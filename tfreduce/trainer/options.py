@@ -1,6 +1,7 @@
 """The trainer's settings that shape a step's graph, checked once."""
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 
@@ -124,3 +125,16 @@ class StepOptions:
           K x N list, out[k][n] the sum (or mean) over towers, on devices[k].
         """
         return self.reduction(all_grads, self.devices, average, cluster=self.cluster)
+
+    @functools.cached_property
+    def _exact_reduction(self):
+        return dataclasses.replace(self.reduction, compression="none")
+
+    def allreduce_exact(self, all_grads, average):
+        """As ``allreduce``, with no wire compression: for BatchNorm statistics and metrics.
+
+        Compression is for gradients: a correct count or a loss sum in
+        float16 would lose its exactness (or overflow), and a moving
+        variance its precision.
+        """
+        return self._exact_reduction(all_grads, self.devices, average, cluster=self.cluster)

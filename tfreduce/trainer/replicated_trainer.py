@@ -110,8 +110,10 @@ class ReplicatedTrainer:
             hold NaN or Inf on any tower raises FloatingPointError naming
             the step, tower and variable, with no update applied; or skips
             the update on every tower, counted in fit's logs ("skipped_steps").
-            With a LossScaleOptimizer (mixed_float16) such steps are skipped
-            by it and counted; "raise" then raises on a non-finite loss.
+            With a LossScaleOptimizer (mixed_float16), gradients that
+            overflow while every loss is finite are skipped by it (its scale
+            halves) and counted; a NaN or Inf loss on any tower is skipped
+            leaving the scale as it was; "raise" raises only for the latter.
           reduction: a ``tfreduce.Reduction``, every all-reduce's algorithm
             and options, instead of ``algorithm`` and ``**allreduce_options``.
           powersgd: a ``tfreduce.PowerSGD``: each update's all-reduce is

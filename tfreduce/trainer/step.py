@@ -114,19 +114,26 @@ def _tower_gradients(towers, options, x_shards, y_shards, batch, accumulating):
     return all_grads, loss_sums, corrects, regs
 
 
-def _update(towers, options, state, all_grads, batch):
+def _update(towers, options, state, all_grads, batch, losses_finite, after):
     """The update of a step: reduce, check once, apply.
+
+    Args:
+      losses_finite: bool scalar, every loss of the update cycle, on every
+        tower of every worker, is finite; a LossScaleOptimizer applies
+        (or lowers its scale) only then.
+      after: tensors the gradients' reduction runs after.
 
     Returns:
       (finite bool scalar, report int32 [K + 1, N] (see locate_nonfinite),
       the tensors a later collective must run after).
     """
     grads = state.take(all_grads, batch)
-    reduced, pending = state.reduce(grads, options.allreduce, options.average,
-                                    options.total_towers)
+    with tf.control_dependencies(after):
+        reduced, pending = state.reduce(grads, options.allreduce, options.average,
+                                        options.total_towers)
     finite = all_finite(reduced[0], towers.devices[0])
     report = locate_nonfinite(finite, grads, reduced[0], towers.devices, HOST)
-    apply_gradients(towers, reduced, finite)
+    apply_gradients(towers, reduced, finite, losses_finite)
     # Each worker's collectives run one after the other, in the same
     # order on every worker: independent ones could wait for each other.
     after = [g for g in reduced[0] if g is not None] if options.multiworker else []
@@ -156,7 +163,9 @@ def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
       batch, -1 when accuracy is not defined; float64 scalar, the workers
       asked to stop, summed over the cluster; bool scalar, the reduced
       gradients are finite; int32 [K + 1, N], where they are not (see
-      update.locate_nonfinite); float64 [K], each tower's loss sum).
+      update.locate_nonfinite); float64 [K], each tower's loss sum; bool
+      scalar, every loss of the update cycle on every tower of every worker
+      is finite).
     """
     num_towers = len(towers.devices)
     sizes, (x_shards, y_shards) = _split([x, y], num_towers)
@@ -167,34 +176,45 @@ def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
         towers, options, x_shards, y_shards, batch, state.accumulate_steps > 1)
     with tf.device(HOST):
         tower_losses = tf.stack([tf.cast(loss, tf.float64) for loss in loss_sums])
+        losses_finite = tf.reduce_all(tf.math.is_finite(tower_losses))
+    has_accuracy = corrects[0] is not None
+    after = []
+    if options.multiworker:
+        # First, so that a non-finite loss on any worker is known to all.
+        loss_sums, corrects, stop = sum_metrics(
+            towers.devices, loss_sums, corrects, stop, after, options.allreduce_exact)
+        after = [loss_sums[0]]
+        with tf.device(HOST):
+            losses_finite = tf.math.is_finite(loss_sums[0])
+    losses_finite = state.cycle_losses_finite(losses_finite, update)
     pending = None
     if update:
-        finite, pending, report, after = _update(towers, options, state, all_grads, batch)
+        finite, pending, report, after = _update(
+            towers, options, state, all_grads, batch, losses_finite, after)
     else:
         state.accumulate(all_grads, batch)
         with tf.device(HOST):
             finite = tf.constant(True)
             report = tf.zeros([num_towers + 1, len(all_grads[0])], tf.int32)
-        after = []
     # Every step, between updates too: each forward pass moved every tower's
     # BatchNorm statistics, and the replicas must stay equal.
-    after = sync_moving(towers, sizes, batch, after, options.allreduce)
+    sync_moving(towers, sizes, batch, after, options.allreduce_exact)
     if pending is not None:
         state.commit(finite, pending)
-    has_accuracy = corrects[0] is not None
-    if options.multiworker:
-        loss_sums, corrects, stop = sum_metrics(
-            towers.devices, loss_sums, corrects, stop, after, options.allreduce)
     with tf.device(HOST):
         # A step that is about to raise is not counted: its update was not applied.
-        counts = options.on_nonfinite == "skip" or scales_loss(towers.optimizers[0])
-        step.assign_add(tf.cast(tf.logical_or(finite, counts), tf.int64))
+        if options.on_nonfinite == "skip":
+            counted = tf.constant(True)
+        else:
+            counted = losses_finite if scales_loss(towers.optimizers[0]) else finite
+        step.assign_add(tf.cast(counted, tf.int64))
         dtype = loss_sums[0].dtype
         mean_loss = tf.add_n(loss_sums) / tf.cast(batch, dtype) + tf.cast(regs[0], dtype)
         correct = (
             tf.cast(tf.add_n(corrects), tf.int64) if has_accuracy else tf.constant(-1, tf.int64)
         )
-    return tf.cast(mean_loss, tf.float64), correct, stop, finite, report, tower_losses
+    return (tf.cast(mean_loss, tf.float64), correct, stop, finite, report, tower_losses,
+            losses_finite)
 
 
 def eval_graph(towers, loss_fn, x, y):
@@ -306,22 +326,28 @@ class StepFunctions:
                                  tf.TensorSpec([], tf.float64)],
             )
         with self._options.cluster.detect_lost_workers():
-            loss, correct, stops, finite, report, tower_losses = self._train_fns[update](
-                x, y, tf.constant(batch, tf.int32), tf.constant(float(stop), tf.float64))
+            loss, correct, stops, finite, report, tower_losses, losses_finite = (
+                self._train_fns[update](x, y, tf.constant(batch, tf.int32),
+                                        tf.constant(float(stop), tf.float64)))
         raises = self._options.on_nonfinite == "raise"
         if scales_loss(self._towers.optimizers[0]):
             # Non-finite gradients are how a loss scale finds its level; a
             # non-finite loss is not.
-            bad = [k for k, value in enumerate(tower_losses.numpy()) if not math.isfinite(value)]
-            if raises and bad:
-                raise FloatingPointError(
-                    f"step {number}: tower {bad[0]} ({self._towers.devices[bad[0]]}) computed a "
-                    "NaN or Inf loss; no update was applied and the checkpoints stay as they "
-                    "were")
+            if raises and not bool(losses_finite):
+                raise self._loss_error(number, tower_losses.numpy())
         elif raises and not bool(finite):
             raise nonfinite_error(report.numpy(), number, self._towers, self._options.cluster,
                                   self._options.reduction.compression)
         return loss, correct, stops, not bool(finite)
+
+    def _loss_error(self, number, tower_losses):
+        """The FloatingPointError of a step (with a LossScaleOptimizer) whose loss is not finite."""
+        bad = [k for k, value in enumerate(tower_losses) if not math.isfinite(value)]
+        where = (f"tower {bad[0]} ({self._towers.devices[bad[0]]})" if bad
+                 else "a tower of another worker")
+        return FloatingPointError(
+            f"step {number}: {where} computed a NaN or Inf loss; no update was applied and the "
+            "checkpoints stay as they were")
 
     def tracing_counts(self):
         """{"train", "evaluate", "predict"} -> times each was traced (0: never run).

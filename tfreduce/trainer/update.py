@@ -90,6 +90,10 @@ class TowerState:
             with tf.device(host):
                 self.examples = tf.Variable(0.0, dtype=tf.float64, trainable=False,
                                             name="accumulated_examples")
+                # Not checkpointed: a checkpoint's sums are finite, so were
+                # the losses of its cycle.
+                self.losses_finite = tf.Variable(True, trainable=False,
+                                                 name="cycle_losses_finite")
         self.powersgd = None
         if powersgd is not None:
             self.powersgd = PowerSGDState(powersgd, towers.devices, towers.trainable[0])
@@ -142,6 +146,19 @@ class TowerState:
                 with tf.device(device), tf.name_scope(f"commit_tower{k}"):
                     tf.cond(finite, keep, restore)
 
+    def cycle_losses_finite(self, finite, update):
+        """bool scalar: every loss of the update cycle so far is finite, this step's included.
+
+        Args:
+          finite: bool scalar, this step's losses (of every worker) are finite.
+          update: bool, this step ends the cycle: the next one starts afresh.
+        """
+        if self.examples is None:
+            return finite
+        cycle = tf.logical_and(self.losses_finite.read_value(), finite)
+        self.losses_finite.assign(tf.constant(True) if update else cycle)
+        return cycle
+
     def tower_variables(self, k):
         """Tower k's own variables (sums, Q, error feedback), for checkpoints."""
         own = list(self.sums[k]) if self.sums else []
@@ -163,6 +180,7 @@ class TowerState:
                 for v in row:
                     v.assign(tf.zeros_like(v))
             self.examples.assign(0.0)
+            self.losses_finite.assign(True)
         if self.powersgd:
             self.powersgd.reset()
 
@@ -257,24 +275,28 @@ def locate_nonfinite(finite, all_grads, reduced, devices, host):
     return tf.cond(finite, lambda: zeros, find)
 
 
-def apply_gradients(towers, reduced, finite):
+def apply_gradients(towers, reduced, finite, losses_finite):
     """Each tower's optimizer applies its reduced gradients, all or none.
 
     The update runs only where `finite` is True: one decision for every
     tower. A LossScaleOptimizer decides itself, from the same reduced values
-    on every tower (and lowers its scale when it skips).
+    on every tower (lowering its scale when it skips), but only when every
+    loss is finite: a NaN or Inf loss is bad data, not a scale too high, and
+    leaves the scale and its counter as they were.
+
+    Args:
+      towers: Towers.
+      reduced: K x N reduced gradients.
+      finite: bool scalar, they are all finite.
+      losses_finite: bool scalar, every loss of the update cycle is finite.
     """
     for k, (optimizer, device) in enumerate(zip(towers.optimizers, towers.devices)):
         pairs = list(zip(reduced[k], towers.trainable[k]))
         with tf.device(device), tf.name_scope(f"tower{k}_apply"):
-            if scales_loss(optimizer):
-                optimizer.apply_gradients(pairs)
-                continue
-
             def apply(optimizer=optimizer, pairs=pairs):
                 optimizer.apply_gradients(pairs)
 
-            tf.cond(finite, apply, lambda: None)
+            tf.cond(losses_finite if scales_loss(optimizer) else finite, apply, lambda: None)
 
 
 def nonfinite_error(report, step, towers, cluster, compression=Compression.none):
