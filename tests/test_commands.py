@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import tfreduce
 from helpers import EXAMPLE, load_script
-from tfreduce.startup import is_startup_noise
+from tfreduce.startup import filter_stream, is_startup_noise
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 PROG = "image_classification.py"
@@ -46,33 +46,62 @@ def test_help_imports_no_tensorflow(command):
     assert done.stdout.splitlines()[-1] == "False False"
 
 
-def test_start_up_noise_is_filtered_and_everything_else_kept():
+NOISE = [
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "I0000 00:00:1795472389.532581   13680 cudart_stub.cc:31] Could not find cuda drivers "
+    "on your machine, GPU will not be used.",
+    "E0000 00:00:1795472394.271643   13680 cuda_platform.cc:52] failed call to cuInit: "
+    "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)",
+    "To enable the following instructions: AVX2 FMA, in other operations, rebuild "
+    "TensorFlow with the appropriate compiler flags.",
+    "W0000 00:00:1795472449.172941   13756 xplane_to_step_stats.cc:84] GPU trace was not "
+    "collected.",
+    # At the first float16 graph on a CPU without AVX-512 float16 (not this one).
+    "E0000 00:00:1795514405.912734    9127 util.cc:131] oneDNN supports DT_HALF only on "
+    "platforms with AVX-512. Falling back to the default Eigen-based implementation if present.",
+]
+KEPT = ["E0000 00:00:1795472394.271643   13680 collective_ops.cc:12] a real failure",
+        "Traceback (most recent call last):"]
+
+
+def test_noise_lines_are_told_from_the_rest():
     # Lines as TensorFlow 2.21 prints them on a machine without a GPU.
-    noise = [
-        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
-        "I0000 00:00:1795472389.532581   13680 cudart_stub.cc:31] Could not find cuda drivers "
-        "on your machine, GPU will not be used.",
-        "E0000 00:00:1795472394.271643   13680 cuda_platform.cc:52] failed call to cuInit: "
-        "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)",
-        "To enable the following instructions: AVX2 FMA, in other operations, rebuild "
-        "TensorFlow with the appropriate compiler flags.",
-        "W0000 00:00:1795472449.172941   13756 xplane_to_step_stats.cc:84] GPU trace was not "
-        "collected.",
-    ]
-    kept = ["E0000 00:00:1795472394.271643   13680 collective_ops.cc:12] a real failure",
-            "Traceback (most recent call last):"]
-    assert [is_startup_noise(line) for line in noise] == [True] * len(noise)
-    assert [is_startup_noise(line) for line in kept] == [False] * len(kept)
-    # The filter works on file descriptor 2, where TensorFlow's C++ code writes.
-    payload = ("\n".join(noise + kept[:1]) + "\n").encode()
-    code = ("import os, sys\nfrom tfreduce.startup import _filtered_stderr\n"
-            "with _filtered_stderr():\n"
-            f"    os.write(2, {payload!r})\n"
-            "    print('from python', file=sys.stderr)\n"
-            "print('after', file=sys.stderr)\n")
-    done = python(code)
-    assert done.returncode == 0
-    assert done.stderr.splitlines() == [kept[0], "from python", "after"]
+    assert [is_startup_noise(line) for line in NOISE] == [True] * len(NOISE)
+    assert [is_startup_noise(line) for line in KEPT] == [False] * len(KEPT)
+
+
+def test_the_stderr_filter_drops_the_noise_for_the_whole_run_and_loses_no_last_words():
+    # The filter works on file descriptor 2, where TensorFlow's C++ code
+    # writes, from the import to the end; the oneDNN line comes long after
+    # start-up. A line written just before an abort still gets through, and
+    # a partial line (a progress bar's \r) is not held back.
+    payload = ("\n".join(NOISE + KEPT[:1]) + "\n").encode()
+    code = ("import os, sys\nfrom tfreduce.startup import import_tensorflow\n"
+            "tf = import_tensorflow()\n"
+            "print(float(tf.function(lambda x: x * x)(tf.constant(2.0, tf.float16))), flush=True)\n"
+            f"os.write(2, {payload!r})\n"
+            "print('from python', file=sys.stderr)\n"
+            "os.write(2, b'\\r 50%')\n"
+            "os.write(2, b' of an epoch\\nlast words\\n')\n"
+            "os.abort()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120,
+                          cwd=ROOT)  # bytes: text mode would turn \r into \n
+    assert done.returncode == -6 and done.stdout == b"4.0\n"
+    assert done.stderr.decode() == f"{KEPT[0]}\nfrom python\n\r 50% of an epoch\nlast words\n"
+    # Unfiltered with --verbose (TFREDUCE_VERBOSE=1): TensorFlow's own lines show.
+    verbose = python(code, env=dict(os.environ, TFREDUCE_VERBOSE="1"))
+    assert NOISE[-1] in verbose.stderr.splitlines()
+
+
+def test_a_partial_line_is_written_on_unless_it_may_become_noise():
+    read_fd, write_fd = os.pipe()
+    out_read, out_write = os.pipe()
+    os.write(write_fd, b"I0000 00:00:1.0 1 a.cc:1] hidden\n\rprogress"
+                       b" 10%\rprogress 20%\nW0000 00:00:1.0 1 b.cc:2] hidden\nE")
+    os.close(write_fd)
+    filter_stream(read_fd, out_write)
+    os.close(out_write)
+    assert os.read(out_read, 1000) == b"\rprogress 10%\rprogress 20%\nE"
 
 
 @pytest.mark.slow

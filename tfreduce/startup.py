@@ -11,26 +11,30 @@ profiler and graph passes add INFO and WARNING lines ("GPU trace was not
 collected.").
 
 ``import_tensorflow`` hides them: it sets ``TF_CPP_MIN_LOG_LEVEL=2`` (TF's
-own switch: no C++ INFO or WARNING lines; children inherit it), and while
-TensorFlow is imported and its devices listed -- when absl writes before that
-switch is read -- it captures file descriptor 2 and writes back every line
-that is not start-up noise (``is_startup_noise``), so a real error still
-shows. ``--verbose`` on each command, or ``TFREDUCE_VERBOSE=1`` in the
-environment (the launcher passes it to its workers), shows everything. The
-captured lines are written back when the import returns or raises; if
-TensorFlow kills the process while importing (e.g. a CPU without the
-instructions it was built for), they are lost, and ``--verbose`` shows them.
+own switch: no C++ INFO or WARNING lines; children inherit it), and routes
+file descriptor 2 through a filter process for the rest of the run: every
+line that is not noise (``is_startup_noise``) is written on, so a real error
+still shows. Start-up is one part of the noise: absl writes before it reads
+the switch. The other part comes later, once per process, from ERROR lines
+that are not errors. On a CPU without AVX-512 float16 support the first
+float16 graph prints "oneDNN supports DT_HALF only on platforms with
+AVX-512. Falling back to the default Eigen-based implementation" (the
+fallback is the normal path there). The filter is a separate process that
+reads until every writer has closed the pipe: lines written just before the
+process is killed or aborts still reach the terminal. ``--verbose`` on each
+command, or ``TFREDUCE_VERBOSE=1`` in the environment (the launcher passes
+it to its workers), shows everything and starts no filter.
 
 Standard library only: the commands parse their arguments before they call
 this, so ``--help`` never waits for TensorFlow.
 """
 
 import argparse
-import contextlib
 import os
 import re
+import signal
+import subprocess
 import sys
-import tempfile
 
 __all__ = ["ArgumentParser", "VERBOSE_ENV", "import_tensorflow", "is_startup_noise",
            "is_verbose"]
@@ -46,6 +50,7 @@ _NOISE = re.compile(
     r"^(WARNING: All log messages before absl::InitializeLog\(\) is called"
     r"|[IW]\d{4} [\d:.]+ +\d+ \S+:\d+\] "
     r"|E\d{4} [\d:.]+ +\d+ cuda_\w+\.cc:\d+\] failed call to cuInit"
+    r"|E\d{4} [\d:.]+ +\d+ util\.cc:\d+\] oneDNN supports DT_HALF only on platforms with"
     r"|To enable the following instructions: .* rebuild TensorFlow)")
 
 
@@ -59,29 +64,65 @@ def is_verbose(verbose=False):
     return bool(verbose) or os.environ.get(VERBOSE_ENV, "") not in ("", "0")
 
 
-@contextlib.contextmanager
-def _filtered_stderr():
-    """Captures file descriptor 2 (C++ and Python writes) and writes back all but the noise."""
+# The filter process, kept (never waited for: it ends after this process).
+_FILTERS = []
+
+# The first characters of every noise line: a partial line that starts
+# otherwise (a progress bar's "\r") is written on at once.
+_NOISE_FIRST = b"IWET"
+
+
+def filter_stream(read_fd, write_fd):
+    """Copies read_fd to write_fd until end of file, leaving out the noise lines.
+
+    A partial line is held back only while it may still become a noise line
+    (its first byte is one of _NOISE_FIRST); at end of file what is left is
+    judged as a line.
+
+    Args:
+      read_fd, write_fd: int file descriptors.
+    """
+    pending, passing = b"", False
+    while True:
+        chunk = os.read(read_fd, 65536)
+        if not chunk:
+            if pending and not is_startup_noise(pending.decode("utf-8", "replace")):
+                os.write(write_fd, pending)
+            return
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        out = []
+        for line in lines:
+            if passing or not is_startup_noise(line.decode("utf-8", "replace")):
+                out.append(line + b"\n")
+            passing = False
+        if pending and (passing or pending[:1] not in _NOISE_FIRST):
+            out.append(pending)
+            pending, passing = b"", True
+        if out:
+            os.write(write_fd, b"".join(out))
+
+
+def _start_stderr_filter():
+    """Routes file descriptor 2 through filter_stream in a child process, for good.
+
+    The child runs this file as a script (standard library only, in
+    isolated mode), ignores Ctrl-C (the parent decides what an interrupt
+    does, and its last words must get through) and ends at end of file, when
+    this process and every child that inherited its stderr have exited.
+    """
     sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as capture:
-        os.dup2(capture.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            capture.seek(0)
-            text = capture.read().decode("utf-8", errors="replace")
-            kept = [line for line in text.splitlines(True) if not is_startup_noise(line)]
-            if kept:
-                sys.stderr.write("".join(kept))
-                sys.stderr.flush()
+    read_fd, write_fd = os.pipe()
+    _FILTERS.append(subprocess.Popen(
+        [sys.executable, "-I", os.path.abspath(__file__), "--filter-stderr"],
+        stdin=read_fd, stdout=2, stderr=2, start_new_session=True))
+    os.dup2(write_fd, 2)
+    os.close(read_fd)
+    os.close(write_fd)
 
 
 def import_tensorflow(verbose=False):
-    """Imports TensorFlow and lists its GPUs, without the start-up noise unless verbose.
+    """Imports TensorFlow and lists its GPUs; filters stderr for the run unless verbose.
 
     Call it first thing after argument parsing, before anything else imports
     TensorFlow (later imports are then free and quiet). Logical CPU devices
@@ -98,11 +139,9 @@ def import_tensorflow(verbose=False):
         import tensorflow as tf
         return tf
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    with _filtered_stderr():
-        import tensorflow as tf
-        # The CUDA platform is probed here: its "failed call to cuInit" on a
-        # machine without a GPU driver lands inside the filter.
-        tf.config.list_physical_devices("GPU")
+    _start_stderr_filter()
+    import tensorflow as tf
+    tf.config.list_physical_devices("GPU")
     return tf
 
 
@@ -117,3 +156,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--filter-stderr"]:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    filter_stream(0, 1)
