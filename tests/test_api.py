@@ -92,7 +92,7 @@ EXPORTS = {
     'allreduce_grads_ring': '(all_grads, devices=None, average=False, pack_bytes=65536, sparse_as_dense=False, compression=None)',
     'analyze_traffic': '(target, inputs=None)',
     'broadcast_variables': '(all_vars, root=0)',
-    'broadcast_variables_multiworker': "(all_vars, cluster, keys=None, timeout=None, communication='auto')",
+    'broadcast_variables_multiworker': "(all_vars, cluster, keys=None, timeout=None, communication='auto', root_rank=0)",
     'choose_algorithm': '(devices)',
     'default_groups': '(num_devices)',
     'logical_devices': '(num_devices=None, device_type=None)',

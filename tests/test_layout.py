@@ -29,7 +29,7 @@ LAYERS = {
     "failures": 5, "cluster": 5, "localcluster": 5, "crossworker": 5, "consistency": 5,
     "reduction": 6,
     "allreduce": 7, "multiworker": 7, "models": 7,
-    "trainer": 8, "distribute": 8,
+    "trainer": 8, "distribute": 8, "tensorflow": 8,
     "launch": 9, "bench": 9,
 }
 # Same-layer imports that are part of the design: the algorithms and the

@@ -181,10 +181,10 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
 
 
 def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
-                                    communication="auto"):
-    """Copies tower 0 of rank 0 (the chief) to every tower of every worker.
+                                    communication="auto", root_rank=0):
+    """Copies tower 0 of rank 0 (the chief; or of root_rank) to every tower of every worker.
 
-    Rank 0 sends its tower 0's values, packed into one buffer per dtype, with
+    The root sends its tower 0's values, packed into one buffer per dtype, with
     ``CollectiveBcastSendV2`` from tower 0's device; every other worker
     receives them (``CollectiveBcastRecvV2``) on its tower 0's device; then
     each worker assigns the values to its towers, each assignment on its
@@ -206,6 +206,7 @@ def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
       keys: CollectiveKeys or None (``cluster.keys``).
       timeout: float seconds or None (``cluster.timeout``).
       communication: "auto", "ring" or "nccl".
+      root_rank: int, the rank whose tower 0 is copied (0, the chief, by default).
 
     Returns:
       list of ops in graph mode, the assignments and the collectives (run
@@ -215,9 +216,14 @@ def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
     Raises:
       TypeError: all_vars not K lists of variables, bad cluster or keys.
       ValueError: towers with different variables, a bad timeout or
-        communication, a variable on another worker's device.
+        communication, a variable on another worker's device, a root_rank
+        outside 0..W-1.
     """
     _check_cluster(cluster, local_too=True)
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not (
+            0 <= root_rank < cluster.num_workers):
+        raise ValueError(f"root_rank must be an int in 0..{cluster.num_workers - 1}, got "
+                         f"{root_rank!r}")
     if cluster.is_local:
         # One process: the local broadcast; the collective options are
         # checked all the same, so a mistake shows before a cluster runs.
@@ -233,7 +239,7 @@ def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
 
     def build():
         with tf.name_scope("broadcast_variables_multiworker"):
-            return _broadcast_build(all_vars, devices, cluster, keys, options)
+            return _broadcast_build(all_vars, devices, cluster, keys, options, root_rank)
 
     if not tf.executing_eagerly():
         return build()
@@ -247,8 +253,9 @@ def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
     return None
 
 
-def _broadcast_build(all_vars, devices, cluster, keys, options):
+def _broadcast_build(all_vars, devices, cluster, keys, options, root_rank):
     root = devices[0]
+    sends = cluster.rank == root_rank
     group_key = cluster.group_key([local_name(root)])
     by_dtype = {}
     for n, v in enumerate(all_vars[0]):
@@ -265,7 +272,7 @@ def _broadcast_build(all_vars, devices, cluster, keys, options):
                 values[n] = (tf.zeros(shape, dtype), shape)
             continue
         with tf.device(root), tf.control_dependencies(previous):
-            if cluster.is_chief:
+            if sends:
                 flat = [tf.reshape(all_vars[0][n].read_value(), [-1]) for n in members]
                 buffer = tf.concat(flat, axis=0, name=f"{dtype.name}_send_buffer")
                 # Read the values from the send's output: in a tf.function an
@@ -282,12 +289,12 @@ def _broadcast_build(all_vars, devices, cluster, keys, options):
             values[n] = (part, shape)
     ops = []
     for k, tower in enumerate(all_vars):
-        if k == 0 and cluster.is_chief:
+        if k == 0 and sends:
             continue
         for n, v in enumerate(tower):
             part, shape = values[n]
             with tf.device(devices[k]):
                 ops.append(v.assign(tf.reshape(part, shape), read_value=False,
                                     name=f"dev{k}_var{n}_assign"))
-    # The chief with one tower assigns nothing: its sends must be run anyway.
+    # The root with one tower assigns nothing: its sends must be run anyway.
     return ops + [b.op for b in buffers]

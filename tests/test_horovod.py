@@ -1,0 +1,94 @@
+"""tfreduce.tensorflow and tfreduce.tensorflow.keras: a Horovod script on 2 processes.
+
+Two processes on 127.0.0.1 (tfreduce-launch --workers 2) run
+tests/workers/horovod_worker.py; each feeds its half of every global batch,
+and the result must equal one process fitting the whole global batches.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_multiworker import launch_workers
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+import horovod_worker  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("horovod")
+    code, _, err, _ = launch_workers("horovod_worker.py", "--out", out)
+    assert code == 0, err[-3000:]
+    return [np.load(out / f"rank{r}.npz") for r in range(2)]
+
+
+pytestmark = pytest.mark.slow
+
+
+def test_process_functions_and_the_error_before_init(ranks):
+    for r, got in enumerate(ranks):
+        assert got["process"].tolist() == [r, 2, r, 2, 0, 1]
+        assert str(got["init_error"]) == ("tfreduce.tensorflow.init() has not been called: "
+                                          "call it first, before building the model")
+
+
+def test_collectives_equal_numpy(ranks):
+    x = [np.array([1.0, 2.0]) * (r + 1) for r in range(2)]
+    for r, got in enumerate(ranks):
+        np.testing.assert_array_equal(got["mean"], (x[0] + x[1]) / 2)
+        np.testing.assert_array_equal(got["sum"], x[0] + x[1])
+        np.testing.assert_array_equal(got["scaled"], x[0] + x[1])
+        # 16 bits on the wire, prescaled by 1/2 before the cast: rank 0's
+        # 70000 is beyond float16 (65504) and the sum 80000 too, the mean fits.
+        half = [np.float16(35000.0), np.float16(0.5)], [np.float16(5000.0), np.float16(1.5)]
+        np.testing.assert_array_equal(got["fp16"], np.add(*half))
+        assert got["fp16"].tolist() == [40000.0, 2.0]
+        np.testing.assert_array_equal(got["grouped0"], x[0] + x[1])
+        assert got["grouped1"].tolist() == [[1]] and got["grouped1"].dtype == np.int64
+        np.testing.assert_array_equal(got["gather"], [[0, 0], [1, 1], [1, 1]])
+        np.testing.assert_array_equal(got["bcast"], [20.0, 40.0])
+        np.testing.assert_array_equal(got["bcast_var"], [1.0, 6.0])
+        assert str(got["root_error"]) == ("broadcast: root_rank must be an int in 0..1 (the "
+                                          "ranks of the 2 processes), got 2")
+
+
+def assert_equal_to_one_process(ranks, name, want, atol):
+    weights, losses = want
+    for r, got in enumerate(ranks):
+        for i, w in enumerate(weights):
+            np.testing.assert_allclose(got[f"{name}/{i}"], w, rtol=0, atol=atol,
+                                       err_msg=f"rank {r} variable {i}")
+            # The replicas are identical: drift 0.
+            np.testing.assert_array_equal(got[f"{name}/{i}"], ranks[0][f"{name}/{i}"])
+        np.testing.assert_allclose(got[f"{name}/loss"], losses, rtol=1e-5)
+        np.testing.assert_array_equal(got[f"{name}/loss"], ranks[0][f"{name}/loss"])
+
+
+def test_fit_on_two_processes_equals_one_process_on_the_global_batches(ranks):
+    assert str(ranks[0]["fit/class"]) == "Adam"
+    assert_equal_to_one_process(ranks, "fit", horovod_worker.reference(), atol=1e-6)
+
+
+def test_fit_with_fp16_compression_stays_within_16_bit_bounds(ranks):
+    weights, _ = horovod_worker.reference()
+    for r, got in enumerate(ranks):
+        for i, w in enumerate(weights):
+            np.testing.assert_allclose(got[f"fp16/{i}"], w, rtol=0, atol=5e-3)
+            assert np.abs(got[f"fp16/{i}"] - got[f"fit/{i}"]).max() > 0  # it did compress
+            np.testing.assert_array_equal(got[f"fp16/{i}"], ranks[0][f"fp16/{i}"])
+
+
+def test_backward_passes_per_step_equals_the_full_batch(ranks):
+    assert_equal_to_one_process(ranks, "passes4", horovod_worker.reference(micro=4),
+                                atol=1e-6)
+
+
+def test_distributed_gradient_tape_equals_one_process(ranks):
+    want = horovod_worker.reference_tape()
+    for r, got in enumerate(ranks):
+        for i, w in enumerate(want):
+            np.testing.assert_allclose(got[f"tape/{i}"], w, rtol=0, atol=1e-6)
+            np.testing.assert_array_equal(got[f"tape/{i}"], ranks[0][f"tape/{i}"])

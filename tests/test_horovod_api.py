@@ -1,0 +1,204 @@
+"""tfreduce.tensorflow(.keras) in one process: Horovod's names and signatures, size-1 semantics, errors.
+
+The 2-process runs are in tests/test_horovod.py.
+"""
+
+import inspect
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfreduce
+import tfreduce.tensorflow as hvd
+import tfreduce.tensorflow.keras as hvdk
+
+# Horovod's signatures (horovod.tensorflow and horovod.tensorflow.keras,
+# version 0.28), parameter names, order and defaults, as recorded from its source.
+HOROVOD = {
+    "init": "(comm=None, process_sets=None)",
+    "shutdown": "()", "is_initialized": "()", "rank": "()", "size": "()",
+    "local_rank": "()", "local_size": "()", "cross_rank": "()", "cross_size": "()",
+    "allreduce": "(tensor, average=None, device_dense='', device_sparse='', "
+                 "compression=Compression.none, op=None, prescale_factor=1.0, "
+                 "postscale_factor=1.0, name=None, process_set=global_process_set, "
+                 "ignore_name_scope=False)",
+    "grouped_allreduce": "(tensors, average=None, device_dense='', device_sparse='', "
+                         "compression=Compression.none, op=None, prescale_factor=1.0, "
+                         "postscale_factor=1.0, process_set=global_process_set, "
+                         "ignore_name_scope=False, name=None)",
+    "allgather": "(tensor, name=None, ignore_name_scope=False, "
+                 "process_set=global_process_set)",
+    "grouped_allgather": "(tensors, name=None, ignore_name_scope=False, "
+                         "process_set=global_process_set)",
+    "broadcast": "(tensor, root_rank, name=None, ignore_name_scope=False, "
+                 "process_set=global_process_set)",
+    "broadcast_variables": "(variables, root_rank, process_set=global_process_set, "
+                           "inplace=False)",
+    "DistributedGradientTape": "(gradtape, device_dense='', device_sparse='', "
+                               "compression=Compression.none, sparse_as_dense=False, "
+                               "op=Average, gradient_predivide_factor=1.0, num_groups=0, "
+                               "groups=None, process_set=global_process_set, "
+                               "scale_local_gradients=True)",
+}
+HOROVOD_KERAS = {
+    **{name: HOROVOD[name] for name in ("init", "shutdown", "is_initialized", "rank", "size",
+                                        "local_rank", "local_size", "cross_rank",
+                                        "cross_size")},
+    "DistributedOptimizer": "(optimizer, name=None, device_dense='', device_sparse='', "
+                            "compression=Compression.none, sparse_as_dense=False, "
+                            "gradient_predivide_factor=1.0, op=Average, "
+                            "backward_passes_per_step=1, average_aggregated_gradients=False, "
+                            "num_groups=0, groups=None, process_set=global_process_set, "
+                            "scale_local_gradients=True)",
+    "allreduce": "(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, "
+                 "op=None, compression=Compression.none)",
+    "allgather": "(value, name=None)",
+    "broadcast": "(value, root_rank, name=None)",
+    "broadcast_global_variables": "(root_rank)",
+    "callbacks.BroadcastGlobalVariablesCallback": "(root_rank, device='', local_variables=None)",
+    "callbacks.MetricAverageCallback": "(device='')",
+    "callbacks.LearningRateScheduleCallback": "(initial_lr, multiplier, start_epoch=0, "
+                                              "end_epoch=None, staircase=True, "
+                                              "momentum_correction=True, steps_per_epoch=None)",
+    "callbacks.LearningRateWarmupCallback": "(initial_lr, warmup_epochs=5, "
+                                            "momentum_correction=True, steps_per_epoch=None, "
+                                            "verbose=0)",
+}
+
+
+def signature(module, name):
+    obj = module
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    text = str(inspect.signature(obj))
+    # Our defaults print as their values; Horovod's source names them.
+    return (text.replace(f"compression={tfreduce.Compression.none!r}", "compression=Compression.none")
+            .replace("op='average'", "op=Average"))
+
+
+@pytest.mark.parametrize("module, table", [(hvd, HOROVOD), (hvdk, HOROVOD_KERAS)],
+                         ids=["tensorflow", "keras"])
+def test_every_horovod_name_has_horovods_signature(module, table):
+    assert {name: signature(module, name) for name in table} == table
+    assert hvd.Compression is tfreduce.Compression
+    assert {hvd.Average, hvd.Sum} == {hvdk.Average, hvdk.Sum} and hvd.Average != hvd.Sum
+
+
+@pytest.fixture
+def one_process():
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+def test_one_process_is_rank_0_of_1_and_reduces_to_itself(one_process):
+    assert hvd.is_initialized()
+    assert [hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
+            hvd.cross_size()] == [0, 1, 0, 1, 0, 1]
+    x = tf.constant([1.5, -2.0])
+    np.testing.assert_array_equal(hvd.allreduce(x), [1.5, -2.0])
+    np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0), [3.0, -4.0])
+    np.testing.assert_array_equal(hvd.allgather(tf.ones([2, 3])), np.ones([2, 3]))
+    np.testing.assert_array_equal(hvd.broadcast(x, 0), [1.5, -2.0])
+    np.testing.assert_array_equal(hvdk.allreduce([4.0, 2.0], op=hvdk.Sum), [4.0, 2.0])
+
+
+def test_the_error_before_init():
+    assert not hvd.is_initialized()
+    for call in (hvd.rank, hvd.size, lambda: hvd.allreduce(tf.ones([2]))):
+        with pytest.raises(RuntimeError, match=r"^tfreduce\.tensorflow\.init\(\) has not been "
+                                               r"called: call it first, before building"):
+            call()
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: hvd.init(comm=[0, 1]), ValueError,
+     "init(comm=[0, 1]): tfreduce has no MPI; processes find each other through TF_CONFIG"),
+    (lambda: hvd.allreduce(tf.ones([2]), op="max"), ValueError,
+     "allreduce: op must be tfreduce.tensorflow.Average or Sum, got 'max'"),
+    (lambda: hvd.allreduce(tf.ones([2]), op=hvd.Sum, average=True), ValueError,
+     "allreduce: pass op= only"),
+    (lambda: hvd.allgather(tf.constant(1.0)), ValueError,
+     "allgather: tensor 0 is a scalar; gather tensors of rank >= 1"),
+    (lambda: hvd.broadcast(tf.ones([2]), root_rank=1), ValueError,
+     "broadcast: root_rank must be an int in 0..0 (the ranks of the 1 processes), got 1"),
+    (lambda: hvd.allreduce(tf.ones([2]), process_set="evens"), ValueError,
+     "allreduce: process_set='evens': only global_process_set"),
+    (lambda: hvd.DistributedGradientTape(object()), TypeError,
+     "DistributedGradientTape needs a tf.GradientTape, got object"),
+    (lambda: hvdk.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1)),
+     TypeError, "DistributedOptimizer needs a Keras 3 optimizer (keras.optimizers.Adam(...)), "
+                "got tensorflow.python.training.gradient_descent.GradientDescentOptimizer"),
+    (lambda: hvdk.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0),
+     ValueError, "backward_passes_per_step must be an int >= 1, got 0"),
+    (lambda: hvdk.DistributedOptimizer(keras.optimizers.SGD(), groups=2), ValueError,
+     "DistributedOptimizer: num_groups=0, groups=2: explicit fusion groups are not supported"),
+    (lambda: hvdk.DistributedOptimizer(keras.optimizers.SGD(), op=hvd.Sum,
+                                       gradient_predivide_factor=2.0), ValueError,
+     "DistributedOptimizer: gradient_predivide_factor=2.0 needs op=Average"),
+    (lambda: hvdk.broadcast_global_variables(0), RuntimeError,
+     "broadcast_global_variables(0): TensorFlow 2 has no global variables"),
+], ids=["comm", "op", "op-and-average", "scalar-gather", "root", "process-set", "tape",
+        "keras2-optimizer", "passes", "groups", "predivide", "global-variables"])
+def test_errors_a_horovod_user_meets(one_process, call, error, message):
+    with pytest.raises(error) as info:
+        call()
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_the_distributed_optimizer_is_a_subclass_of_the_users_class(one_process):
+    adam = keras.optimizers.Adam(0.003, beta_1=0.8)
+    opt = hvdk.DistributedOptimizer(adam, name="dist")
+    assert isinstance(opt, keras.optimizers.Adam) and type(opt).__name__ == "Adam"
+    assert opt.name == "dist" and opt.beta_1 == 0.8
+    scaled = hvdk.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(adam))
+    assert isinstance(scaled, keras.optimizers.LossScaleOptimizer)
+    assert isinstance(scaled.inner_optimizer, keras.optimizers.Adam)
+
+
+def test_fit_in_one_process_with_the_callbacks_and_a_schedule(one_process):
+    # The schedule multiplies by 0.5 per epoch from epoch 1.
+    def run(distributed):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        optimizer = keras.optimizers.SGD(0.1)
+        callbacks, rates = [], []
+        if distributed:
+            optimizer = hvdk.DistributedOptimizer(optimizer)
+            callbacks = [hvdk.callbacks.BroadcastGlobalVariablesCallback(0),
+                         hvdk.callbacks.MetricAverageCallback(),
+                         hvdk.callbacks.LearningRateScheduleCallback(0.1, 0.5, start_epoch=1)]
+        record = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda b, logs: rates.append(
+            float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))))
+        model.compile(optimizer=optimizer, loss="mse")
+        x = np.random.default_rng(1).normal(size=(16, 4)).astype("float32")
+        history = model.fit(x, x[:, :2], batch_size=8, epochs=3, shuffle=False, verbose=0,
+                            callbacks=callbacks + [record])
+        return model.get_weights(), history.history, rates
+
+    weights, history, rates = run(True)
+    plain_rates = run(False)[2]
+    assert plain_rates == [pytest.approx(0.1)] * 6
+    # Horovod's rule: multiplier ** (epoch - start_epoch) from start_epoch on.
+    assert rates == [pytest.approx(r) for r in [0.1, 0.1, 0.1, 0.1, 0.05, 0.05]]
+    assert history["learning_rate"] == [pytest.approx(r) for r in (0.1, 0.1, 0.05)]
+    np.testing.assert_array_equal(weights[0], run(True)[0][0])  # repeatable
+
+
+def test_the_warmup_rate_per_batch(one_process, monkeypatch):
+    # Goyal et al.: from initial_lr / size to initial_lr; with size 4 (as
+    # if 4 processes) and 2 steps per epoch over 2 epochs.
+    monkeypatch.setattr("tfreduce.tensorflow.keras.callbacks.size", lambda: 4)
+    warmup = hvdk.callbacks.LearningRateWarmupCallback(0.8, warmup_epochs=2, steps_per_epoch=2)
+    rates = [0.8 / 4 * ((e + (b + 1) / 2) * 3 / 2 + 1) for e in range(2) for b in range(2)]
+    assert rates[-1] == pytest.approx(0.8)
+    got = []
+    warmup.set_model(type("M", (), {"optimizer": keras.optimizers.SGD(0.1)})())
+    for e in range(2):
+        warmup.on_epoch_begin(e)
+        for b in range(2):
+            warmup.on_train_batch_begin(b)
+            got.append(float(keras.ops.convert_to_numpy(warmup.model.optimizer.learning_rate)))
+    assert got == [pytest.approx(r) for r in rates]

@@ -1,0 +1,172 @@
+"""A Horovod-style script on tfreduce.tensorflow: one process per device, for tests/test_horovod.py.
+
+Run under ``tfreduce-launch --workers 2`` (TF_CONFIG set), every rank:
+
+1. checks the process functions and the collectives (allreduce, grouped,
+   allgather of uneven rows, broadcast from rank 1, broadcast_variables);
+2. fits a Dense model with Adam for 3 epochs through ``model.fit`` and
+   ``DistributedOptimizer``, feeding its half of every global batch of 32,
+   from weights drawn with a seed of its own (the broadcast callback makes
+   them equal), with ``MetricAverageCallback``; once plain, once with
+   ``Compression.fp16``, once with ``backward_passes_per_step=4`` (each
+   micro-batch a quarter of the global batch);
+3. trains the same model in a custom loop with ``DistributedGradientTape``.
+
+It writes ``rank<r>.npz`` into --out. ``reference`` (no TF_CONFIG needed)
+computes what one process does on the whole global batches.
+"""
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+GLOBAL_BATCH, EPOCHS, EXAMPLES = 32, 3, 96
+FIT_SEED, TAPE_SEED = 100, 200  # rank r draws its first weights from seed + r
+
+
+def data(dtype="float32"):
+    """96 examples of 6 features, 3 classes."""
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(EXAMPLES, 6)).astype(dtype), rng.integers(0, 3, EXAMPLES)
+
+
+def part(array, rank, size, micro=1):
+    """This rank's part of every global batch (of every micro-batch of it), in order."""
+    step = GLOBAL_BATCH // micro
+    rows = [np.arange(start + rank * step // size, start + (rank + 1) * step // size)
+            for start in range(0, len(array), step)]
+    return array[np.concatenate(rows)]
+
+
+def make_model(seed, dtype="float32"):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,), dtype=dtype),
+                             keras.layers.Dense(8, activation="relu", dtype=dtype),
+                             keras.layers.Dense(3, dtype=dtype)])
+
+
+def loss_fn():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def reference(micro=1, dtype="float32"):
+    """One process fitting the whole global batches from rank 0's weights (micro: accumulated)."""
+    model = make_model(FIT_SEED, dtype)
+    optimizer = keras.optimizers.Adam(0.01, gradient_accumulation_steps=micro if micro > 1
+                                      else None)
+    model.compile(optimizer=optimizer, loss=loss_fn())
+    x, y = data(dtype)
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH // micro, epochs=EPOCHS, shuffle=False,
+                        verbose=0)
+    return [v.numpy() for v in model.variables], history.history["loss"]
+
+
+def reference_tape():
+    """One process, the custom loop on whole global batches from rank 0's weights."""
+    model, optimizer, (x, y) = make_model(TAPE_SEED), keras.optimizers.SGD(0.1), data()
+    for _ in range(EPOCHS):
+        for start in range(0, EXAMPLES, GLOBAL_BATCH):
+            with tf.GradientTape() as tape:
+                loss = loss_fn()(y[start:start + GLOBAL_BATCH],
+                                 model(x[start:start + GLOBAL_BATCH]))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return [v.numpy() for v in model.variables]
+
+
+def collectives(hvd, out):
+    r, n = hvd.rank(), hvd.size()
+    out["process"] = np.array([r, n, hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
+                               hvd.cross_size()])
+    x = tf.constant([1.0, 2.0]) * (r + 1)
+    out["mean"] = hvd.allreduce(x).numpy()
+    out["sum"] = hvd.allreduce(x, op=hvd.Sum).numpy()
+    out["scaled"] = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0,
+                                  postscale_factor=0.5).numpy()
+    out["fp16"] = hvd.allreduce(tf.constant([[70000.0, 1.0], [10000.0, 3.0]][r]),
+                                compression=hvd.Compression.fp16).numpy()
+    grouped = hvd.grouped_allreduce([x, tf.constant([[r]], tf.int64)], op=hvd.Sum)
+    out["grouped0"], out["grouped1"] = grouped[0].numpy(), grouped[1].numpy()
+    out["gather"] = hvd.allgather(tf.fill([r + 1, 2], r)).numpy()
+    out["bcast"] = hvd.broadcast(tf.constant([10.0, 20.0]) * (r + 1), root_rank=1).numpy()
+    v = tf.Variable([float(r), 5.0 + r])
+    hvd.broadcast_variables([v], root_rank=1)
+    out["bcast_var"] = v.numpy()
+    try:
+        hvd.broadcast(x, root_rank=2)
+    except ValueError as e:
+        out["root_error"] = np.array(str(e))
+
+
+def fit(hvdk, out, name, micro=1, **options):
+    r, n = hvdk.rank(), hvdk.size()
+    model = make_model(seed=FIT_SEED + r)  # other weights on every rank
+    optimizer = hvdk.DistributedOptimizer(keras.optimizers.Adam(0.01), **options)
+    model.compile(optimizer=optimizer, loss=loss_fn())
+    x, y = data()
+    history = model.fit(part(x, r, n, micro), part(y, r, n, micro),
+                        batch_size=GLOBAL_BATCH // micro // n, epochs=EPOCHS, shuffle=False,
+                        verbose=0,
+                        callbacks=[hvdk.callbacks.BroadcastGlobalVariablesCallback(0),
+                                   hvdk.callbacks.MetricAverageCallback()])
+    for i, v in enumerate(model.variables):
+        out[f"{name}/{i}"] = v.numpy()
+    out[f"{name}/loss"] = np.array(history.history["loss"])
+    out[f"{name}/class"] = np.array(type(model.optimizer).__name__)
+
+
+def custom_loop(hvd, out):
+    r, n = hvd.rank(), hvd.size()
+    model, optimizer = make_model(seed=TAPE_SEED + r), keras.optimizers.SGD(0.1)
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    x, y = (part(a, r, n) for a in data())
+    half = GLOBAL_BATCH // n
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn()(yb, model(xb))
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    for _ in range(EPOCHS):
+        for start in range(0, len(x), half):
+            step(x[start:start + half], y[start:start + half])
+    for i, v in enumerate(model.variables):
+        out[f"tape/{i}"] = v.numpy()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    import tfreduce.tensorflow as hvd
+    import tfreduce.tensorflow.keras as hvdk
+
+    with_init_error = None
+    try:
+        hvd.rank()
+    except RuntimeError as e:
+        with_init_error = str(e)
+    hvd.init()
+    out = {"init_error": np.array(with_init_error)}
+    collectives(hvd, out)
+    fit(hvdk, out, "fit")
+    fit(hvdk, out, "fp16", compression=hvd.Compression.fp16)
+    fit(hvdk, out, "passes4", micro=4, backward_passes_per_step=4,
+        average_aggregated_gradients=True)
+    custom_loop(hvd, out)
+    np.savez(os.path.join(args.out, f"rank{hvd.rank()}.npz"), **out)
+    hvd.shutdown()
+    print(f"rank {out['process'][0]}: done", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Horovod's Keras callbacks: the first broadcast, averaged metrics, learning-rate warmup.
+
+Sources: Horovod's horovod.tensorflow.keras.callbacks; the warmup of Goyal et
+al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (2017):
+the learning rate rises linearly from initial_lr / size to initial_lr.
+"""
+
+import warnings
+
+import keras
+import tensorflow as tf
+
+from tfreduce.tensorflow.ops import broadcast_variables, grouped_allreduce
+from tfreduce.tensorflow.process import rank, size
+
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+           "LearningRateScheduleCallback", "LearningRateWarmupCallback"]
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Makes every process start from root_rank's model and optimizer state.
+
+    At the start of ``fit`` (the model and its optimizer are built by then),
+    every variable of the model and of its optimizer is broadcast from
+    root_rank, so processes that initialised differently (other seeds, or a
+    checkpoint restored on rank 0 only) take the same first step. Horovod
+    broadcasts after the first batch instead, so that the optimizer exists;
+    here even the first update equals a single process's.
+
+    Args:
+      root_rank: int, the rank whose values every process takes.
+      device: Horovod's device hint (unused).
+      local_variables: variables left out of the broadcast (a variable or a
+        list of them).
+    """
+
+    def __init__(self, root_rank, device="", local_variables=None):
+        super().__init__()
+        del device
+        self.root_rank = root_rank
+        if local_variables is None:
+            local_variables = []
+        elif not isinstance(local_variables, (list, tuple)):
+            local_variables = [local_variables]
+        self._local = {id(v) for v in local_variables}
+        self.broadcast_done = False
+
+    def on_train_begin(self, logs=None):
+        if self.broadcast_done:
+            return
+        variables = list(self.model.variables)
+        if self.model.optimizer is not None:
+            variables += list(self.model.optimizer.variables)
+        broadcast_variables([v for v in variables if id(v) not in self._local], self.root_rank)
+        self.broadcast_done = True
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Averages every epoch's logs over the processes, so every rank logs the same.
+
+    At each epoch's end the numbers in ``logs`` (loss, metrics, validation
+    ones) are replaced by their mean over processes, in one all-reduce
+    (float64). Put it before the callbacks that read them
+    (ModelCheckpoint, ReduceLROnPlateau, TensorBoard, EarlyStopping).
+
+    Args:
+      device: Horovod's device hint (unused).
+    """
+
+    def __init__(self, device=""):
+        super().__init__()
+        del device
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not logs:
+            return
+        names = sorted(name for name, value in logs.items()
+                       if isinstance(value, (int, float)) or (
+                           hasattr(value, "shape") and not value.shape))
+        means = grouped_allreduce([tf.constant(float(logs[name]), tf.float64)
+                                   for name in names])
+        for name, mean in zip(names, means):
+            logs[name] = float(mean)
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Sets the learning rate to initial_lr * multiplier(epoch) between two epochs.
+
+    Args:
+      initial_lr: float, the learning rate the multiplier scales.
+      multiplier: float m (the rate is m ** (epoch - start_epoch)) or a
+        function of the epoch (a float with staircase=False).
+      start_epoch: int, the first epoch it applies to.
+      end_epoch: int or None, the epoch it no longer applies to.
+      staircase: bool: True sets it at each epoch's start; False at every
+        batch, with the epoch counted in fractions (epoch + batch /
+        steps_per_epoch).
+      momentum_correction: Horovod scales SGD's momentum by the change of
+        rate for one batch; Keras 3 compiles the momentum into the step, so
+        tfreduce cannot: True warns once if the optimizer has momentum.
+      steps_per_epoch: int, or None to read it from fit's parameters.
+
+    Raises:
+      ValueError: initial_lr is None.
+    """
+
+    def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
+                 momentum_correction=True, steps_per_epoch=None):
+        super().__init__()
+        if initial_lr is None:
+            raise ValueError("initial_lr must be given: the learning rate at multiplier 1")
+        self.initial_lr = float(initial_lr)
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.staircase = staircase
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.current_epoch = None
+        if callable(multiplier):
+            self.multiplier = multiplier
+        else:
+            self.multiplier = lambda epoch: multiplier ** (epoch - start_epoch)
+
+    def _applies(self, epoch):
+        return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
+
+    def on_train_begin(self, logs=None):
+        if self.steps_per_epoch is None:
+            self.steps_per_epoch = self.params.get("steps")
+        if not self.staircase and not self.steps_per_epoch:
+            raise ValueError("steps_per_epoch is unknown (fit of a dataset of unknown length): "
+                             "pass steps_per_epoch= to the callback")
+        momentum = getattr(self.model.optimizer, "momentum", 0)
+        if self.momentum_correction and momentum:
+            warnings.warn("momentum_correction: Keras 3 compiles the momentum into the train "
+                          "step, so it is not corrected when the learning rate changes",
+                          stacklevel=2)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        epoch = self.current_epoch
+        if not self._applies(epoch) or (self.staircase and batch != 0):
+            return
+        at = epoch if self.staircase else epoch + batch / self.steps_per_epoch
+        self.model.optimizer.learning_rate = self.initial_lr * self.multiplier(at)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["learning_rate"] = float(keras.ops.convert_to_numpy(
+                self.model.optimizer.learning_rate))
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Raises the learning rate linearly from initial_lr / size to initial_lr over warmup_epochs.
+
+    At batch b of epoch e, with x = e + (b + 1) / steps_per_epoch, the rate
+    is initial_lr / size * (x * (size - 1) / warmup_epochs + 1), reaching
+    initial_lr at the end of epoch warmup_epochs - 1 (Goyal et al., 2017).
+
+    Args:
+      initial_lr: float, the rate after warmup (usually the single-process
+        rate times size).
+      warmup_epochs: int, the epochs of the warmup.
+      momentum_correction: see LearningRateScheduleCallback.
+      steps_per_epoch: int, or None to read it from fit's parameters.
+      verbose: int, 1: rank 0 prints when the warmup ends.
+    """
+
+    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True,
+                 steps_per_epoch=None, verbose=0):
+        def multiplier(epoch):
+            # Shifted by one batch so that an epoch ends on a round value.
+            x = epoch + 1.0 / self.steps_per_epoch
+            return 1.0 / size() * (x * (size() - 1) / warmup_epochs + 1)
+
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,
+                         staircase=False, momentum_correction=momentum_correction,
+                         steps_per_epoch=steps_per_epoch)
+        self.warmup_epochs = warmup_epochs
+        self.verbose = verbose
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        if epoch == self.warmup_epochs - 1 and self.verbose > 0:
+            if rank() == 0:
+                print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
+                      f"{self.initial_lr:g}.")

@@ -1,0 +1,139 @@
+"""DistributedOptimizer: any Keras 3 optimizer, its gradients all-reduced over the processes.
+
+Source: Horovod's DistributedOptimizer (horovod.tensorflow.keras): a subclass
+of the optimizer's own class, made at run time and rebuilt from the
+optimizer's config, so ``model.compile``/``fit`` and saved models see the
+user's optimizer class.
+"""
+
+import keras
+import tensorflow as tf
+
+from tfreduce.compression import Compression
+from tfreduce.tensorflow.ops import Average, check_op, check_process_set, global_process_set
+from tfreduce.tensorflow.tape import check_groups, reduce_gradients
+
+__all__ = ["DistributedOptimizer"]
+
+
+def _distributed_class(base):
+    """The subclass of optimizer class `base` whose apply() all-reduces first."""
+
+    def build(self, variables):
+        base.build(self, variables)
+        if self._tfreduce_passes_per_step > 1:
+            # Each process's own sums of the gradients since the last update,
+            # saved with the optimizer, so a resumed run continues the cycle.
+            self._tfreduce_sums = [self.add_variable_from_reference(v, "tfreduce_sum")
+                                   for v in variables]
+            self._tfreduce_passes = self.add_variable((), initializer="zeros", dtype="int64",
+                                                      name="tfreduce_backward_passes")
+
+    def reduce_and_apply(self, grads, variables):
+        reduced = reduce_gradients(grads, *self._tfreduce_options, "DistributedOptimizer")
+        return base.apply(self, reduced, variables)
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        passes = self._tfreduce_passes_per_step
+        if passes == 1:
+            return reduce_and_apply(self, grads, trainable_variables)
+        if not self.built:
+            self.build(trainable_variables)
+        count = self._tfreduce_passes
+        count.assign_add(1)
+        for total, g in zip(self._tfreduce_sums, grads):
+            if g is not None:
+                total.assign_add(tf.convert_to_tensor(g))
+
+        def update():
+            divisor = passes if self._tfreduce_average_aggregated else 1
+            summed = [None if g is None else total / divisor
+                      for total, g in zip(self._tfreduce_sums, grads)]
+            reduce_and_apply(self, summed, trainable_variables)
+            for total in self._tfreduce_sums:
+                total.assign(tf.zeros_like(total))
+            return tf.constant(True)
+
+        # Every process takes the same branch: the counts move in step.
+        tf.cond(tf.equal(count % passes, 0), update, lambda: tf.constant(False))
+
+    return type(base.__name__, (base,), {"build": build, "apply": apply,
+                                         "__module__": base.__module__})
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",  # noqa: N802
+                         compression=Compression.none, sparse_as_dense=False,
+                         gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
+                         average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=global_process_set, scale_local_gradients=True):
+    """A copy of a Keras 3 optimizer whose updates use gradients all-reduced over every process.
+
+    Pass it to ``model.compile``; ``fit`` (and custom ``train_step``s that
+    call ``apply_gradients``) then reduce each step's gradients in the
+    traced step, packed and compressed as asked, before the update. A
+    ``LossScaleOptimizer`` (mixed_float16) decides on the reduced gradients,
+    the same on every process. The result is a new optimizer of a subclass
+    of the optimizer's class (same name), built from its config: state
+    already in `optimizer` is not copied.
+
+    Each process computes the gradient of its own loss (the mean over its
+    part of the global batch); op=Average (default) makes the update that of
+    the mean over processes, equal to the full global batch's when the parts
+    are of one size.
+
+    Args:
+      optimizer: a keras.optimizers.Optimizer (Keras 3), LossScaleOptimizer
+        included.
+      name: str, the new optimizer's name (default: the optimizer's).
+      device_dense: Horovod's device hint (unused).
+      device_sparse: as device_dense.
+      compression: tfreduce.Compression.none, .fp16 or .bf16.
+      sparse_as_dense: bool, densify IndexedSlices gradients (embeddings)
+        before the reduction; otherwise their rows are all-gathered.
+      gradient_predivide_factor: float f; with op=Average each gradient is
+        divided by f before the sum and multiplied by f/size after.
+      op: Average (default) or Sum.
+      backward_passes_per_step: int M >= 1: gradients are summed on each
+        process over M calls, then all-reduced and applied once (the other
+        calls apply nothing).
+      average_aggregated_gradients: bool, divide those sums by M (Horovod's
+        default False applies their sum).
+      num_groups: Horovod's number of fusion groups; must be 0.
+      groups: Horovod's fusion groups; must be None.
+      process_set: global_process_set (the only one).
+      scale_local_gradients: accepted for Horovod's signature.
+
+    Returns:
+      the new optimizer.
+
+    Raises:
+      TypeError: optimizer is not a Keras 3 optimizer (a Keras 2 or
+        tf.compat.v1 one is named).
+      ValueError: backward_passes_per_step < 1, an unsupported op, groups
+        or process set.
+    """
+    del device_dense, device_sparse, scale_local_gradients
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"DistributedOptimizer needs a Keras 3 optimizer "
+                        f"(keras.optimizers.Adam(...)), got {type(optimizer).__module__}."
+                        f"{type(optimizer).__name__}")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(
+            backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an int >= 1, got "
+                         f"{backward_passes_per_step!r}")
+    check_groups(num_groups, groups, "DistributedOptimizer")
+    check_process_set(process_set, "DistributedOptimizer")
+    op = check_op(op, where="DistributedOptimizer")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError(f"DistributedOptimizer: gradient_predivide_factor="
+                         f"{gradient_predivide_factor!r} needs op=Average")
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    distributed = _distributed_class(type(optimizer)).from_config(config)
+    distributed._tfreduce_options = (op, compression, sparse_as_dense,
+                                     gradient_predivide_factor)
+    distributed._tfreduce_passes_per_step = backward_passes_per_step
+    distributed._tfreduce_average_aggregated = bool(average_aggregated_gradients)
+    return distributed

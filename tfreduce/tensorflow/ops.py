@@ -1,0 +1,348 @@
+"""Horovod's collectives over the processes of the run, on tfreduce's cross-worker stages.
+
+Each process holds one tower (its device, ``process.device()``); a
+collective spans every process, so a process's tensor is one row of a
+size x 1 K x N list, and the reductions are tfreduce's multi-worker ones:
+gradients packed into 4 MiB buffers, compressed on the wire if asked, summed
+with TensorFlow's ``CollectiveReduceV2`` over gRPC. They run eagerly or
+inside a ``tf.function`` (``model.fit``'s train step); every process must
+call the same collectives in the same order, as in Horovod.
+
+Sources: Horovod's API (horovod.tensorflow: allreduce with op, prescale and
+postscale factors, allgather with uneven first dimensions, broadcast from
+any root rank); TensorFlow's collective ops as the engine.
+"""
+
+import tensorflow as tf
+
+from tfreduce.collective import (CollectiveChain, CollectiveOptions, broadcast_recv,
+                                 broadcast_send)
+from tfreduce.compression import Compression, as_compressor
+from tfreduce.contract import tf_variables
+from tfreduce.devices import local_name
+from tfreduce.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
+from tfreduce.tensorflow.process import cluster, device
+
+__all__ = ["Average", "Sum", "Compression", "ProcessSet", "global_process_set", "allreduce",
+           "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
+           "broadcast_variables"]
+
+#: op= of a mean over the processes (Horovod's default).
+Average = "average"
+#: op= of a sum over the processes.
+Sum = "sum"
+_OPS = (Average, Sum)
+
+
+class ProcessSet:
+    """Horovod's process set; tfreduce has one, every process (``global_process_set``)."""
+
+    def __repr__(self):
+        return "global_process_set"
+
+
+#: The process set of every process, the only one tfreduce knows.
+global_process_set = ProcessSet()
+
+
+def check_op(op, average=None, where="allreduce"):
+    """The op of a reduction, from Horovod's ``op`` and its deprecated ``average``.
+
+    Returns:
+      Average or Sum.
+
+    Raises:
+      ValueError: both given, or an op other than Average and Sum.
+    """
+    if average is not None:
+        if op is not None:
+            raise ValueError(f"{where}: pass op= only (average= is Horovod's deprecated "
+                             "spelling of op=Average)")
+        return Average if average else Sum
+    if op is None:
+        return Average
+    if op not in _OPS:
+        raise ValueError(f"{where}: op must be tfreduce.tensorflow.Average or Sum, got {op!r} "
+                         "(Adasum, Min, Max and Product are not supported)")
+    return op
+
+
+def check_process_set(process_set, where):
+    if process_set is not global_process_set:
+        raise ValueError(f"{where}: process_set={process_set!r}: only global_process_set "
+                         "(every process) is supported")
+
+
+def _check_tensor(tensor):
+    if isinstance(tensor, tf.IndexedSlices):
+        return tensor
+    return tf.convert_to_tensor(tensor)
+
+
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
+                      compression=Compression.none, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=global_process_set,
+                      ignore_name_scope=False, name=None):
+    """All-reduces a list of tensors over every process, packed together.
+
+    The N tensors of this process are one row of a size x N K x N list (one
+    tower per process); ``out[n]`` is ``postscale * reduce(prescale * x[n])``
+    over the processes, the mean (op=Average, default) or sum (op=Sum),
+    on this process's device, with x[n]'s shape and dtype. Dense tensors
+    are packed into 4 MiB buffers, one ``CollectiveReduceV2`` each;
+    ``tf.IndexedSlices`` stay sparse (their rows are all-gathered).
+
+    Args:
+      tensors: list of N tf.Tensor (float or int, static shapes, the same
+        on every process) or tf.IndexedSlices.
+      average: Horovod's deprecated bool spelling of op.
+      device_dense: Horovod's device hint; the collectives run on this
+        process's device whatever it says.
+      device_sparse: as device_dense.
+      compression: tfreduce.Compression.none, .fp16 or .bf16 (or their
+        names): float32/float64 tensors cross between processes in 16 bits,
+        prescaled by 1/size when averaging so a mean that fits never
+        overflows.
+      op: Average (None) or Sum.
+      prescale_factor: float multiplied in before the reduction (dense
+        tensors only).
+      postscale_factor: float multiplied in after it.
+      process_set: global_process_set (the only one).
+      ignore_name_scope: accepted for Horovod's signature.
+      name: accepted for Horovod's signature; ops are named by tfreduce.
+
+    Returns:
+      list of N tensors.
+
+    Raises:
+      RuntimeError: init() was not called.
+      ValueError: an unsupported op or process set, scale factors with
+        IndexedSlices, tensors tfreduce cannot reduce (named).
+    """
+    del device_dense, device_sparse, ignore_name_scope, name
+    return _allreduce_list(tensors, average, compression, op, prescale_factor, postscale_factor,
+                           process_set, "grouped_allreduce")
+
+
+def _allreduce_list(tensors, average, compression, op, prescale_factor, postscale_factor,
+                    process_set, where):
+    op = check_op(op, average, where)
+    check_process_set(process_set, where)
+    tensors = [_check_tensor(t) for t in tensors]
+    scaled = prescale_factor != 1.0 or postscale_factor != 1.0
+    if scaled and any(isinstance(t, tf.IndexedSlices) for t in tensors):
+        raise ValueError(f"{where}: prescale_factor and postscale_factor apply to dense "
+                         "tensors only, not tf.IndexedSlices")
+    if not tensors:
+        return []
+    found, place = cluster(), device()
+    compression = as_compressor(compression)
+
+    def build(tensors):
+        with tf.device(place):
+            if prescale_factor != 1.0:
+                tensors = [t * tf.cast(prescale_factor, t.dtype) for t in tensors]
+            if found.is_local:
+                out = [t if isinstance(t, tf.IndexedSlices) else tf.identity(t)
+                       for t in tensors]
+            else:
+                out = allreduce_grads_multiworker([tensors], [place], average=op == Average,
+                                                  cluster=found, compression=compression)[0]
+            if postscale_factor != 1.0:
+                out = [t * tf.cast(postscale_factor, t.dtype) for t in out]
+        return out
+
+    return _run(("allreduce", op, compression.name, prescale_factor, postscale_factor),
+                build, tensors)
+
+
+def allreduce(tensor, average=None, device_dense="", device_sparse="",
+              compression=Compression.none, op=None, prescale_factor=1.0, postscale_factor=1.0,
+              name=None, process_set=global_process_set, ignore_name_scope=False):
+    """All-reduces one tensor over every process: ``grouped_allreduce([tensor], ...)[0]``.
+
+    Example, 2 processes, op=Average (the default)::
+
+        rank 0: tf.constant([1., 2.])  ->  [2., 3.]
+        rank 1: tf.constant([3., 4.])  ->  [2., 3.]
+
+    Raises:
+      As grouped_allreduce.
+    """
+    del device_dense, device_sparse, name, ignore_name_scope
+    return _allreduce_list([tensor], average, compression, op, prescale_factor,
+                           postscale_factor, process_set, "allreduce")[0]
+
+
+def _chain_for(found, where):
+    options = CollectiveOptions(timeout=found.timeout)
+    chain = CollectiveChain(options)
+    group_key = found.group_key([local_name(where)])
+    chain.token(where, f"tfreduce_hvd_order_{group_key}", "hvd_order")
+    return chain, group_key, options
+
+
+def grouped_allgather(tensors, name=None, ignore_name_scope=False,
+                      process_set=global_process_set):
+    """All-gathers each tensor along axis 0 over every process, in rank order.
+
+    Processes may differ in axis 0 (Horovod's uneven allgather), not in the
+    other axes. Example, 2 processes::
+
+        rank 0: [[1, 2]]          ->  [[1, 2], [3, 4], [5, 6]]
+        rank 1: [[3, 4], [5, 6]]  ->  [[1, 2], [3, 4], [5, 6]]
+
+    Args:
+      tensors: list of tf.Tensor of rank >= 1.
+
+    Returns:
+      list of tensors [sum over processes of axis 0, ...], on this process's device.
+
+    Raises:
+      RuntimeError: init() was not called.
+      ValueError: a scalar (named by its position), an unsupported process set.
+    """
+    del name, ignore_name_scope
+    check_process_set(process_set, "allgather")
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    for n, t in enumerate(tensors):
+        if t.shape.rank == 0:
+            raise ValueError(f"allgather: tensor {n} is a scalar; gather tensors of rank >= 1 "
+                             "(tf.reshape(x, [1]))")
+    found, where = cluster(), device()
+    if found.is_local:
+        return [tf.identity(t) for t in tensors]
+    where = found.device(where)
+
+    def build(tensors):
+        chain, group_key, _ = _chain_for(found, where)
+        out = []
+        for n, t in enumerate(tensors):
+            with chain.after_previous(where):
+                out.append(chain.all_gather_rows(t, where, found.num_workers, group_key,
+                                                 found.keys, name=f"allgather{n}"))
+        return out
+
+    # Row counts differ between processes: one trace for any count.
+    return _run(("allgather",), build, tensors, rows_vary=True)
+
+
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """All-gathers one tensor along axis 0: ``grouped_allgather([tensor])[0]``."""
+    return grouped_allgather([tensor], name, ignore_name_scope, process_set)[0]
+
+
+# Eager calls' traced functions, by what they do and their input signature.
+_FUNCTIONS = {}
+
+
+def _spec(t, rows_vary):
+    if isinstance(t, tf.IndexedSlices):  # rows differ from call to call
+        return tf.IndexedSlicesSpec(t.dense_shape.numpy().tolist() if tf.is_tensor(
+            t.dense_shape) else t.dense_shape, t.values.dtype, t.indices.dtype)
+    shape = t.shape.as_list()
+    if rows_vary:
+        shape[0] = None
+    return tf.TensorSpec(shape, t.dtype)
+
+
+def _run(key, build, tensors, rows_vary=False):
+    """build(tensors): directly in a graph; eagerly, in a tf.function kept per key and signature.
+
+    The collectives' instance keys are drawn as a function traces, the same
+    on every process when all make the same calls in the same order (as
+    Horovod requires); a call like an earlier one reuses its function and
+    keys, as a training step does, instead of tracing again.
+    """
+    if not tf.executing_eagerly():
+        return build(tensors)
+    specs = [_spec(t, rows_vary) for t in tensors]
+    full = (key, tuple(specs))
+    if full not in _FUNCTIONS:
+        _FUNCTIONS[full] = tf.function(build, input_signature=[specs], autograph=False)
+    return _FUNCTIONS[full](tensors)
+
+
+def _check_root(root_rank, where):
+    size = cluster().num_workers
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not (
+            0 <= root_rank < size):
+        raise ValueError(f"{where}: root_rank must be an int in 0..{size - 1} (the ranks of "
+                         f"the {size} processes), got {root_rank!r}")
+
+
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
+              process_set=global_process_set):
+    """Every process gets root_rank's tensor (same shape and dtype on every process).
+
+    Example, 2 processes, root_rank=1::
+
+        rank 0: [1., 2.]  ->  [3., 4.]
+        rank 1: [3., 4.]  ->  [3., 4.]
+
+    Raises:
+      RuntimeError: init() was not called.
+      ValueError: a root_rank outside 0..size-1, a shape not fully defined,
+        an unsupported process set.
+    """
+    del name, ignore_name_scope
+    check_process_set(process_set, "broadcast")
+    _check_root(root_rank, "broadcast")
+    tensor = tf.convert_to_tensor(tensor)
+    if not tensor.shape.is_fully_defined():
+        raise ValueError(f"broadcast: the tensor's shape {tensor.shape} is not fully defined; "
+                         "every process must know the shape it receives")
+    found, where = cluster(), device()
+    if found.is_local:
+        return tf.identity(tensor)
+    where = found.device(where)
+
+    def build(tensors):
+        _, group_key, options = _chain_for(found, where)
+        (tensor,) = tensors
+        with tf.device(where):
+            if tensor.shape.num_elements() == 0:
+                return [tf.identity(tensor)]  # TF's kernels crash on empty tensors
+            if found.rank == root_rank:
+                return [broadcast_send(tensor, found.num_workers, group_key,
+                                       found.keys.instance_key(), options, name="hvd_send")]
+            return [broadcast_recv(tensor.shape, tensor.dtype, found.num_workers, group_key,
+                                   found.keys.instance_key(), options, name="hvd_recv")]
+
+    return _run(("broadcast", root_rank), build, [tensor])[0]
+
+
+def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
+    """Assigns root_rank's values to the variables of every process, one buffer per dtype.
+
+    Call it at the same point on every process (after building the model and
+    the optimizer's variables), e.g. ``broadcast_variables(model.variables, 0)``.
+
+    Args:
+      variables: list of tf.Variable (Keras variables too), the same shapes
+        and dtypes on every process.
+      root_rank: int in 0..size-1.
+      process_set: global_process_set (the only one).
+      inplace: accepted for Horovod's signature (the assignments are in place).
+
+    Raises:
+      RuntimeError: init() was not called.
+      ValueError: a bad root_rank or process set; variables that differ.
+    """
+    del inplace
+    check_process_set(process_set, "broadcast_variables")
+    _check_root(root_rank, "broadcast_variables")
+    variables = tf_variables([list(variables)])
+    if not variables[0]:
+        return
+    found = cluster()
+    if not tf.executing_eagerly():
+        return broadcast_variables_multiworker(variables, found, root_rank=root_rank)
+
+    def build(_):
+        with tf.control_dependencies(broadcast_variables_multiworker(variables, found,
+                                                                     root_rank=root_rank)):
+            return [tf.constant(0)]
+
+    # The same variables again (a later fit) reuse the function.
+    _run(("broadcast_variables", root_rank, tuple(id(v) for v in variables[0])), build, [])

@@ -1,0 +1,168 @@
+"""The processes of a Horovod-style run: one process per device, ranked by TF_CONFIG.
+
+Horovod's model, on TensorFlow's own gRPC collectives: every process runs the
+same script on one device, and ``init()`` makes it rank r of the size
+processes. The cluster comes from the standard ``TF_CONFIG`` environment
+variable (set by ``tfreduce-launch --workers N``, by hand, or by a cluster
+manager), one task per process; several tasks may share a machine. Without
+TF_CONFIG the process is rank 0 of 1, as ``horovodrun -np 1`` would make it.
+
+Ranks: ``rank()`` is the task's place in TF_CONFIG's rank order (chief
+first, then the workers). ``local_rank()`` counts the tasks on the same host
+(the host part of their addresses), in rank order; ``cross_rank()`` is the
+index of this host among the hosts, in the order they first appear, and
+``cross_size()`` their number, as Horovod reports them for homogeneous
+clusters.
+
+Sources: Horovod's process model (horovod.tensorflow.init, rank, local_rank);
+TF_CONFIG as MultiWorkerMirroredStrategy reads it.
+"""
+
+import os
+
+import tensorflow as tf
+
+from tfreduce.cluster import Cluster
+from tfreduce.localcluster import LocalCluster
+from tfreduce.tf_config import parse_address
+
+__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+           "cross_rank", "cross_size", "cluster", "device"]
+
+
+class _Run:
+    """What init() found: the cluster, this process's host layout and device."""
+
+    def __init__(self):
+        self.cluster = None     # a started tfreduce.Cluster or a LocalCluster
+        self.started = None     # the cluster once started (it outlives shutdown)
+        self.hosts = [0]        # host index of every rank
+        self.device = None      # this process's device, canonical
+
+
+_RUN = _Run()
+
+
+def _hosts(found):
+    """The host index of every rank: hosts numbered in order of first appearance."""
+    if found.is_local:
+        return [0]
+    names = [parse_address(found.address(r), f"rank {r}")[0] for r in range(found.num_workers)]
+    order = list(dict.fromkeys(names))
+    return [order.index(name) for name in names]
+
+
+def init(comm=None, process_sets=None):
+    """Makes this process a rank of the run: reads TF_CONFIG, starts TF's server.
+
+    Call it first, before TensorFlow creates a tensor or a model. With GPUs,
+    the process sees only the GPU of its local rank (GPU ``local_rank() % n``
+    of the n it has), as Horovod scripts arrange with
+    ``tf.config.set_visible_devices``. Calling it again does nothing.
+
+    Args:
+      comm: Horovod's MPI communicator; tfreduce has no MPI: must be None.
+      process_sets: Horovod's process sets; not supported: must be None.
+
+    Raises:
+      ValueError: comm or process_sets given; a malformed TF_CONFIG (see
+        ``tfreduce.Cluster.from_tf_config``); this task's port cannot be
+        opened.
+    """
+    if comm is not None:
+        raise ValueError(f"init(comm={comm!r}): tfreduce has no MPI; processes find each "
+                         "other through TF_CONFIG (tfreduce-launch sets it)")
+    if process_sets is not None:
+        raise ValueError(f"init(process_sets={process_sets!r}): process sets are not "
+                         "supported; every collective spans all processes")
+    if _RUN.cluster is not None:
+        return
+    if _RUN.started is None:
+        found = Cluster.from_tf_config() if os.environ.get("TF_CONFIG") else LocalCluster()
+        _RUN.hosts = _hosts(found)
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus:
+            tf.config.set_visible_devices(gpus[_local_rank(found) % len(gpus)], "GPU")
+        _RUN.started = found.start()
+        _RUN.device = "/device:GPU:0" if gpus else "/device:CPU:0"
+    _RUN.cluster = _RUN.started
+
+
+def _local_rank(found):
+    hosts = _RUN.hosts
+    return hosts[:found.rank].count(hosts[found.rank])
+
+
+def shutdown():
+    """Waits until every rank gets here (a barrier), then ends the run for this process.
+
+    TensorFlow's server cannot be stopped: a later ``init()`` takes the run
+    up again with the same ranks. Does nothing if init() was not called.
+
+    Raises:
+      tfreduce.WorkerLostError: a rank is lost or does not arrive in time.
+    """
+    if _RUN.cluster is None:
+        return
+    found, _RUN.cluster = _RUN.cluster, None
+    found.finish()
+
+
+def is_initialized():
+    """bool: init() was called (and shutdown() not since)."""
+    return _RUN.cluster is not None
+
+
+def cluster():
+    """The started tfreduce.Cluster of the run (a LocalCluster for one process).
+
+    Raises:
+      RuntimeError: init() was not called.
+    """
+    if _RUN.cluster is None:
+        raise RuntimeError("tfreduce.tensorflow.init() has not been called: call it first, "
+                           "before building the model")
+    return _RUN.cluster
+
+
+def device():
+    """str, this process's device: "/device:GPU:0" (its local rank's GPU) or "/device:CPU:0".
+
+    Raises:
+      RuntimeError: init() was not called.
+    """
+    cluster()
+    return _RUN.device
+
+
+def rank():
+    """int, this process's rank in 0..size()-1 (rank 0 writes checkpoints and logs)."""
+    return cluster().rank
+
+
+def size():
+    """int, the number of processes."""
+    return cluster().num_workers
+
+
+def local_rank():
+    """int, this process's rank among the processes on its machine."""
+    return _local_rank(cluster())
+
+
+def local_size():
+    """int, the number of processes on this process's machine."""
+    found = cluster()
+    return _RUN.hosts.count(_RUN.hosts[found.rank])
+
+
+def cross_rank():
+    """int, the index of this process's machine among the machines of the run."""
+    found = cluster()
+    return _RUN.hosts[found.rank]
+
+
+def cross_size():
+    """int, the number of machines of the run."""
+    cluster()
+    return len(set(_RUN.hosts))

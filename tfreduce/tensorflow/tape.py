@@ -1,0 +1,143 @@
+"""DistributedGradientTape: a tape whose gradients are all-reduced over the processes.
+
+Source: Horovod's DistributedGradientTape (horovod.tensorflow), for custom
+training loops.
+"""
+
+import tensorflow as tf
+
+from tfreduce.compression import Compression
+from tfreduce.tensorflow.ops import (Average, check_op, check_process_set, global_process_set,
+                                     grouped_allreduce)
+
+__all__ = ["DistributedGradientTape", "reduce_gradients"]
+
+
+def reduce_gradients(grads, op, compression, sparse_as_dense, gradient_predivide_factor,
+                     where):
+    """All-reduces a list of gradients (None kept) in one grouped all-reduce.
+
+    Args:
+      grads: list of N tf.Tensor, tf.IndexedSlices or None.
+      op: Average or Sum.
+      compression: a tfreduce.Compression member or its name.
+      sparse_as_dense: bool, IndexedSlices are made dense first.
+      gradient_predivide_factor: float f: with op=Average, each gradient is
+        divided by f before the sum and multiplied by f after it (Horovod's
+        split of the averaging); 1.0 does neither.
+      where: str, the caller, for error messages.
+
+    Returns:
+      list of N, the reduced gradients (None where the gradient is None).
+
+    Raises:
+      ValueError: gradient_predivide_factor != 1 with op=Sum.
+    """
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError(f"{where}: gradient_predivide_factor={gradient_predivide_factor!r} "
+                         "needs op=Average")
+    present = [n for n, g in enumerate(grads) if g is not None]
+    values = [tf.convert_to_tensor(grads[n]) if sparse_as_dense else grads[n] for n in present]
+    scale = {}
+    if gradient_predivide_factor != 1.0:
+        scale = {"prescale_factor": 1.0 / gradient_predivide_factor,
+                 "postscale_factor": gradient_predivide_factor}
+    reduced = grouped_allreduce(values, compression=compression, op=op, **scale)
+    out = list(grads)
+    for n, g in zip(present, reduced):
+        out[n] = g
+    return out
+
+
+class _DistributedGradientTape:
+    """The wrapped tape, whose ``gradient`` all-reduces; every other attribute is the tape's."""
+
+    def __init__(self, tape, options):
+        self._tape = tape
+        self._options = options
+
+    def __getattr__(self, name):
+        return getattr(self._tape, name)
+
+    def __enter__(self):
+        self._tape.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._tape.__exit__(*exc)
+
+    def gradient(self, target, sources, output_gradients=None, unconnected_gradients=None):
+        """The tape's gradients of target, all-reduced over every process.
+
+        Args: as tf.GradientTape.gradient; sources a variable, a list of
+          them, or a nested structure.
+
+        Returns:
+          the reduced gradients, in the structure of sources (None where the
+          tape gives None).
+        """
+        kwargs = {} if unconnected_gradients is None else {
+            "unconnected_gradients": unconnected_gradients}
+        grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
+        flat = tf.nest.flatten(grads)
+        reduced = reduce_gradients(flat, *self._options, "DistributedGradientTape")
+        return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa: N802
+                            compression=Compression.none, sparse_as_dense=False, op=Average,
+                            gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                            process_set=global_process_set, scale_local_gradients=True):
+    """Wraps a tf.GradientTape: its ``gradient()`` all-reduces over every process.
+
+    Use it after recording, as in Horovod::
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+
+    The gradients of one call are reduced together (packed; the mean over
+    processes with op=Average). Every process must call ``gradient`` the same
+    number of times, with the same variables.
+
+    Args:
+      gradtape: a tf.GradientTape.
+      device_dense: Horovod's device hint (unused: the process's device is
+        used).
+      device_sparse: as device_dense.
+      compression: tfreduce.Compression.none, .fp16 or .bf16.
+      sparse_as_dense: bool, densify IndexedSlices gradients first.
+      op: Average (default) or Sum.
+      gradient_predivide_factor: float, see ``reduce_gradients``.
+      num_groups: Horovod's number of fusion groups; tfreduce packs by size:
+        must be 0.
+      groups: Horovod's fusion groups: must be None.
+      process_set: global_process_set (the only one).
+      scale_local_gradients: accepted for Horovod's signature (no local
+        variables exist here).
+
+    Returns:
+      a tape object with the tape's methods, ``gradient`` all-reducing.
+
+    Raises:
+      TypeError: gradtape is not a tf.GradientTape.
+      ValueError: an unsupported op, groups or process set.
+    """
+    del device_dense, device_sparse, scale_local_gradients
+    if not isinstance(gradtape, tf.GradientTape):
+        raise TypeError(f"DistributedGradientTape needs a tf.GradientTape, got "
+                        f"{type(gradtape).__name__}")
+    check_groups(num_groups, groups, "DistributedGradientTape")
+    check_process_set(process_set, "DistributedGradientTape")
+    op = check_op(op, where="DistributedGradientTape")
+    return _DistributedGradientTape(
+        gradtape, (op, compression, sparse_as_dense, gradient_predivide_factor))
+
+
+def check_groups(num_groups, groups, where):
+    """Refuses Horovod's explicit fusion groups: tfreduce packs gradients by size."""
+    if num_groups or groups is not None:
+        raise ValueError(f"{where}: num_groups={num_groups!r}, groups={groups!r}: explicit "
+                         "fusion groups are not supported; tfreduce packs the gradients into "
+                         "4 MiB buffers")
