@@ -86,6 +86,16 @@ def test_backward_passes_per_step_equals_the_full_batch(ranks):
                                 atol=1e-6)
 
 
+@pytest.mark.parametrize("name, dtype, atol", [("syncbn", "float32", 1e-6),
+                                               ("float64", "float64", 1e-12)])
+def test_sync_batch_norm_equals_batch_norm_on_the_global_batches(ranks, name, dtype, atol):
+    # The moving statistics too: every process normalises with the global
+    # batch's mean and variance, as one process on the whole batch does.
+    want = horovod_worker.reference(dtype=dtype, batch_norm=True)
+    assert len(want[0]) == 8  # Dense (2), BatchNorm (4: gamma, beta, moving mean, variance), Dense (2)
+    assert_equal_to_one_process(ranks, name, want, atol=atol)
+
+
 def test_distributed_gradient_tape_equals_one_process(ranks):
     want = horovod_worker.reference_tape()
     for r, got in enumerate(ranks):

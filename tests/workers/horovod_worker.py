@@ -9,7 +9,8 @@ Run under ``tfreduce-launch --workers 2`` (TF_CONFIG set), every rank:
    from weights drawn with a seed of its own (the broadcast callback makes
    them equal), with ``MetricAverageCallback``; once plain, once with
    ``Compression.fp16``, once with ``backward_passes_per_step=4`` (each
-   micro-batch a quarter of the global batch);
+   micro-batch a quarter of the global batch), and with a
+   ``SyncBatchNormalization`` layer in float32 and in float64;
 3. trains the same model in a custom loop with ``DistributedGradientTape``.
 
 It writes ``rank<r>.npz`` into --out. ``reference`` (no TF_CONFIG needed)
@@ -44,20 +45,23 @@ def part(array, rank, size, micro=1):
     return array[np.concatenate(rows)]
 
 
-def make_model(seed, dtype="float32"):
+def make_model(seed, dtype="float32", norm=None):
+    """Dense, [a BatchNorm layer of class norm,] Dense, weights drawn from seed."""
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((6,), dtype=dtype),
-                             keras.layers.Dense(8, activation="relu", dtype=dtype),
-                             keras.layers.Dense(3, dtype=dtype)])
+    layers = [keras.Input((6,), dtype=dtype), keras.layers.Dense(8, activation="relu",
+                                                                dtype=dtype)]
+    if norm is not None:
+        layers.append(norm(momentum=0.5, dtype=dtype))
+    return keras.Sequential(layers + [keras.layers.Dense(3, dtype=dtype)])
 
 
 def loss_fn():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def reference(micro=1, dtype="float32"):
+def reference(micro=1, dtype="float32", batch_norm=False):
     """One process fitting the whole global batches from rank 0's weights (micro: accumulated)."""
-    model = make_model(FIT_SEED, dtype)
+    model = make_model(FIT_SEED, dtype, keras.layers.BatchNormalization if batch_norm else None)
     optimizer = keras.optimizers.Adam(0.01, gradient_accumulation_steps=micro if micro > 1
                                       else None)
     model.compile(optimizer=optimizer, loss=loss_fn())
@@ -104,12 +108,12 @@ def collectives(hvd, out):
         out["root_error"] = np.array(str(e))
 
 
-def fit(hvdk, out, name, micro=1, **options):
+def fit(hvdk, out, name, micro=1, dtype="float32", norm=None, **options):
     r, n = hvdk.rank(), hvdk.size()
-    model = make_model(seed=FIT_SEED + r)  # other weights on every rank
+    model = make_model(FIT_SEED + r, dtype, norm)  # other weights on every rank
     optimizer = hvdk.DistributedOptimizer(keras.optimizers.Adam(0.01), **options)
     model.compile(optimizer=optimizer, loss=loss_fn())
-    x, y = data()
+    x, y = data(dtype)
     history = model.fit(part(x, r, n, micro), part(y, r, n, micro),
                         batch_size=GLOBAL_BATCH // micro // n, epochs=EPOCHS, shuffle=False,
                         verbose=0,
@@ -162,6 +166,8 @@ def main(argv=None):
     fit(hvdk, out, "fp16", compression=hvd.Compression.fp16)
     fit(hvdk, out, "passes4", micro=4, backward_passes_per_step=4,
         average_aggregated_gradients=True)
+    fit(hvdk, out, "syncbn", norm=hvdk.SyncBatchNormalization)
+    fit(hvdk, out, "float64", dtype="float64", norm=hvdk.SyncBatchNormalization)
     custom_loop(hvd, out)
     np.savez(os.path.join(args.out, f"rank{hvd.rank()}.npz"), **out)
     hvd.shutdown()

@@ -16,9 +16,11 @@ from tfreduce.tensorflow.ops import (Average, Compression, ProcessSet, Sum, allg
                                      global_process_set, grouped_allgather, grouped_allreduce)
 from tfreduce.tensorflow.process import (cross_rank, cross_size, init, is_initialized,
                                          local_rank, local_size, rank, shutdown, size)
+from tfreduce.tensorflow.sync_batch_norm import SyncBatchNormalization
 from tfreduce.tensorflow.tape import DistributedGradientTape
 
 __all__ = ["Average", "Compression", "DistributedGradientTape", "ProcessSet", "Sum",
+           "SyncBatchNormalization",
            "allgather", "allreduce", "broadcast", "broadcast_variables", "cross_rank",
            "cross_size", "global_process_set", "grouped_allgather", "grouped_allreduce",
            "init", "is_initialized", "local_rank", "local_size", "rank", "shutdown", "size"]

@@ -16,10 +16,12 @@ from tfreduce.tensorflow import ops
 from tfreduce.tensorflow.keras import callbacks
 from tfreduce.tensorflow.keras.optimizer import DistributedOptimizer
 from tfreduce.tensorflow.ops import Average, ProcessSet, Sum, global_process_set
+from tfreduce.tensorflow.sync_batch_norm import SyncBatchNormalization
 from tfreduce.tensorflow.process import (cross_rank, cross_size, init, is_initialized,
                                          local_rank, local_size, rank, shutdown, size)
 
-__all__ = ["Average", "Compression", "DistributedOptimizer", "ProcessSet", "Sum", "allgather",
+__all__ = ["Average", "Compression", "DistributedOptimizer", "ProcessSet", "Sum",
+           "SyncBatchNormalization", "allgather",
            "allreduce", "broadcast", "broadcast_global_variables", "callbacks", "cross_rank",
            "cross_size", "global_process_set", "init", "is_initialized", "local_rank",
            "local_size", "rank", "shutdown", "size"]
