@@ -13,6 +13,7 @@ import tensorflow as tf
 import tfreduce
 import tfreduce.tensorflow as hvd
 import tfreduce.tensorflow.keras as hvdk
+from tfreduce.contract import shard_sizes
 
 # Horovod's signatures (horovod.tensorflow and horovod.tensorflow.keras,
 # version 0.28), parameter names, order and defaults, as recorded from its source.
@@ -202,3 +203,81 @@ def test_the_warmup_rate_per_batch(one_process, monkeypatch):
             warmup.on_train_batch_begin(b)
             got.append(float(keras.ops.convert_to_numpy(warmup.model.optimizer.learning_rate)))
     assert got == [pytest.approx(r) for r in rates]
+
+
+# ------------------------------------------------------------------ DistributedBatches
+
+def epoch_of(batches):
+    """Begins an epoch and returns all its batches, in the order fit would take them."""
+    batches.on_epoch_begin()
+    return [batches[i] for i in range(len(batches))]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_every_global_batch_is_the_same_for_any_number_of_processes(size):
+    x = np.arange(50)[:, None]
+    one = hvdk.DistributedBatches(x, None, 12, seed=7, rank=0, size=1)
+    parts = [hvdk.DistributedBatches(x, x[:, 0] * 10, 12, seed=7, rank=r, size=size)
+             for r in range(size)]
+    assert {len(p) for p in parts} == {len(one)} == {4}  # the short last batch dropped
+    orders = []
+    for _ in range(3):
+        whole = epoch_of(one)
+        pieces = [epoch_of(p) for p in parts]
+        for i in range(len(one)):
+            # Each process's part: the shard rule (12 over 3: 4, 4, 4; over 4: 3 each).
+            assert [len(piece[i][0]) for piece in pieces] == shard_sizes(12, size)
+            assert np.concatenate([piece[i][0] for piece in pieces]).tolist() == \
+                whole[i].tolist()
+            assert pieces[0][i][1].tolist() == (10 * pieces[0][i][0][:, 0]).tolist()
+        orders.append(one.order().tolist())
+    assert orders[0] != orders[1] != orders[2] and sorted(orders[0]) == list(range(50))
+
+
+def test_fit_takes_the_batches_in_their_order_whatever_its_shuffle():
+    # Keras permutes a PyDataset's batch indices with fit(shuffle=True), with
+    # each process's own random state: DistributedBatches serves them in order.
+    x = np.random.default_rng(0).normal(size=(64, 3)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+
+    def run(data, **kwargs):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+        model.fit(*data, epochs=2, verbose=0, **kwargs)
+        return model.get_weights()
+
+    batches = hvdk.DistributedBatches(x, y, 16, shuffle=False, rank=0, size=1)
+    got = run([batches])  # shuffle=True, fit's default
+    want = run([x, y], batch_size=16, shuffle=False)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_padding_counts_every_example_once_and_resumes_at_its_epoch():
+    x = np.arange(10)[:, None]
+    parts = [hvdk.DistributedBatches(x, None, 4, remainder="pad", rank=r, size=2,
+                                     initial_epoch=5) for r in range(2)]
+    assert len(parts[0]) == 3  # 10 examples: 4 + 4 + 2, padded to 4
+    seen = {}
+    for p in parts:
+        for rows, weights in epoch_of(p):
+            for row, weight in zip(rows[:, 0], weights):
+                seen[row] = seen.get(row, 0) + weight
+    assert seen == {row: 1.0 for row in range(10)}
+    assert parts[0].epoch == 5
+    np.testing.assert_array_equal(parts[0].order(),
+                                  np.random.default_rng([0, 5]).permutation(10))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"y": np.zeros(3)}, "x has 10 examples and y 3: they must match"),
+    ({"global_batch_size": 1}, "global_batch_size 1 must be at least the 2 processes and at "
+                               "most the 10 examples"),
+    ({"remainder": "keep"}, "remainder must be 'drop' or 'pad', got 'keep'"),
+    ({"rank": 2}, "rank 2 is not in 0..1"),
+])
+def test_distributed_batches_errors(kwargs, message):
+    options = {"y": None, "global_batch_size": 4, "rank": 0, "size": 2, **kwargs}
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        hvdk.DistributedBatches(np.zeros((10, 2)), options.pop("y"), **options)

@@ -37,11 +37,10 @@ def data(dtype="float32"):
     return rng.normal(size=(EXAMPLES, 6)).astype(dtype), rng.integers(0, 3, EXAMPLES)
 
 
-def part(array, rank, size, micro=1):
-    """This rank's part of every global batch (of every micro-batch of it), in order."""
-    step = GLOBAL_BATCH // micro
-    rows = [np.arange(start + rank * step // size, start + (rank + 1) * step // size)
-            for start in range(0, len(array), step)]
+def part(array, rank, size):
+    """This rank's part of every global batch, in order."""
+    rows = [np.arange(start + rank * GLOBAL_BATCH // size, start + (rank + 1) * GLOBAL_BATCH // size)
+            for start in range(0, len(array), GLOBAL_BATCH)]
     return array[np.concatenate(rows)]
 
 
@@ -109,14 +108,18 @@ def collectives(hvd, out):
 
 
 def fit(hvdk, out, name, micro=1, dtype="float32", norm=None, **options):
-    r, n = hvdk.rank(), hvdk.size()
+    r = hvdk.rank()
     model = make_model(FIT_SEED + r, dtype, norm)  # other weights on every rank
     optimizer = hvdk.DistributedOptimizer(keras.optimizers.Adam(0.01), **options)
     model.compile(optimizer=optimizer, loss=loss_fn())
-    x, y = data(dtype)
-    history = model.fit(part(x, r, n, micro), part(y, r, n, micro),
-                        batch_size=GLOBAL_BATCH // micro // n, epochs=EPOCHS, shuffle=False,
-                        verbose=0,
+    if dtype == "float64":
+        # Arrays: Keras feeds a PyDataset's float64 batches through float32.
+        x, y = (part(a, r, hvdk.size()) for a in data(dtype))
+        feed = {"x": x, "y": y, "batch_size": GLOBAL_BATCH // hvdk.size(), "shuffle": False}
+    else:
+        # Unshuffled, to follow the reference's batches.
+        feed = {"x": hvdk.DistributedBatches(*data(dtype), GLOBAL_BATCH // micro, shuffle=False)}
+    history = model.fit(**feed, epochs=EPOCHS, verbose=0,
                         callbacks=[hvdk.callbacks.BroadcastGlobalVariablesCallback(0),
                                    hvdk.callbacks.MetricAverageCallback()])
     for i, v in enumerate(model.variables):
