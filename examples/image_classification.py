@@ -119,10 +119,12 @@ def parse_args(argv):
     )
     parser.add_argument(
         "--trainer",
-        choices=("replicated", "keras"),
+        choices=("replicated", "keras", "horovod"),
         default="replicated",
         help="replicated: tfreduce.ReplicatedTrainer; keras: Keras model.fit under "
-        "tf.distribute.MirroredStrategy with tfreduce.CrossDeviceOps (one machine)",
+        "tf.distribute.MirroredStrategy with tfreduce.CrossDeviceOps (one machine); "
+        "horovod: Keras model.fit, one process per device (tfreduce-launch --workers N), "
+        "with tfreduce.tensorflow.keras's DistributedOptimizer",
     )
     parser.add_argument(
         "--compression",
@@ -465,6 +467,8 @@ def train_and_evaluate(parser, args):
             f"with --resume, or start again with --overwrite"
         )
     import_tensorflow(args.verbose)
+    if args.trainer == "horovod":
+        return fit_with_horovod(parser, args, found, restarted)
     import tfreduce
     from tfreduce.devices import is_gpu
 
@@ -712,6 +716,90 @@ def fit_with_keras(parser, args, devices, data):
         values = model.evaluate(test, verbose=0, return_dict=True)
     report(args, values, rates, history,
            f"{len(devices)} towers, Keras fit + CrossDeviceOps {algorithm}", backup)
+    return 0
+
+
+def fit_with_horovod(parser, args, found, restarted):
+    """Trains with Keras model.fit, one process per device, tfreduce.tensorflow.keras as hvd.
+
+    Each process feeds its part of every global batch (DistributedBatches),
+    wraps Adam in DistributedOptimizer and normalises with
+    SyncBatchNormalization, so every process holds the same model; each keeps
+    its own BackupAndRestore copy (all equal), rank 0 writes the logs.
+    Returns the exit status.
+    """
+    import keras
+
+    import tfreduce.tensorflow.keras as hvd  # tfreduce: Horovod's API
+    from tfreduce.models import image_cnn
+
+    if args.dataset not in ("digits", "mnist"):
+        parser.error("--trainer horovod takes --dataset digits or mnist (arrays)")
+    if args.devices not in (None, 1):
+        parser.error("--trainer horovod runs one process per device: start N processes with "
+                     "tfreduce-launch --workers N instead of --devices")
+    if args.compression == "powersgd" or args.accumulate_steps > 1:
+        parser.error("--trainer horovod takes --compression fp16 or bf16 and no "
+                     "--accumulate-steps")
+    hvd.init()  # tfreduce: this process's rank from TF_CONFIG (rank 0 of 1 without it)
+    chief = hvd.rank() == 0
+    if args.batch_size < hvd.size():
+        parser.error(f"--batch-size {args.batch_size} is smaller than the {hvd.size()} processes")
+    train, test, num_classes, input_shape, num_train = load_data(parser, args, hvd.size())
+    if args.overwrite and found and not restarted and chief:
+        remove_run(args.logdir, found)
+    backup = os.path.join(args.logdir, "backup", f"rank{hvd.rank()}")
+    if args.resume and not os.path.isdir(backup):
+        parser.error(f"--resume: no Keras backup in {backup!r}; run once without --resume first")
+    keras.utils.set_random_seed(args.seed)
+    model = image_cnn(input_shape, num_classes, args.seed, hvd.SyncBatchNormalization)
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.Adam(args.lr),
+                                         compression=args.compression or "none")
+    model.compile(optimizer=optimizer, jit_compile=False, metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if chief:
+        describe_data(args, (train, test, num_classes, input_shape, num_train))
+        print(f"{hvd.size()} processes, Keras model.fit with tfreduce.tensorflow.keras."
+              f"DistributedOptimizer, global batch {args.batch_size}")
+    os.makedirs(args.logdir, exist_ok=True)
+    history_path = os.path.join(args.logdir, "history.json")
+    history = read_history(history_path) if args.resume and chief else []
+    rates = []
+
+    class Record(keras.callbacks.Callback):
+        # Per-epoch logs (averaged over processes) and images/s, on rank 0.
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            rates.append(num_train / (time.perf_counter() - self.start))
+            entry = {"epoch": epoch + 1, **{k: float(v) for k, v in logs.items()},
+                     "images_per_sec": rates[-1]}
+            history[:] = [h for h in history if h["epoch"] <= epoch] + [entry]
+            if chief:
+                write_atomically(history_path, json.dumps(history, indent=1))
+
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                 hvd.callbacks.MetricAverageCallback(),
+                 keras.callbacks.BackupAndRestore(backup, double_checkpoint=True,
+                                                  delete_checkpoint=False), Record()]
+    if chief:
+        callbacks.append(keras.callbacks.TensorBoard(args.logdir))
+    batches = hvd.DistributedBatches(*train, args.batch_size, seed=args.seed)
+    verbose = 0 if args.quiet or not chief else 1 if sys.stdout.isatty() else 2
+    model.fit(batches, epochs=args.epochs, validation_data=test, callbacks=callbacks,
+              verbose=verbose)
+    values = model.evaluate(*test, batch_size=256, verbose=0, return_dict=True)
+    size = hvd.size()
+    hvd.shutdown()  # tfreduce: no process leaves while another needs it
+    if not chief:
+        return 0
+    if not rates:
+        print(f"the run in {args.logdir} has already reached --epochs {args.epochs}: "
+              f"nothing to train; give a larger --epochs to train on")
+        return 0
+    report(args, values, rates, history, f"{size} processes, Keras fit + DistributedOptimizer",
+           os.path.dirname(backup))
     return 0
 
 

@@ -232,6 +232,47 @@ def test_keras_trainer_refuses_a_cluster(example, tmp_path, capsys, monkeypatch)
         "--trainer replicated (see --help)\n")
 
 
+@pytest.mark.slow
+def test_horovod_trainer_on_two_processes_then_resumed(tmp_path):
+    """--trainer horovod: one process per device, Keras fit with DistributedOptimizer."""
+    logdir = tmp_path / "run"
+
+    def launch(*more):
+        command = [sys.executable, "-m", "tfreduce.launch", "--workers", "2", "--timeout",
+                   "150", "--", sys.executable, EXAMPLE, "--trainer", "horovod", "--limit",
+                   "400", "--logdir", str(logdir), "--quiet", *more]
+        run = subprocess.run(command, capture_output=True, text=True, timeout=200)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return run
+
+    run = launch("--epochs", "2")
+    assert ("[worker 0] 2 processes, Keras model.fit with tfreduce.tensorflow.keras."
+            "DistributedOptimizer, global batch 64") in run.stdout
+    assert float(re.search(r"\[worker 0\] test accuracy: ([0-9.]+)", run.stdout).group(1)) > 0.5
+    assert "[worker 1] test accuracy" not in run.stdout  # rank 0 reports and writes logs
+    # A quiet stderr: the launcher's lines only.
+    assert [line for line in run.stderr.splitlines() if not line.startswith("[launch]")] == []
+    assert sorted(os.listdir(logdir / "backup")) == ["rank0", "rank1"]
+    launch("--epochs", "3", "--resume")
+    with open(logdir / "history.json") as f:
+        history = json.load(f)
+    assert [h["epoch"] for h in history] == [1, 2, 3]
+    assert {"loss", "accuracy", "val_loss", "val_accuracy", "images_per_sec"} <= set(history[0])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--devices", "2"], "--trainer horovod runs one process per device: start N processes "
+                         "with tfreduce-launch --workers N instead of --devices"),
+    (["--compression", "powersgd"], "--trainer horovod takes --compression fp16 or bf16 and "
+                                    "no --accumulate-steps"),
+])
+def test_horovod_trainer_usage_errors(example, tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as info:
+        example.main(["--trainer", "horovod", "--logdir", str(tmp_path / "run"), *args])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == f"image_classification.py: error: {message} (see --help)\n"
+
+
 def run_example_process(args, tmp_path):
     """Runs the example in its own process (a Keras dtype policy is process-wide)."""
     result = subprocess.run(

@@ -9,7 +9,7 @@ import keras
 __all__ = ["image_cnn"]
 
 
-def image_cnn(input_shape, num_classes, seed=0):
+def image_cnn(input_shape, num_classes, seed=0, batch_norm=None):
     """Two conv-BatchNorm-ReLU-pool blocks (32, 64 filters) and a linear classifier.
 
     Convolutions are 3x3 without bias (BatchNorm follows); initialisers are
@@ -19,6 +19,8 @@ def image_cnn(input_shape, num_classes, seed=0):
       input_shape: (height, width, channels).
       num_classes: int, number of logits.
       seed: int, seed of the weight initialisers.
+      batch_norm: the BatchNormalization layer class, None for Keras' (one
+        process per device: ``tfreduce.tensorflow.keras.SyncBatchNormalization``).
 
     Returns:
       keras.Model mapping float32 [batch, *input_shape] to float32 logits
@@ -33,7 +35,7 @@ def image_cnn(input_shape, num_classes, seed=0):
             kernel_initializer=keras.initializers.HeNormal(seed=seed + block))(x)
         # Momentum 0.9, not Keras' 0.99: a small data set gives few steps
         # per epoch, and the moving statistics used at test time must keep up.
-        x = keras.layers.BatchNormalization(momentum=0.9)(x)
+        x = (batch_norm or keras.layers.BatchNormalization)(momentum=0.9)(x)
         x = keras.layers.ReLU()(x)
         x = keras.layers.MaxPooling2D(2)(x)
     x = keras.layers.Flatten()(x)
