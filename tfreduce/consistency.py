@@ -56,6 +56,11 @@ def _gather_text(cluster, text):
     return [bytes(int(b) for b in row if b).decode(errors="replace") for row in rows]
 
 
+def describe_variables(variables):
+    """(name, "shape dtype") of each variable: what the workers of a cluster compare."""
+    return [(v.path, f"{tuple(v.shape)} {tf.as_dtype(v.dtype).name}") for v in variables]
+
+
 def check_workers_agree(cluster, towers, settings, variables):
     """Raises on every worker unless all workers have the same towers, settings, variables.
 

@@ -20,12 +20,12 @@ import math
 
 import tensorflow as tf
 
-from tfreduce.consistency import check_workers_agree
+from tfreduce.consistency import check_workers_agree, describe_variables
 from tfreduce.contract import shard_sizes
 from tfreduce.trainer.checkpoints import TrainerCheckpoint
 from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
 from tfreduce.trainer.statistics import sum_metrics, sync_moving
-from tfreduce.trainer.towers import build_towers, describe_variables, sync_functions
+from tfreduce.trainer.towers import build_towers, sync_functions
 from tfreduce.trainer.update import (
     TowerState,
     all_finite,

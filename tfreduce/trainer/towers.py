@@ -206,11 +206,6 @@ def _check_match(all_vars):
                 )
 
 
-def describe_variables(variables):
-    """(name, "shape dtype") of each variable: what the workers of a cluster compare."""
-    return [(v.path, f"{tuple(v.shape)} {tf.as_dtype(v.dtype).name}") for v in variables]
-
-
 def sync_functions(towers, cluster, counters):
     """The tf.functions that broadcast tower 0 and measure the towers' difference.
 
