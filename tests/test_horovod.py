@@ -5,6 +5,7 @@ tests/workers/horovod_worker.py; each feeds its half of every global batch,
 and the result must equal one process fitting the whole global batches.
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -102,3 +103,17 @@ def test_distributed_gradient_tape_equals_one_process(ranks):
         for i, w in enumerate(want):
             np.testing.assert_allclose(got[f"tape/{i}"], w, rtol=0, atol=1e-6)
             np.testing.assert_array_equal(got[f"tape/{i}"], ranks[0][f"tape/{i}"])
+
+
+def test_processes_that_built_other_models_fail_fast_on_every_process(tmp_path):
+    # Under Horovod they would hang in the first collective.
+    code, _, err, seconds = launch_workers("horovod_worker.py", "--out", tmp_path,
+                                           "--rank1-hidden", 9)
+    assert code != 0
+    for rank in range(2):
+        assert re.search(
+            rf"\[worker {rank}\] ValueError: worker {rank} \(127\.0\.0\.1:\d+\): the workers "
+            r"do not run the same training: variable 0 differs: worker 0 \(127\.0\.0\.1:\d+\) "
+            r"has \S+ \(6, 8\) float32; worker 1 \(127\.0\.0\.1:\d+\) has \S+ \(6, 9\) float32",
+            err), err[-3000:]
+    assert seconds < 60

@@ -44,10 +44,10 @@ def part(array, rank, size):
     return array[np.concatenate(rows)]
 
 
-def make_model(seed, dtype="float32", norm=None):
+def make_model(seed, dtype="float32", norm=None, hidden=8):
     """Dense, [a BatchNorm layer of class norm,] Dense, weights drawn from seed."""
     keras.utils.set_random_seed(seed)
-    layers = [keras.Input((6,), dtype=dtype), keras.layers.Dense(8, activation="relu",
+    layers = [keras.Input((6,), dtype=dtype), keras.layers.Dense(hidden, activation="relu",
                                                                 dtype=dtype)]
     if norm is not None:
         layers.append(norm(momentum=0.5, dtype=dtype))
@@ -107,9 +107,9 @@ def collectives(hvd, out):
         out["root_error"] = np.array(str(e))
 
 
-def fit(hvdk, out, name, micro=1, dtype="float32", norm=None, **options):
+def fit(hvdk, out, name, micro=1, dtype="float32", norm=None, hidden=8, **options):
     r = hvdk.rank()
-    model = make_model(FIT_SEED + r, dtype, norm)  # other weights on every rank
+    model = make_model(FIT_SEED + r, dtype, norm, hidden)  # other weights on every rank
     optimizer = hvdk.DistributedOptimizer(keras.optimizers.Adam(0.01), **options)
     model.compile(optimizer=optimizer, loss=loss_fn())
     if dtype == "float64":
@@ -153,9 +153,16 @@ def custom_loop(hvd, out):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--rank1-hidden", type=int, default=None,
+                        help="only fit, rank 1 with another hidden layer size (a mistake)")
     args = parser.parse_args(argv)
     import tfreduce.tensorflow as hvd
     import tfreduce.tensorflow.keras as hvdk
+
+    if args.rank1_hidden:
+        hvd.init()
+        fit(hvdk, {}, "fit", hidden=args.rank1_hidden if hvd.rank() == 1 else 8)
+        return 0
 
     with_init_error = None
     try:

@@ -10,8 +10,10 @@ import warnings
 import keras
 import tensorflow as tf
 
+from tfreduce.consistency import check_workers_agree, describe_variables
+from tfreduce.tensorflow.keras.optimizer import describe_optimizer
 from tfreduce.tensorflow.ops import broadcast_variables, grouped_allreduce
-from tfreduce.tensorflow.process import rank, size
+from tfreduce.tensorflow.process import cluster, rank, size
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback"]
@@ -25,7 +27,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     root_rank, so processes that initialised differently (other seeds, or a
     checkpoint restored on rank 0 only) take the same first step. Horovod
     broadcasts after the first batch instead, so that the optimizer exists;
-    here even the first update equals a single process's.
+    here even the first update equals a single process's. First, every
+    process checks that all have the same variables and optimizer settings:
+    a process that built another model fails on every process with a
+    ValueError naming the ranks and the first difference, instead of
+    hanging in a collective.
 
     Args:
       root_rank: int, the rank whose values every process takes.
@@ -49,9 +55,13 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if self.broadcast_done:
             return
         variables = list(self.model.variables)
-        if self.model.optimizer is not None:
-            variables += list(self.model.optimizer.variables)
-        broadcast_variables([v for v in variables if id(v) not in self._local], self.root_rank)
+        optimizer = self.model.optimizer
+        if optimizer is not None:
+            variables += list(optimizer.variables)
+        variables = [v for v in variables if id(v) not in self._local]
+        check_workers_agree(cluster(), 1, describe_optimizer(optimizer),
+                            describe_variables(variables))
+        broadcast_variables(variables, self.root_rank)
         self.broadcast_done = True
 
 

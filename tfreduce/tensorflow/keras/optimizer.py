@@ -13,7 +13,7 @@ from tfreduce.compression import Compression
 from tfreduce.tensorflow.ops import Average, check_op, check_process_set, global_process_set
 from tfreduce.tensorflow.tape import check_groups, reduce_gradients
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "describe_optimizer"]
 
 
 def _distributed_class(base):
@@ -137,3 +137,13 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     distributed._tfreduce_passes_per_step = backward_passes_per_step
     distributed._tfreduce_average_aggregated = bool(average_aggregated_gradients)
     return distributed
+
+
+def describe_optimizer(optimizer):
+    """The optimizer's class and reduction settings, as text the processes compare."""
+    if optimizer is None:
+        return "no optimizer"
+    settings = getattr(optimizer, "_tfreduce_options", None)
+    passes = getattr(optimizer, "_tfreduce_passes_per_step", None)
+    return (f"optimizer {type(optimizer).__name__}, reduction {settings!r}, "
+            f"backward_passes_per_step {passes}")
