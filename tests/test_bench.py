@@ -187,6 +187,10 @@ def test_train_mode(tmp_path):
         row["trainer_images_per_s"] / row["fit_images_per_s"])
     assert row["tfreduce_fit_over_fit"] == pytest.approx(
         row["tfreduce_fit_images_per_s"] / row["fit_images_per_s"])
+    # 2 processes with DistributedOptimizer, in the same run.
+    assert len(row["horovod_rounds"]) == 1 and row["horovod_images_per_s"] > 0
+    assert row["horovod_over_trainer"] == pytest.approx(
+        row["horovod_images_per_s"] / row["trainer_images_per_s"])
 
 
 def test_model_shapes_without_downloading():

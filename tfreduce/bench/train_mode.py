@@ -5,7 +5,11 @@ Three contenders train the CNN of examples/image_classification.py
 ReplicatedTrainer, Keras ``model.fit`` under MirroredStrategy with its
 default reduction, and the same ``model.fit`` with ``tfreduce.CrossDeviceOps``
 (the --algorithms algorithm). Each K runs in its own process when several
-are asked for.
+are asked for. A fourth, Horovod-style, runs after them in the same run:
+K processes under the launcher, each ``model.fit`` on its part of every
+global batch with ``tfreduce.tensorflow.keras.DistributedOptimizer``
+(``tfreduce.bench.horovod_worker``); its rounds cannot alternate with the
+others', so its ratios are of medians.
 """
 
 import json
@@ -77,7 +81,8 @@ def _train_in_child(args, num_devices, log):
             row = json.load(f)["results"][0]
     log(f"K={num_devices}: trainer {row['trainer_images_per_s']:.0f} images/s, "
         f"fit {row['fit_images_per_s']:.0f} images/s, fit with tfreduce "
-        f"{row['tfreduce_fit_images_per_s']:.0f} images/s")
+        f"{row['tfreduce_fit_images_per_s']:.0f} images/s, {num_devices} processes "
+        f"{row['horovod_images_per_s']:.0f} images/s")
     return row
 
 
@@ -97,10 +102,13 @@ def _train_one(args, num_devices, log):
                                         tfreduce.CrossDeviceOps(algorithm))
     rates = _alternate({"ReplicatedTrainer": trainer_round, "MirroredStrategy.fit": fit_round,
                         "MirroredStrategy.fit+tfreduce": tfreduce_fit_round}, args, batch)
+    log(f"K={num_devices}: {num_devices} processes with DistributedOptimizer")
+    rates["DistributedOptimizer"] = _horovod_rates(args, num_devices)
     medians = {name: statistics.median(v) for name, v in rates.items()}
     log(f"K={num_devices}: trainer {medians['ReplicatedTrainer']:.0f} images/s, "
         f"fit {medians['MirroredStrategy.fit']:.0f} images/s, fit with tfreduce "
-        f"{medians['MirroredStrategy.fit+tfreduce']:.0f} images/s")
+        f"{medians['MirroredStrategy.fit+tfreduce']:.0f} images/s, {num_devices} processes "
+        f"{medians['DistributedOptimizer']:.0f} images/s")
 
     def paired(name):
         # Rounds rotate the contenders' order, so compare them round by round.
@@ -112,6 +120,10 @@ def _train_one(args, num_devices, log):
         "trainer_images_per_s": medians["ReplicatedTrainer"],
         "fit_images_per_s": medians["MirroredStrategy.fit"],
         "tfreduce_fit_images_per_s": medians["MirroredStrategy.fit+tfreduce"],
+        "horovod_images_per_s": medians["DistributedOptimizer"],
+        "horovod_over_fit": medians["DistributedOptimizer"] / medians["MirroredStrategy.fit"],
+        "horovod_over_trainer": medians["DistributedOptimizer"] / medians["ReplicatedTrainer"],
+        "horovod_rounds": rates["DistributedOptimizer"],
         "trainer_over_fit": paired("ReplicatedTrainer"),
         "tfreduce_fit_over_fit": paired("MirroredStrategy.fit+tfreduce"),
         "trainer_rounds": rates["ReplicatedTrainer"],
@@ -122,6 +134,25 @@ def _train_one(args, num_devices, log):
             getattr(strategy.extended, "_cross_device_ops", None)
             or getattr(strategy.extended, "_inferred_cross_device_ops", None)).__name__,
     }
+
+
+def _horovod_rates(args, num_processes):
+    # Images/s of each round of the Horovod-style contender: num_processes
+    # processes on 127.0.0.1 under the launcher, one device each.
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "horovod.json")
+        worker = [sys.executable, "-m", "tfreduce.bench.horovod_worker", "--batch-size",
+                  str(args.batch_size), "--image-size", str(args.image_size), "--steps",
+                  str(args.steps), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
+                  "--json", path]
+        command = [sys.executable, "-m", "tfreduce.launch", "--workers", str(num_processes),
+                   "--timeout", "1800", "--"] + worker
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"the DistributedOptimizer processes failed (exit "
+                               f"{done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+        with open(path) as f:
+            return json.load(f)["rates"]
 
 
 def _loss():
@@ -218,11 +249,14 @@ def print_result(result, out=None):
              f"{cfg['batch_size']}, median of {cfg['rounds']} rounds of "
              f"{cfg['steps_per_round']} steps; ReplicatedTrainer and CrossDeviceOps with "
              f"algorithm={cfg['algorithm']!r}")
-    # x/fit: median over rounds of the two rates' ratio in each round.
+    # x/fit: median over rounds of the two rates' ratio in each round; hvd:
+    # K processes with DistributedOptimizer, a ratio of medians.
     header = (f"{'K':>3s} {'trainer img/s':>14s} {'fit img/s':>10s} "
-              f"{'fit+tfreduce img/s':>19s} {'trainer/fit':>12s} {'fit+tfreduce/fit':>17s}")
+              f"{'fit+tfreduce img/s':>19s} {'hvd img/s':>10s} {'trainer/fit':>12s} "
+              f"{'fit+tfreduce/fit':>17s} {'hvd/fit':>8s} {'hvd/trainer':>12s}")
     print_table(title, header, [
         f"{r['devices']:3d} {r['trainer_images_per_s']:14.0f} {r['fit_images_per_s']:10.0f} "
-        f"{r['tfreduce_fit_images_per_s']:19.0f} {r['trainer_over_fit']:12.2f} "
-        f"{r['tfreduce_fit_over_fit']:17.2f}"
+        f"{r['tfreduce_fit_images_per_s']:19.0f} {r['horovod_images_per_s']:10.0f} "
+        f"{r['trainer_over_fit']:12.2f} {r['tfreduce_fit_over_fit']:17.2f} "
+        f"{r['horovod_over_fit']:8.2f} {r['horovod_over_trainer']:12.2f}"
         for r in result["results"]], out)
