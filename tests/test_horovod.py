@@ -117,3 +117,29 @@ def test_processes_that_built_other_models_fail_fast_on_every_process(tmp_path):
             r"has \S+ \(6, 8\) float32; worker 1 \(127\.0\.0\.1:\d+\) has \S+ \(6, 9\) float32",
             err), err[-3000:]
     assert seconds < 60
+
+
+def test_a_run_killed_and_restarted_from_rank_0s_backup_ends_like_an_undisturbed_one(tmp_path):
+    # BackupAndRestore and ModelCheckpoint on rank 0 only, as Horovod scripts
+    # do; rank 0 dies after epoch 2 (index 1) and the launcher restarts both.
+    # The restored epoch and state reach rank 1 with the first broadcast, and
+    # DistributedBatches reshuffle from fit's epoch: the resumed run sees the
+    # same batches as the undisturbed one.
+    runs = {}
+    for name, extra in [("undisturbed", []), ("killed", ["--kill-at-epoch", 1])]:
+        (tmp_path / name).mkdir()
+        code, out, err, _ = launch_workers("horovod_worker.py", "--out", tmp_path / name,
+                                           "--resumable", *extra, launcher=["--restarts", "1"])
+        assert code == 0, err[-3000:]
+        runs[name] = [np.load(tmp_path / name / f"rank{r}.npz") for r in range(2)]
+        if extra:
+            assert "restart" in (out + err).lower(), (out + err)[-2000:]
+    for r in range(2):
+        assert runs["undisturbed"][r]["epochs"].tolist() == [0, 1, 2, 3, 4]
+        assert runs["killed"][r]["epochs"].tolist() == [2, 3, 4]  # resumed at epoch 3
+        for key in runs["undisturbed"][r].files:
+            if key.startswith("weights/"):
+                np.testing.assert_array_equal(runs["killed"][r][key],
+                                              runs["undisturbed"][r][key], err_msg=key)
+    assert sorted(p.name for p in (tmp_path / "killed").glob("epoch*.weights.h5")) == [
+        f"epoch{e}.weights.h5" for e in range(1, 6)]

@@ -150,11 +150,44 @@ def custom_loop(hvd, out):
         out[f"tape/{i}"] = v.numpy()
 
 
+def resumable(hvdk, folder, kill_at):
+    """5 epochs of shuffled DistributedBatches, resumable: BackupAndRestore and
+    ModelCheckpoint on rank 0 only; rank 0 dies after epoch kill_at's backups
+    unless the launcher restarted the run. Returns rank's final weights."""
+    r = hvdk.rank()
+    model = make_model(FIT_SEED + r)
+    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.Adam(0.01)),
+                  loss=loss_fn())
+
+    class Die(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == kill_at:
+                os._exit(3)
+
+    callbacks = [hvdk.callbacks.BroadcastGlobalVariablesCallback(0),
+                 hvdk.callbacks.MetricAverageCallback()]
+    if r == 0:
+        callbacks.insert(0, keras.callbacks.BackupAndRestore(os.path.join(folder, "backup")))
+        callbacks.append(keras.callbacks.ModelCheckpoint(
+            os.path.join(folder, "epoch{epoch}.weights.h5"), save_weights_only=True))
+        if kill_at is not None and os.environ.get("TFREDUCE_RESTART_COUNT", "0") == "0":
+            callbacks.append(Die())
+    history = model.fit(hvdk.DistributedBatches(*data(), GLOBAL_BATCH, seed=5), epochs=5,
+                        verbose=0, callbacks=callbacks)
+    out = {f"weights/{i}": v.numpy() for i, v in enumerate(model.variables)}
+    out["epochs"] = np.array(history.epoch)
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--rank1-hidden", type=int, default=None,
                         help="only fit, rank 1 with another hidden layer size (a mistake)")
+    parser.add_argument("--resumable", action="store_true",
+                        help="only the resumable run (its backups in --out)")
+    parser.add_argument("--kill-at-epoch", type=int, default=None,
+                        help="--resumable: rank 0 dies after this epoch, once")
     args = parser.parse_args(argv)
     import tfreduce.tensorflow as hvd
     import tfreduce.tensorflow.keras as hvdk
@@ -162,6 +195,12 @@ def main(argv=None):
     if args.rank1_hidden:
         hvd.init()
         fit(hvdk, {}, "fit", hidden=args.rank1_hidden if hvd.rank() == 1 else 8)
+        return 0
+    if args.resumable:
+        hvd.init()
+        out = resumable(hvdk, args.out, args.kill_at_epoch)
+        np.savez(os.path.join(args.out, f"rank{hvd.rank()}.npz"), **out)
+        hvd.shutdown()
         return 0
 
     with_init_error = None

@@ -11,8 +11,9 @@ import keras
 import tensorflow as tf
 
 from tfreduce.consistency import check_workers_agree, describe_variables
+from tfreduce.tensorflow.keras.data import follow_fit_epoch
 from tfreduce.tensorflow.keras.optimizer import describe_optimizer
-from tfreduce.tensorflow.ops import broadcast_variables, grouped_allreduce
+from tfreduce.tensorflow.ops import broadcast, broadcast_variables, grouped_allreduce
 from tfreduce.tensorflow.process import cluster, rank, size
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
@@ -33,6 +34,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     ValueError naming the ranks and the first difference, instead of
     hanging in a collective.
 
+    A run resumed on root_rank only (Keras' ``BackupAndRestore``, placed
+    before this callback, on that rank) resumes on every process: the
+    epoch it restored is broadcast with the variables. While ``fit`` runs,
+    ``DistributedBatches`` follow its epoch.
+
     Args:
       root_rank: int, the rank whose values every process takes.
       device: Horovod's device hint (unused).
@@ -51,12 +57,27 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._local = {id(v) for v in local_variables}
         self.broadcast_done = False
 
+    def on_epoch_begin(self, epoch, logs=None):
+        follow_fit_epoch(epoch)
+
+    def on_train_end(self, logs=None):
+        follow_fit_epoch(None)
+
     def on_train_begin(self, logs=None):
         if self.broadcast_done:
             return
+        # The epoch a BackupAndRestore on the root restored (Keras keeps it
+        # in the model's _initial_epoch for fit's loop, read after this).
+        start = getattr(self.model, "_initial_epoch", None)
+        start = int(broadcast(tf.constant(-1 if start is None else start, tf.int64),
+                              self.root_rank))
+        self.model._initial_epoch = None if start < 0 else start
         variables = list(self.model.variables)
         optimizer = self.model.optimizer
         if optimizer is not None:
+            if not optimizer.built:
+                # Its slots too: a root that restored them sends them.
+                optimizer.build(self.model.trainable_variables)
             variables += list(optimizer.variables)
         variables = [v for v in variables if id(v) not in self._local]
         check_workers_agree(cluster(), 1, describe_optimizer(optimizer),

@@ -5,9 +5,11 @@ global batch, and the same number of batches. ``DistributedBatches`` is a
 ``keras.utils.PyDataset`` with the semantics of PyTorch's
 ``DistributedSampler``, minus the call users forget:
 
-- each epoch is a permutation of all examples drawn from (seed, epoch); the
-  epoch advances by itself at every epoch's start (``initial_epoch`` for a
-  resumed run), so there is no ``set_epoch``;
+- each epoch is a permutation of all examples drawn from (seed, epoch), so
+  there is no ``set_epoch``: with ``BroadcastGlobalVariablesCallback`` in
+  ``fit``'s callbacks (every such script has it) the epoch is ``fit``'s own,
+  a resumed run's included; without it, it advances by itself at every
+  epoch's start from ``initial_epoch``;
 - the permutation is cut into global batches of ``global_batch_size``, the
   same whatever the number of processes, and each global batch is split over
   the processes by tfreduce's shard rule (the first B % size parts one
@@ -33,9 +35,17 @@ import numpy as np
 
 from tfreduce.contract import shard_sizes
 
-__all__ = ["DistributedBatches"]
+__all__ = ["DistributedBatches", "follow_fit_epoch"]
 
 REMAINDERS = ("drop", "pad")
+
+# fit's current epoch, set by BroadcastGlobalVariablesCallback while fit runs.
+_FIT_EPOCH = [None]
+
+
+def follow_fit_epoch(epoch):
+    """Tells every DistributedBatches the epoch fit begins (None: no fit running)."""
+    _FIT_EPOCH[0] = epoch
 
 
 class DistributedBatches(keras.utils.PyDataset):
@@ -50,8 +60,8 @@ class DistributedBatches(keras.utils.PyDataset):
       seed: int, the permutations' seed; the same on every process.
       remainder: "drop" or "pad" (see the module docstring); "pad" yields
         (x, y, sample_weight) batches with weight 0 on padded examples.
-      initial_epoch: int, the epoch of the first ``fit`` epoch (fit's
-        initial_epoch when resuming).
+      initial_epoch: int, the epoch of the first ``fit`` epoch when no
+        BroadcastGlobalVariablesCallback gives fit's.
       rank: int, this process's rank (default: tfreduce.tensorflow.rank()).
       size: int, the number of processes (default: tfreduce.tensorflow.size()).
 
@@ -91,7 +101,7 @@ class DistributedBatches(keras.utils.PyDataset):
         return full + (1 if rest and self.remainder == "pad" else 0)
 
     def on_epoch_begin(self):
-        self.epoch += 1
+        self.epoch = self.epoch + 1 if _FIT_EPOCH[0] is None else _FIT_EPOCH[0]
         self._position = 0
 
     def order(self, epoch=None):
