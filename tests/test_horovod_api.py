@@ -4,6 +4,10 @@ The 2-process runs are in tests/test_horovod.py.
 """
 
 import inspect
+import os
+import socket
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -14,6 +18,7 @@ import tfreduce
 import tfreduce.tensorflow as hvd
 import tfreduce.tensorflow.keras as hvdk
 from tfreduce.contract import shard_sizes
+from tfreduce.tf_config import expand_hostlist, expand_tasks_per_node, slurm_tf_config
 
 # Horovod's signatures (horovod.tensorflow and horovod.tensorflow.keras,
 # version 0.28), parameter names, order and defaults, as recorded from its source.
@@ -281,3 +286,54 @@ def test_distributed_batches_errors(kwargs, message):
     options = {"y": None, "global_batch_size": 4, "rank": 0, "size": 2, **kwargs}
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         hvdk.DistributedBatches(np.zeros((10, 2)), options.pop("y"), **options)
+
+
+# ------------------------------------------------------------------ SLURM
+
+def test_slurm_host_lists_and_task_counts_expand_as_slurm_writes_them():
+    assert expand_hostlist("n[01-03,7],gpu") == ["n01", "n02", "n03", "n7", "gpu"]
+    assert expand_hostlist("a[1-2]b[3-4]") == ["a1b3", "a1b4", "a2b3", "a2b4"]
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    config = slurm_tf_config({"SLURM_PROCID": "3", "SLURM_NTASKS": "4",
+                              "SLURM_STEP_NODELIST": "node[1-2]",
+                              "SLURM_STEP_TASKS_PER_NODE": "2(x2)"})
+    assert config == {"cluster": {"worker": ["node1:8888", "node1:8889", "node2:8888",
+                                             "node2:8889"]},
+                      "task": {"type": "worker", "index": 3}}
+    assert slurm_tf_config({}) is None
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"SLURM_PROCID": "0"}, "SLURM_PROCID is set but SLURM_STEP_NODELIST and "
+                            "SLURM_JOB_NODELIST is not"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_JOB_NODELIST": "a,b",
+      "SLURM_TASKS_PER_NODE": "1(x2)"},
+     "SLURM's 2 nodes ['a', 'b'] with tasks per node [1, 1] do not give SLURM_NTASKS=3"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "a[1-x]",
+      "SLURM_TASKS_PER_NODE": "1"}, "SLURM host list 'a[1-x]': '1-x' is not a number"),
+])
+def test_slurm_errors(environ, message):
+    with pytest.raises(ValueError) as info:
+        slurm_tf_config(environ)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+@pytest.mark.slow
+def test_two_processes_started_as_srun_would_find_each_other():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = ("import tensorflow as tf, tfreduce.tensorflow as hvd\n"
+            "hvd.init()\n"
+            "print(hvd.rank(), hvd.size(), hvd.allreduce(tf.constant(float(hvd.rank())), "
+            "op=hvd.Sum).numpy())\n"
+            "hvd.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env.update(SLURM_NTASKS="2", SLURM_STEP_NODELIST="127.0.0.1",
+               SLURM_STEP_TASKS_PER_NODE="2", TFREDUCE_SLURM_PORT_BASE=str(port))
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(env, SLURM_PROCID=str(r))) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert [o[0].split() for o in outs] == [["0", "2", "1.0"], ["1", "2", "1.0"]]

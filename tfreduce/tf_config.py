@@ -7,10 +7,11 @@ process's task::
     TF_CONFIG='{"cluster": {"worker": ["host0:2222", "host1:2222"]},
                 "task": {"type": "worker", "index": 1}}'
 
-This module parses and checks it (``parse_tf_config``) and writes it
-(``worker_tf_config``, what the launcher gives each worker). It uses the
-standard library only, so that ``python -m tfreduce.launch`` starts without
-importing TensorFlow.
+This module parses and checks it (``parse_tf_config``), writes it
+(``worker_tf_config``, what the launcher gives each worker) and derives it
+from a SLURM job step's variables (``slurm_tf_config``, as TF's
+SlurmClusterResolver does). It uses the standard library only, so that
+``python -m tfreduce.launch`` starts without importing TensorFlow.
 """
 
 import json
@@ -19,7 +20,11 @@ import re
 import socket
 
 __all__ = ["JOBS", "parse_address", "check_cluster_spec", "parse_tf_config",
-           "worker_tf_config", "check_port"]
+           "worker_tf_config", "check_port", "slurm_tf_config", "expand_hostlist",
+           "expand_tasks_per_node", "SLURM_PORT_BASE"]
+
+#: The port of a node's first task under SLURM; its task i listens on base + i.
+SLURM_PORT_BASE = 8888
 
 # TF_CONFIG jobs that take part in the all-reduce, in rank order: a chief,
 # when there is one, is rank 0, as in MultiWorkerMirroredStrategy.
@@ -208,3 +213,93 @@ def check_port(address, task):
             f"process holds it; free it or give this task another port in TF_CONFIG") from None
     finally:
         probe.close()
+
+
+def _split_outside_brackets(text):
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
+
+
+def expand_hostlist(text):
+    """SLURM's compressed host list as a list: "n[01-03,7],gpu" -> n01, n02, n03, n7, gpu.
+
+    Raises:
+      ValueError: unbalanced brackets or a range that is not "a-b" of numbers.
+    """
+    hosts = []
+    for item in _split_outside_brackets(text):
+        if "[" not in item:
+            hosts.append(item)
+            continue
+        prefix, _, rest = item.partition("[")
+        ranges, closed, suffix = rest.partition("]")
+        if not closed:
+            raise ValueError(f"SLURM host list {text!r}: '[' without ']' in {item!r}")
+        for part in ranges.split(","):
+            first, dash, last = part.partition("-")
+            if not first.isdigit() or (dash and not last.isdigit()):
+                raise ValueError(f"SLURM host list {text!r}: {part!r} is not a number or "
+                                 "a range a-b")
+            for number in range(int(first), int(last if dash else first) + 1):
+                hosts += [prefix + str(number).zfill(len(first)) + tail
+                          for tail in expand_hostlist(suffix)] if suffix else [
+                    prefix + str(number).zfill(len(first))]
+    return hosts
+
+
+def expand_tasks_per_node(text):
+    """SLURM's tasks per node as a list: "2(x3),1" -> [2, 2, 2, 1]."""
+    counts = []
+    for part in text.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            raise ValueError(f"SLURM tasks per node {text!r}: {part!r} is not N or N(xM)")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def slurm_tf_config(environ=None, port_base=SLURM_PORT_BASE):
+    """The TF_CONFIG of this task of a SLURM job step, or None outside SLURM.
+
+    Reads SLURM_PROCID (this task's rank), SLURM_NTASKS, the step's node list
+    (SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST) and tasks per node
+    (SLURM_STEP_TASKS_PER_NODE, else SLURM_TASKS_PER_NODE); the tasks are
+    numbered node by node (SLURM's block distribution), task i of a node
+    listening on port_base + i, as TF's SlurmClusterResolver assigns them.
+
+    Args:
+      environ: mapping, the environment (None: os.environ).
+      port_base: int, the port of each node's first task.
+
+    Returns:
+      dict, a TF_CONFIG for ``parse_tf_config``; None when SLURM_PROCID is unset.
+
+    Raises:
+      ValueError: a variable missing or malformed, or task counts that
+        disagree with SLURM_NTASKS (both named).
+    """
+    environ = os.environ if environ is None else environ
+    if "SLURM_PROCID" not in environ:
+        return None
+
+    def read(*names):
+        for name in names:
+            if environ.get(name):
+                return environ[name]
+        raise ValueError(f"SLURM_PROCID is set but {' and '.join(names)} is not: start the "
+                         "processes with srun, or set TF_CONFIG")
+
+    nodes = expand_hostlist(read("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"))
+    tasks = expand_tasks_per_node(read("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"))
+    total, rank = int(read("SLURM_NTASKS")), int(read("SLURM_PROCID"))
+    if len(tasks) != len(nodes) or sum(tasks) != total:
+        raise ValueError(f"SLURM's {len(nodes)} nodes {nodes} with tasks per node {tasks} do "
+                         f"not give SLURM_NTASKS={total} tasks")
+    workers = [f"{host}:{port_base + i}" for host, count in zip(nodes, tasks)
+               for i in range(count)]
+    return {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}

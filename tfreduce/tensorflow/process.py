@@ -5,7 +5,9 @@ same script on one device, and ``init()`` makes it rank r of the size
 processes. The cluster comes from the standard ``TF_CONFIG`` environment
 variable (set by ``tfreduce-launch --workers N``, by hand, or by a cluster
 manager), one task per process; several tasks may share a machine. Without
-TF_CONFIG the process is rank 0 of 1, as ``horovodrun -np 1`` would make it.
+TF_CONFIG, a SLURM job step's variables give it (``srun``: see
+``tf_config.slurm_tf_config``); without either the process is rank 0 of 1,
+as ``horovodrun -np 1`` would make it.
 
 Ranks: ``rank()`` is the task's place in TF_CONFIG's rank order (chief
 first, then the workers). ``local_rank()`` counts the tasks on the same host
@@ -24,7 +26,7 @@ import tensorflow as tf
 
 from tfreduce.cluster import Cluster
 from tfreduce.localcluster import LocalCluster
-from tfreduce.tf_config import parse_address
+from tfreduce.tf_config import SLURM_PORT_BASE, parse_address, slurm_tf_config
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "cluster", "device"]
@@ -60,6 +62,10 @@ def init(comm=None, process_sets=None):
     of the n it has), as Horovod scripts arrange with
     ``tf.config.set_visible_devices``. Calling it again does nothing.
 
+    The cluster: TF_CONFIG; else a SLURM job step's variables
+    (``tf_config.slurm_tf_config``; task i of a node listens on port 8888 + i,
+    or TFREDUCE_SLURM_PORT_BASE + i); else this process alone.
+
     Args:
       comm: Horovod's MPI communicator; tfreduce has no MPI: must be None.
       process_sets: Horovod's process sets; not supported: must be None.
@@ -78,7 +84,12 @@ def init(comm=None, process_sets=None):
     if _RUN.cluster is not None:
         return
     if _RUN.started is None:
-        found = Cluster.from_tf_config() if os.environ.get("TF_CONFIG") else LocalCluster()
+        slurm = None if os.environ.get("TF_CONFIG") else slurm_tf_config(
+            port_base=int(os.environ.get("TFREDUCE_SLURM_PORT_BASE", SLURM_PORT_BASE)))
+        if os.environ.get("TF_CONFIG") or slurm:
+            found = Cluster.from_tf_config(slurm)
+        else:
+            found = LocalCluster()
         _RUN.hosts = _hosts(found)
         gpus = tf.config.list_physical_devices("GPU")
         if gpus:
