@@ -724,9 +724,10 @@ def fit_with_horovod(parser, args, found, restarted):
 
     Each process feeds its part of every global batch (DistributedBatches),
     wraps Adam in DistributedOptimizer and normalises with
-    SyncBatchNormalization, so every process holds the same model; each keeps
-    its own BackupAndRestore copy (all equal), rank 0 writes the logs.
-    Returns the exit status.
+    SyncBatchNormalization, so every process holds the same model. Rank 0
+    alone writes: logs, history and Keras' BackupAndRestore, from which a
+    --resume (or a launcher restart) continues on every process. Returns the
+    exit status.
     """
     import keras
 
@@ -745,51 +746,30 @@ def fit_with_horovod(parser, args, found, restarted):
     chief = hvd.rank() == 0
     if args.batch_size < hvd.size():
         parser.error(f"--batch-size {args.batch_size} is smaller than the {hvd.size()} processes")
-    train, test, num_classes, input_shape, num_train = load_data(parser, args, hvd.size())
-    if args.overwrite and found and not restarted and chief:
+    data = load_data(parser, args, hvd.size())
+    backup = os.path.join(args.logdir, "backup")
+    if chief and args.overwrite and found and not restarted:
         remove_run(args.logdir, found)
-    backup = os.path.join(args.logdir, "backup", f"rank{hvd.rank()}")
-    if args.resume and not os.path.isdir(backup):
+    if chief and args.resume and not os.path.isdir(backup):
         parser.error(f"--resume: no Keras backup in {backup!r}; run once without --resume first")
     keras.utils.set_random_seed(args.seed)
-    model = image_cnn(input_shape, num_classes, args.seed, hvd.SyncBatchNormalization)
+    model = image_cnn(data[3], data[2], args.seed, hvd.SyncBatchNormalization)
     optimizer = hvd.DistributedOptimizer(keras.optimizers.Adam(args.lr),
                                          compression=args.compression or "none")
     model.compile(optimizer=optimizer, jit_compile=False, metrics=["accuracy"],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     if chief:
-        describe_data(args, (train, test, num_classes, input_shape, num_train))
+        describe_data(args, data)
         print(f"{hvd.size()} processes, Keras model.fit with tfreduce.tensorflow.keras."
               f"DistributedOptimizer, global batch {args.batch_size}")
-    os.makedirs(args.logdir, exist_ok=True)
-    history_path = os.path.join(args.logdir, "history.json")
-    history = read_history(history_path) if args.resume and chief else []
-    rates = []
-
-    class Record(keras.callbacks.Callback):
-        # Per-epoch logs (averaged over processes) and images/s, on rank 0.
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            rates.append(num_train / (time.perf_counter() - self.start))
-            entry = {"epoch": epoch + 1, **{k: float(v) for k, v in logs.items()},
-                     "images_per_sec": rates[-1]}
-            history[:] = [h for h in history if h["epoch"] <= epoch] + [entry]
-            if chief:
-                write_atomically(history_path, json.dumps(history, indent=1))
-
-    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
-                 hvd.callbacks.MetricAverageCallback(),
-                 keras.callbacks.BackupAndRestore(backup, double_checkpoint=True,
-                                                  delete_checkpoint=False), Record()]
-    if chief:
-        callbacks.append(keras.callbacks.TensorBoard(args.logdir))
-    batches = hvd.DistributedBatches(*train, args.batch_size, seed=args.seed)
+    rates, history = [], read_history(os.path.join(args.logdir, "history.json")) if (
+        chief and args.resume) else []
+    callbacks = horovod_callbacks(hvd, args, backup, data[4], rates, history if chief else None)
+    batches = hvd.DistributedBatches(*data[0], args.batch_size, seed=args.seed)
     verbose = 0 if args.quiet or not chief else 1 if sys.stdout.isatty() else 2
-    model.fit(batches, epochs=args.epochs, validation_data=test, callbacks=callbacks,
+    model.fit(batches, epochs=args.epochs, validation_data=data[1], callbacks=callbacks,
               verbose=verbose)
-    values = model.evaluate(*test, batch_size=256, verbose=0, return_dict=True)
+    values = model.evaluate(*data[1], batch_size=256, verbose=0, return_dict=True)
     size = hvd.size()
     hvd.shutdown()  # tfreduce: no process leaves while another needs it
     if not chief:
@@ -799,8 +779,41 @@ def fit_with_horovod(parser, args, found, restarted):
               f"nothing to train; give a larger --epochs to train on")
         return 0
     report(args, values, rates, history, f"{size} processes, Keras fit + DistributedOptimizer",
-           os.path.dirname(backup))
+           backup)
     return 0
+
+
+def horovod_callbacks(hvd, args, backup, num_train, rates, history):
+    """--trainer horovod's callbacks; rank 0 (history not None) restores and writes.
+
+    BackupAndRestore comes before BroadcastGlobalVariablesCallback: the
+    broadcast sends what it restored, the epoch included, to every process.
+    """
+    import keras
+
+    history_path = os.path.join(args.logdir, "history.json")
+
+    class Record(keras.callbacks.Callback):
+        # Per-epoch logs (averaged over processes) and images/s.
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            rates.append(num_train / (time.perf_counter() - self.start))
+            if history is not None:
+                entry = {"epoch": epoch + 1, **{k: float(v) for k, v in logs.items()},
+                         "images_per_sec": rates[-1]}
+                history[:] = [h for h in history if h["epoch"] <= epoch] + [entry]
+                write_atomically(history_path, json.dumps(history, indent=1))
+
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                 hvd.callbacks.MetricAverageCallback(), Record()]
+    if history is not None:
+        os.makedirs(args.logdir, exist_ok=True)
+        callbacks.insert(0, keras.callbacks.BackupAndRestore(
+            backup, double_checkpoint=True, delete_checkpoint=False))
+        callbacks.append(keras.callbacks.TensorBoard(args.logdir))
+    return callbacks
 
 
 def report(args, results, rates, history, what, checkpoints):

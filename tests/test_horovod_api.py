@@ -261,12 +261,12 @@ def test_fit_takes_the_batches_in_their_order_whatever_its_shuffle():
 
 def test_padding_counts_every_example_once_and_resumes_at_its_epoch():
     x = np.arange(10)[:, None]
-    parts = [hvdk.DistributedBatches(x, None, 4, remainder="pad", rank=r, size=2,
+    parts = [hvdk.DistributedBatches(x, x[:, 0], 4, remainder="pad", rank=r, size=2,
                                      initial_epoch=5) for r in range(2)]
     assert len(parts[0]) == 3  # 10 examples: 4 + 4 + 2, padded to 4
     seen = {}
     for p in parts:
-        for rows, weights in epoch_of(p):
+        for rows, _, weights in epoch_of(p):
             for row, weight in zip(rows[:, 0], weights):
                 seen[row] = seen.get(row, 0) + weight
     assert seen == {row: 1.0 for row in range(10)}
@@ -281,6 +281,7 @@ def test_padding_counts_every_example_once_and_resumes_at_its_epoch():
                                "most the 10 examples"),
     ({"remainder": "keep"}, "remainder must be 'drop' or 'pad', got 'keep'"),
     ({"rank": 2}, "rank 2 is not in 0..1"),
+    ({"remainder": "pad"}, "remainder='pad' weights the padding 0, which needs targets y"),
 ])
 def test_distributed_batches_errors(kwargs, message):
     options = {"y": None, "global_batch_size": 4, "rank": 0, "size": 2, **kwargs}
@@ -294,25 +295,31 @@ def test_slurm_host_lists_and_task_counts_expand_as_slurm_writes_them():
     assert expand_hostlist("n[01-03,7],gpu") == ["n01", "n02", "n03", "n7", "gpu"]
     assert expand_hostlist("a[1-2]b[3-4]") == ["a1b3", "a1b4", "a2b3", "a2b4"]
     assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
-    config = slurm_tf_config({"SLURM_PROCID": "3", "SLURM_NTASKS": "4",
-                              "SLURM_STEP_NODELIST": "node[1-2]",
+    config = slurm_tf_config({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4",
+                              "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NODEID": "1",
                               "SLURM_STEP_TASKS_PER_NODE": "2(x2)"})
     assert config == {"cluster": {"worker": ["node1:8888", "node1:8889", "node2:8888",
                                              "node2:8889"]},
                       "task": {"type": "worker", "index": 3}}
     assert slurm_tf_config({}) is None
+    # A batch script's shell: SLURM_PROCID and the job's variables, no step.
+    assert slurm_tf_config({"SLURM_PROCID": "0", "SLURM_NTASKS": "4",
+                            "SLURM_JOB_NODELIST": "node[1-2]"}) is None
 
 
 @pytest.mark.parametrize("environ, message", [
-    ({"SLURM_PROCID": "0"}, "SLURM_PROCID is set but SLURM_STEP_NODELIST and "
-                            "SLURM_JOB_NODELIST is not"),
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_JOB_NODELIST": "a,b",
-      "SLURM_TASKS_PER_NODE": "1(x2)"},
-     "SLURM's 2 nodes ['a', 'b'] with tasks per node [1, 1] do not give SLURM_NTASKS=3"),
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "a[1-x]",
-      "SLURM_TASKS_PER_NODE": "1"}, "SLURM host list 'a[1-x]': '1-x' is not a number"),
+    ({"SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_NODELIST": "a,b",
+      "SLURM_STEP_TASKS_PER_NODE": "1(x2)"},
+     "SLURM's 2 nodes ['a', 'b'] with tasks per node [1, 1] do not give "
+     "SLURM_STEP_NUM_TASKS=3"),
+    ({"SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_NODELIST": "a[1-x]",
+      "SLURM_STEP_TASKS_PER_NODE": "1"}, "SLURM host list 'a[1-x]': '1-x' is not a number"),
+    ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NODELIST": "a,b", "SLURM_NODEID": "1",
+      "SLURM_STEP_TASKS_PER_NODE": "2(x2)"},
+     "SLURM task 0 runs on node 1, where block distribution puts it on node 0"),
 ])
 def test_slurm_errors(environ, message):
+    environ = dict(environ, SLURM_PROCID="0")
     with pytest.raises(ValueError) as info:
         slurm_tf_config(environ)
     assert str(info.value).startswith(message), str(info.value)
@@ -329,7 +336,7 @@ def test_two_processes_started_as_srun_would_find_each_other():
             "op=hvd.Sum).numpy())\n"
             "hvd.shutdown()\n")
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    env.update(SLURM_NTASKS="2", SLURM_STEP_NODELIST="127.0.0.1",
+    env.update(SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="127.0.0.1",
                SLURM_STEP_TASKS_PER_NODE="2", TFREDUCE_SLURM_PORT_BASE=str(port))
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
@@ -337,3 +344,25 @@ def test_two_processes_started_as_srun_would_find_each_other():
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     assert [o[0].split() for o in outs] == [["0", "2", "1.0"], ["1", "2", "1.0"]]
+
+
+def test_under_mixed_float16_the_scale_decides_on_the_reduced_gradients(one_process,
+                                                                         mixed_float16):
+    # compile's own wrapper would check each process's unreduced gradients.
+    opt = hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    assert isinstance(opt, keras.optimizers.LossScaleOptimizer)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, dtype="float32")])
+    model.compile(optimizer=opt, loss="mse")
+    assert model.optimizer is opt  # not wrapped again
+
+
+def test_an_embedding_gradient_is_reduced_eagerly_as_indexed_slices(one_process):
+    layer = keras.layers.Embedding(10, 3, embeddings_initializer="ones")
+    layer.build((None,))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(tf.constant([1, 4, 4])))
+    tape = hvd.DistributedGradientTape(tape)
+    (grad,) = tape.gradient(loss, layer.trainable_variables)
+    assert isinstance(grad, tf.IndexedSlices)
+    np.testing.assert_array_equal(tf.convert_to_tensor(grad).numpy().sum(axis=1),
+                                  [0, 3, 0, 0, 6, 0, 0, 0, 0, 0])

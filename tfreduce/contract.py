@@ -45,6 +45,18 @@ def nbytes(tensor):
     return count * tensor.dtype.size
 
 
+def check_root_rank(root_rank, num_ranks, prefix="", what=""):
+    """Raises ValueError unless root_rank is an int rank in 0..num_ranks-1.
+
+    The message: "{prefix}root_rank must be an int in 0..N-1 (the ranks of the
+    N{what}), got R".
+    """
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not (
+            0 <= root_rank < num_ranks):
+        raise ValueError(f"{prefix}root_rank must be an int in 0..{num_ranks - 1} (the ranks "
+                         f"of the {num_ranks}{what}), got {root_rank!r}")
+
+
 def shard_sizes(total, num_shards):
     """Splits ``total`` items into ``num_shards`` nearly equal shards.
 

@@ -31,7 +31,7 @@ import tensorflow as tf
 from tfreduce.cluster import Cluster
 from tfreduce.collective import (CollectiveOptions, broadcast_recv, broadcast_send, check_keys,
                                  in_function)
-from tfreduce.contract import check_flag, check_variables, validate_grads
+from tfreduce.contract import check_flag, check_root_rank, check_variables, validate_grads
 from tfreduce.crossworker import CROSS_WORKER_PACK_BYTES, CrossWorkerStage, cross_worker_options
 from tfreduce.devices import local_name, normalize_devices
 from tfreduce.localcluster import LocalCluster
@@ -220,10 +220,7 @@ def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
         outside 0..W-1.
     """
     _check_cluster(cluster, local_too=True)
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not (
-            0 <= root_rank < cluster.num_workers):
-        raise ValueError(f"root_rank must be an int in 0..{cluster.num_workers - 1}, got "
-                         f"{root_rank!r}")
+    check_root_rank(root_rank, cluster.num_workers)
     if cluster.is_local:
         # One process: the local broadcast; the collective options are
         # checked all the same, so a mistake shows before a cluster runs.

@@ -30,6 +30,7 @@ this, so ``--help`` never waits for TensorFlow.
 """
 
 import argparse
+import atexit
 import os
 import re
 import signal
@@ -87,7 +88,7 @@ def filter_stream(read_fd, write_fd):
         chunk = os.read(read_fd, 65536)
         if not chunk:
             if pending and not is_startup_noise(pending.decode("utf-8", "replace")):
-                os.write(write_fd, pending)
+                _write_all(write_fd, pending)
             return
         pending += chunk
         *lines, pending = pending.split(b"\n")
@@ -100,7 +101,27 @@ def filter_stream(read_fd, write_fd):
             out.append(pending)
             pending, passing = b"", True
         if out:
-            os.write(write_fd, b"".join(out))
+            _write_all(write_fd, b"".join(out))
+
+
+def _write_all(fd, data):
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _drain_filter():
+    # At exit: end the filter's input (this process's copy of it) and give
+    # the filter a moment to write the last lines, so that whoever waits
+    # for this process and then reads its stderr finds them there.
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    for child in _FILTERS:
+        try:
+            child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass  # another process still writes through it (a worker it started)
 
 
 def _start_stderr_filter():
@@ -119,6 +140,7 @@ def _start_stderr_filter():
     os.dup2(write_fd, 2)
     os.close(read_fd)
     os.close(write_fd)
+    atexit.register(_drain_filter)
 
 
 def import_tensorflow(verbose=False):

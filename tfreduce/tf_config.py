@@ -266,40 +266,43 @@ def expand_tasks_per_node(text):
 def slurm_tf_config(environ=None, port_base=SLURM_PORT_BASE):
     """The TF_CONFIG of this task of a SLURM job step, or None outside SLURM.
 
-    Reads SLURM_PROCID (this task's rank), SLURM_NTASKS, the step's node list
-    (SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST) and tasks per node
-    (SLURM_STEP_TASKS_PER_NODE, else SLURM_TASKS_PER_NODE); the tasks are
-    numbered node by node (SLURM's block distribution), task i of a node
-    listening on port_base + i, as TF's SlurmClusterResolver assigns them.
+    Reads the variables ``srun`` sets for a job step: SLURM_PROCID (this
+    task's rank), SLURM_STEP_NUM_TASKS, SLURM_STEP_NODELIST and
+    SLURM_STEP_TASKS_PER_NODE (not the job's: a batch script's shell has
+    SLURM_PROCID=0 and the job's variables, but no step to join). The tasks
+    are numbered node by node (SLURM's block distribution, checked against
+    SLURM_NODEID when set), task i of a node listening on port_base + i, as
+    TF's SlurmClusterResolver assigns them.
 
     Args:
       environ: mapping, the environment (None: os.environ).
       port_base: int, the port of each node's first task.
 
     Returns:
-      dict, a TF_CONFIG for ``parse_tf_config``; None when SLURM_PROCID is unset.
+      dict, a TF_CONFIG for ``parse_tf_config``; None when SLURM_PROCID is
+      unset, or set without a job step (a batch script's shell).
 
     Raises:
-      ValueError: a variable missing or malformed, or task counts that
-        disagree with SLURM_NTASKS (both named).
+      ValueError: a variable malformed, task counts that disagree with
+        SLURM_STEP_NUM_TASKS (both named), or a task on another node than
+        block distribution puts it (srun --distribution=block).
     """
     environ = os.environ if environ is None else environ
-    if "SLURM_PROCID" not in environ:
+    names = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST",
+             "SLURM_STEP_TASKS_PER_NODE")
+    if not all(environ.get(name) for name in names):
         return None
-
-    def read(*names):
-        for name in names:
-            if environ.get(name):
-                return environ[name]
-        raise ValueError(f"SLURM_PROCID is set but {' and '.join(names)} is not: start the "
-                         "processes with srun, or set TF_CONFIG")
-
-    nodes = expand_hostlist(read("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"))
-    tasks = expand_tasks_per_node(read("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"))
-    total, rank = int(read("SLURM_NTASKS")), int(read("SLURM_PROCID"))
+    rank, total = int(environ["SLURM_PROCID"]), int(environ["SLURM_STEP_NUM_TASKS"])
+    nodes = expand_hostlist(environ["SLURM_STEP_NODELIST"])
+    tasks = expand_tasks_per_node(environ["SLURM_STEP_TASKS_PER_NODE"])
     if len(tasks) != len(nodes) or sum(tasks) != total:
         raise ValueError(f"SLURM's {len(nodes)} nodes {nodes} with tasks per node {tasks} do "
-                         f"not give SLURM_NTASKS={total} tasks")
+                         f"not give SLURM_STEP_NUM_TASKS={total} tasks")
+    owners = [node for node, count in enumerate(tasks) for _ in range(count)]
+    if environ.get("SLURM_NODEID") and int(environ["SLURM_NODEID"]) != owners[rank]:
+        raise ValueError(f"SLURM task {rank} runs on node {environ['SLURM_NODEID']}, where "
+                         f"block distribution puts it on node {owners[rank]}: start the "
+                         "tasks with srun --distribution=block")
     workers = [f"{host}:{port_base + i}" for host, count in zip(nodes, tasks)
                for i in range(count)]
     return {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}

@@ -18,10 +18,10 @@ import tensorflow as tf
 from tfreduce.collective import (CollectiveChain, CollectiveOptions, broadcast_recv,
                                  broadcast_send)
 from tfreduce.compression import Compression, as_compressor
-from tfreduce.contract import tf_variables
+from tfreduce.contract import check_root_rank, tf_variables
 from tfreduce.devices import local_name
 from tfreduce.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
-from tfreduce.tensorflow.process import cluster, device
+from tfreduce.tensorflow.process import cluster, device, eager_functions
 
 __all__ = ["Average", "Sum", "Compression", "ProcessSet", "global_process_set", "allreduce",
            "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
@@ -68,6 +68,7 @@ def check_op(op, average=None, where="allreduce"):
 
 
 def check_process_set(process_set, where):
+    """Raises ValueError for a process set other than global_process_set, naming `where`."""
     if process_set is not global_process_set:
         raise ValueError(f"{where}: process_set={process_set!r}: only global_process_set "
                          "(every process) is supported")
@@ -232,14 +233,12 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     return grouped_allgather([tensor], name, ignore_name_scope, process_set)[0]
 
 
-# Eager calls' traced functions, by what they do and their input signature.
-_FUNCTIONS = {}
-
-
 def _spec(t, rows_vary):
     if isinstance(t, tf.IndexedSlices):  # rows differ from call to call
-        return tf.IndexedSlicesSpec(t.dense_shape.numpy().tolist() if tf.is_tensor(
-            t.dense_shape) else t.dense_shape, t.values.dtype, t.indices.dtype)
+        shape = t.dense_shape
+        return tf.IndexedSlicesSpec(
+            shape.numpy().tolist() if tf.is_tensor(shape) else shape, t.values.dtype,
+            t.indices.dtype, None if shape is None else tf.as_dtype(shape.dtype), [None])
     shape = t.shape.as_list()
     if rows_vary:
         shape[0] = None
@@ -258,17 +257,14 @@ def _run(key, build, tensors, rows_vary=False):
         return build(tensors)
     specs = [_spec(t, rows_vary) for t in tensors]
     full = (key, tuple(specs))
-    if full not in _FUNCTIONS:
-        _FUNCTIONS[full] = tf.function(build, input_signature=[specs], autograph=False)
-    return _FUNCTIONS[full](tensors)
+    functions = eager_functions()  # by what they do and their input signature
+    if full not in functions:
+        functions[full] = tf.function(build, input_signature=[specs], autograph=False)
+    return functions[full](tensors)
 
 
 def _check_root(root_rank, where):
-    size = cluster().num_workers
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not (
-            0 <= root_rank < size):
-        raise ValueError(f"{where}: root_rank must be an int in 0..{size - 1} (the ranks of "
-                         f"the {size} processes), got {root_rank!r}")
+    check_root_rank(root_rank, cluster().num_workers, f"{where}: ", " processes")
 
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,

@@ -29,7 +29,7 @@ from tfreduce.localcluster import LocalCluster
 from tfreduce.tf_config import SLURM_PORT_BASE, parse_address, slurm_tf_config
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-           "cross_rank", "cross_size", "cluster", "device"]
+           "cross_rank", "cross_size", "cluster", "device", "eager_functions"]
 
 
 class _Run:
@@ -40,6 +40,7 @@ class _Run:
         self.started = None     # the cluster once started (it outlives shutdown)
         self.hosts = [0]        # host index of every rank
         self.device = None      # this process's device, canonical
+        self.functions = {}     # eager calls' traced functions (ops.py), until shutdown
 
 
 _RUN = _Run()
@@ -117,6 +118,12 @@ def shutdown():
         return
     found, _RUN.cluster = _RUN.cluster, None
     found.finish()
+    _RUN.functions.clear()  # the eager calls' functions, and the variables they hold
+
+
+def eager_functions():
+    """dict, the traced functions of this run's eager collective calls (cleared at shutdown)."""
+    return _RUN.functions
 
 
 def is_initialized():

@@ -6,7 +6,7 @@ training loops.
 
 import tensorflow as tf
 
-from tfreduce.compression import Compression
+from tfreduce.compression import Compression, as_compressor
 from tfreduce.tensorflow.ops import (Average, check_op, check_process_set, global_process_set,
                                      grouped_allreduce)
 
@@ -33,9 +33,7 @@ def reduce_gradients(grads, op, compression, sparse_as_dense, gradient_predivide
     Raises:
       ValueError: gradient_predivide_factor != 1 with op=Sum.
     """
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError(f"{where}: gradient_predivide_factor={gradient_predivide_factor!r} "
-                         "needs op=Average")
+    check_predivide(gradient_predivide_factor, op, where)
     present = [n for n, g in enumerate(grads) if g is not None]
     values = [tf.convert_to_tensor(grads[n]) if sparse_as_dense else grads[n] for n in present]
     scale = {}
@@ -131,8 +129,15 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa
     check_groups(num_groups, groups, "DistributedGradientTape")
     check_process_set(process_set, "DistributedGradientTape")
     op = check_op(op, where="DistributedGradientTape")
+    check_predivide(gradient_predivide_factor, op, "DistributedGradientTape")
     return _DistributedGradientTape(
-        gradtape, (op, compression, sparse_as_dense, gradient_predivide_factor))
+        gradtape, (op, as_compressor(compression), sparse_as_dense, gradient_predivide_factor))
+
+
+def check_predivide(factor, op, where):
+    """Raises ValueError unless gradient_predivide_factor is 1 or op is Average."""
+    if factor != 1.0 and op != Average:
+        raise ValueError(f"{where}: gradient_predivide_factor={factor!r} needs op=Average")
 
 
 def check_groups(num_groups, groups, where):

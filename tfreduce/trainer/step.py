@@ -335,6 +335,8 @@ class StepFunctions:
             # non-finite loss is not.
             if raises and not bool(losses_finite):
                 raise self._loss_error(number, tower_losses.numpy())
+            # A non-finite loss skips the update even when its gradients are finite.
+            finite = bool(finite) and bool(losses_finite)
         elif raises and not bool(finite):
             raise nonfinite_error(report.numpy(), number, self._towers, self._options.cluster,
                                   self._options.reduction.compression)

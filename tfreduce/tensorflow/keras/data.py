@@ -21,7 +21,10 @@ global batch, and the same number of batches. ``DistributedBatches`` is a
   example once;
 - the batches come in their order whatever ``fit(shuffle=...)`` says: Keras
   would permute the batch indices with each process's own random state, and
-  the processes would then take parts of different global batches.
+  the processes would then take parts of different global batches. Each
+  epoch takes them all: do not pass ``fit(steps_per_epoch=...)`` smaller
+  than ``len()`` (Keras then keeps the iterator across epochs, and how far
+  each process has read ahead differs).
 
 In float64, Keras' PyDataset path differs from its array path by about
 1e-8 (relative, measured on a dense model over 3 epochs): for float64 runs
@@ -85,6 +88,9 @@ class DistributedBatches(keras.utils.PyDataset):
             raise ValueError(f"rank {rank} is not in 0..{size - 1}")
         if remainder not in REMAINDERS:
             raise ValueError(f"remainder must be 'drop' or 'pad', got {remainder!r}")
+        if remainder == "pad" and self.y is None:
+            raise ValueError("remainder='pad' weights the padding 0, which needs targets y: "
+                             "Keras would read (x, weights) as (x, y)")
         if not size <= global_batch_size <= count:
             raise ValueError(f"global_batch_size {global_batch_size} must be at least the "
                              f"{size} processes and at most the {count} examples")

@@ -9,9 +9,9 @@ user's optimizer class.
 import keras
 import tensorflow as tf
 
-from tfreduce.compression import Compression
+from tfreduce.compression import Compression, as_compressor
 from tfreduce.tensorflow.ops import Average, check_op, check_process_set, global_process_set
-from tfreduce.tensorflow.tape import check_groups, reduce_gradients
+from tfreduce.tensorflow.tape import check_groups, check_predivide, reduce_gradients
 
 __all__ = ["DistributedOptimizer", "describe_optimizer"]
 
@@ -72,8 +72,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     Pass it to ``model.compile``; ``fit`` (and custom ``train_step``s that
     call ``apply_gradients``) then reduce each step's gradients in the
     traced step, packed and compressed as asked, before the update. A
-    ``LossScaleOptimizer`` (mixed_float16) decides on the reduced gradients,
-    the same on every process. The result is a new optimizer of a subclass
+    ``LossScaleOptimizer`` decides on the reduced gradients, the same on
+    every process; under the mixed_float16 policy an optimizer that is not
+    one is wrapped in one here, as ``compile`` would do outside.
+    ``iterations`` counts updates (with backward_passes_per_step=M, one
+    per M calls), as Keras' own gradient accumulation does. The result is a new optimizer of a subclass
     of the optimizer's class (same name), built from its config: state
     already in `optimizer` is not copied.
 
@@ -125,9 +128,14 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     check_groups(num_groups, groups, "DistributedOptimizer")
     check_process_set(process_set, "DistributedOptimizer")
     op = check_op(op, where="DistributedOptimizer")
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError(f"DistributedOptimizer: gradient_predivide_factor="
-                         f"{gradient_predivide_factor!r} needs op=Average")
+    check_predivide(gradient_predivide_factor, op, "DistributedOptimizer")
+    compression = as_compressor(compression)
+    if (keras.mixed_precision.global_policy().name == "mixed_float16"
+            and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
+        # As compile would, but inside: the scale must decide on the reduced
+        # gradients, the same on every process (compile's outer wrapper
+        # would check each process's own and could skip on one only).
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
