@@ -58,8 +58,19 @@ def loss_fn():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def reference(micro=1, dtype="float32", batch_norm=False):
-    """One process fitting the whole global batches from rank 0's weights (micro: accumulated)."""
+def reference(micro=1, dtype="float32", batch_norm=False, mixed=False):
+    """One process fitting the whole global batches from rank 0's weights (micro: accumulated).
+
+    mixed: under Keras' mixed_float16 policy (float32 again after)."""
+    if mixed:
+        keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        return _reference(micro, dtype, batch_norm)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def _reference(micro, dtype, batch_norm):
     model = make_model(FIT_SEED, dtype, keras.layers.BatchNormalization if batch_norm else None)
     optimizer = keras.optimizers.Adam(0.01, gradient_accumulation_steps=micro if micro > 1
                                       else None)
@@ -126,6 +137,8 @@ def fit(hvdk, out, name, micro=1, dtype="float32", norm=None, hidden=8, **option
         out[f"{name}/{i}"] = v.numpy()
     out[f"{name}/loss"] = np.array(history.history["loss"])
     out[f"{name}/class"] = np.array(type(model.optimizer).__name__)
+    if name == "mixed":
+        out[f"{name}/optimizer"] = model.optimizer
 
 
 def custom_loop(hvd, out):
@@ -216,6 +229,11 @@ def main(argv=None):
     fit(hvdk, out, "passes4", micro=4, backward_passes_per_step=4,
         average_aggregated_gradients=True)
     fit(hvdk, out, "syncbn", norm=hvdk.SyncBatchNormalization)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    fit(hvdk, out, "mixed")
+    out["mixed/scale"] = np.array(float(keras.ops.convert_to_numpy(
+        out.pop("mixed/optimizer").dynamic_scale)))
+    keras.mixed_precision.set_global_policy("float32")
     fit(hvdk, out, "float64", dtype="float64", norm=hvdk.SyncBatchNormalization)
     custom_loop(hvd, out)
     np.savez(os.path.join(args.out, f"rank{hvd.rank()}.npz"), **out)
