@@ -4,6 +4,7 @@ The 2-process runs are in tests/test_horovod.py.
 """
 
 import inspect
+import json
 import os
 import socket
 import subprocess
@@ -366,3 +367,45 @@ def test_an_embedding_gradient_is_reduced_eagerly_as_indexed_slices(one_process)
     assert isinstance(grad, tf.IndexedSlices)
     np.testing.assert_array_equal(tf.convert_to_tensor(grad).numpy().sum(axis=1),
                                   [0, 3, 0, 0, 6, 0, 0, 0, 0, 0])
+
+
+def test_scale_factors_scale_the_rows_of_indexed_slices(one_process):
+    rows = tf.IndexedSlices(tf.constant([[1.0, 2.0], [3.0, 4.0]]), tf.constant([0, 3]),
+                            tf.constant([5, 2]))
+    out = hvd.allreduce(rows, op=hvd.Sum, prescale_factor=0.5, postscale_factor=4.0)
+    assert isinstance(out, tf.IndexedSlices) and out.indices.numpy().tolist() == [0, 3]
+    np.testing.assert_array_equal(out.values.numpy(), [[2.0, 4.0], [6.0, 8.0]])
+    # Horovod's gradient_predivide_factor with an embedding's sparse gradient.
+    layer = keras.layers.Embedding(6, 2, embeddings_initializer="ones")
+    layer.build((None,))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(tf.constant([2, 2])))
+    tape = hvd.DistributedGradientTape(tape, gradient_predivide_factor=4.0)
+    (grad,) = tape.gradient(loss, layer.trainable_variables)
+    np.testing.assert_array_equal(tf.convert_to_tensor(grad).numpy()[2], [2.0, 2.0])
+
+
+@pytest.mark.slow
+def test_each_local_rank_sees_its_own_gpu():
+    # No GPU here: TensorFlow's device listing is replaced by 4 made-up GPUs,
+    # and the choice init() makes for local rank 1 of 2 (on one host) is read.
+    code = "\n".join([
+        "import json, tensorflow as tf",
+        "gpus = [tf.config.PhysicalDevice(f'/physical_device:GPU:{i}', 'GPU') for i in range(4)]",
+        "chosen = []",
+        "tf.config.list_physical_devices = lambda kind=None: gpus if kind == 'GPU' else []",
+        "tf.config.set_visible_devices = lambda devices, kind=None: chosen.append(devices.name)",
+        "import tfreduce.cluster",
+        "tfreduce.cluster.Cluster.start = lambda self: self  # no server: nothing to reach",
+        "import tfreduce.tensorflow as hvd",
+        "hvd.init()",
+        "print(json.dumps([hvd.local_rank(), chosen]))",
+    ])
+    config = {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+              "task": {"type": "worker", "index": 1}}
+    env = dict(os.environ, TF_CONFIG=json.dumps(config))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    local_rank, chosen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert local_rank == 1 and chosen == ["/physical_device:GPU:1"]

@@ -105,8 +105,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
         prescaled by 1/size when averaging so a mean that fits never
         overflows.
       op: Average (None) or Sum.
-      prescale_factor: float multiplied in before the reduction (dense
-        tensors only).
+      prescale_factor: float multiplied in before the reduction (the values
+        of IndexedSlices).
       postscale_factor: float multiplied in after it.
       process_set: global_process_set (the only one).
       ignore_name_scope: accepted for Horovod's signature.
@@ -117,8 +117,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
 
     Raises:
       RuntimeError: init() was not called.
-      ValueError: an unsupported op or process set, scale factors with
-        IndexedSlices, tensors tfreduce cannot reduce (named).
+      ValueError: an unsupported op or process set, tensors tfreduce cannot
+        reduce (named).
     """
     del device_dense, device_sparse, ignore_name_scope, name
     return _allreduce_list(tensors, average, compression, op, prescale_factor, postscale_factor,
@@ -130,10 +130,6 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
     op = check_op(op, average, where)
     check_process_set(process_set, where)
     tensors = [_check_tensor(t) for t in tensors]
-    scaled = prescale_factor != 1.0 or postscale_factor != 1.0
-    if scaled and any(isinstance(t, tf.IndexedSlices) for t in tensors):
-        raise ValueError(f"{where}: prescale_factor and postscale_factor apply to dense "
-                         "tensors only, not tf.IndexedSlices")
     if not tensors:
         return []
     found, place = cluster(), device()
@@ -142,7 +138,7 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
     def build(tensors):
         with tf.device(place):
             if prescale_factor != 1.0:
-                tensors = [t * tf.cast(prescale_factor, t.dtype) for t in tensors]
+                tensors = [_scaled(t, prescale_factor) for t in tensors]
             if found.is_local:
                 out = [t if isinstance(t, tf.IndexedSlices) else tf.identity(t)
                        for t in tensors]
@@ -150,11 +146,19 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
                 out = allreduce_grads_multiworker([tensors], [place], average=op == Average,
                                                   cluster=found, compression=compression)[0]
             if postscale_factor != 1.0:
-                out = [t * tf.cast(postscale_factor, t.dtype) for t in out]
+                out = [_scaled(t, postscale_factor) for t in out]
         return out
 
     return _run(("allreduce", op, compression.name, prescale_factor, postscale_factor),
                 build, tensors)
+
+
+def _scaled(t, factor):
+    # IndexedSlices: their values (the rows they hold), as Horovod scales them.
+    if isinstance(t, tf.IndexedSlices):
+        return tf.IndexedSlices(t.values * tf.cast(factor, t.values.dtype), t.indices,
+                                t.dense_shape)
+    return t * tf.cast(factor, t.dtype)
 
 
 def allreduce(tensor, average=None, device_dense="", device_sparse="",
