@@ -674,27 +674,10 @@ def fit_with_keras(parser, args, devices, data):
     history = read_history(history_path) if args.resume else []
     rates = []
 
-    class Record(keras.callbacks.Callback):
-        # Per-epoch logs and images/s, the same as ReplicatedTrainer's run.
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start, self.images = time.perf_counter(), 0
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.images += args.batch_size
-
-        def on_epoch_end(self, epoch, logs=None):
-            seconds = time.perf_counter() - self.start
-            images = min(self.images, num_train) if num_train is not None else self.images
-            rates.append(images / seconds)
-            entry = {"epoch": epoch + 1, **{k: float(v) for k, v in logs.items()},
-                     "images_per_sec": rates[-1]}
-            history[:] = [h for h in history if h["epoch"] <= epoch] + [entry]
-            write_atomically(history_path, json.dumps(history, indent=1))
-
     callbacks = [
         keras.callbacks.BackupAndRestore(backup, double_checkpoint=True, delete_checkpoint=False),
         keras.callbacks.TensorBoard(args.logdir),
-        Record(),
+        record_epochs(args, num_train, rates, history, history_path),
     ]
     x, y = train if isinstance(train, tuple) else (train, None)
     verbose = 0 if args.quiet else 1 if sys.stdout.isatty() else 2
@@ -791,29 +774,45 @@ def horovod_callbacks(hvd, args, backup, num_train, rates, history):
     """
     import keras
 
-    history_path = os.path.join(args.logdir, "history.json")
-
-    class Record(keras.callbacks.Callback):
-        # Per-epoch logs (averaged over processes) and images/s.
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            rates.append(num_train / (time.perf_counter() - self.start))
-            if history is not None:
-                entry = {"epoch": epoch + 1, **{k: float(v) for k, v in logs.items()},
-                         "images_per_sec": rates[-1]}
-                history[:] = [h for h in history if h["epoch"] <= epoch] + [entry]
-                write_atomically(history_path, json.dumps(history, indent=1))
-
+    record = record_epochs(args, num_train, rates, history,
+                           os.path.join(args.logdir, "history.json"))
     callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
-                 hvd.callbacks.MetricAverageCallback(), Record()]
+                 hvd.callbacks.MetricAverageCallback(), record]
     if history is not None:
         os.makedirs(args.logdir, exist_ok=True)
         callbacks.insert(0, keras.callbacks.BackupAndRestore(
             backup, double_checkpoint=True, delete_checkpoint=False))
         callbacks.append(keras.callbacks.TensorBoard(args.logdir))
     return callbacks
+
+
+def record_epochs(args, num_train, rates, history, history_path):
+    """A Keras callback: each epoch's images/s into rates, its logs into history.
+
+    The same entries as ReplicatedTrainer's run; history None: nothing is
+    written (a process other than rank 0).
+    """
+    import keras
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start, self.images = time.perf_counter(), 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.images += args.batch_size  # a global batch per step
+
+        def on_epoch_end(self, epoch, logs=None):
+            seconds = time.perf_counter() - self.start
+            images = min(self.images, num_train) if num_train is not None else self.images
+            rates.append(images / seconds)
+            if history is None:
+                return
+            entry = {"epoch": epoch + 1, **{k: float(v) for k, v in logs.items()},
+                     "images_per_sec": rates[-1]}
+            history[:] = [h for h in history if h["epoch"] <= epoch] + [entry]
+            write_atomically(history_path, json.dumps(history, indent=1))
+
+    return Record()
 
 
 def report(args, results, rates, history, what, checkpoints):

@@ -4,55 +4,85 @@ Source: Horovod's DistributedGradientTape (horovod.tensorflow), for custom
 training loops.
 """
 
+import dataclasses
+
 import tensorflow as tf
 
 from tfreduce.compression import Compression, as_compressor
 from tfreduce.tensorflow.ops import (Average, check_op, check_process_set, global_process_set,
                                      grouped_allreduce)
 
-__all__ = ["DistributedGradientTape", "reduce_gradients"]
+__all__ = ["DistributedGradientTape", "GradientReduction"]
 
 
-def reduce_gradients(grads, op, compression, sparse_as_dense, gradient_predivide_factor,
-                     where):
-    """All-reduces a list of gradients (None kept) in one grouped all-reduce.
+@dataclasses.dataclass(frozen=True)
+class GradientReduction:
+    """How DistributedGradientTape and DistributedOptimizer reduce gradients, checked once.
 
-    Args:
-      grads: list of N tf.Tensor, tf.IndexedSlices or None.
+    Attributes:
       op: Average or Sum.
-      compression: a tfreduce.Compression member or its name.
+      compression: a tfreduce.Compressor.
       sparse_as_dense: bool, IndexedSlices are made dense first.
       gradient_predivide_factor: float f: with op=Average, each gradient is
         divided by f before the sum and multiplied by f after it (Horovod's
         split of the averaging); 1.0 does neither.
-      where: str, the caller, for error messages.
-
-    Returns:
-      list of N, the reduced gradients (None where the gradient is None).
-
-    Raises:
-      ValueError: gradient_predivide_factor != 1 with op=Sum.
     """
-    check_predivide(gradient_predivide_factor, op, where)
-    present = [n for n, g in enumerate(grads) if g is not None]
-    values = [tf.convert_to_tensor(grads[n]) if sparse_as_dense else grads[n] for n in present]
-    scale = {}
-    if gradient_predivide_factor != 1.0:
-        scale = {"prescale_factor": 1.0 / gradient_predivide_factor,
-                 "postscale_factor": gradient_predivide_factor}
-    reduced = grouped_allreduce(values, compression=compression, op=op, **scale)
-    out = list(grads)
-    for n, g in zip(present, reduced):
-        out[n] = g
-    return out
+
+    op: str
+    compression: object
+    sparse_as_dense: bool
+    gradient_predivide_factor: float
+
+    @classmethod
+    def from_horovod(cls, where, compression, sparse_as_dense, op, gradient_predivide_factor,
+                     num_groups, groups, process_set):
+        """From Horovod's keyword arguments of `where` (the wrapper, for messages).
+
+        Raises:
+          ValueError: an unsupported op, explicit fusion groups (tfreduce packs
+            by size), a process set, gradient_predivide_factor != 1 with
+            op=Sum; a bad compression.
+        """
+        if num_groups or groups is not None:
+            raise ValueError(f"{where}: num_groups={num_groups!r}, groups={groups!r}: explicit "
+                             "fusion groups are not supported; tfreduce packs the gradients "
+                             "into 4 MiB buffers")
+        check_process_set(process_set, where)
+        op = check_op(op, where=where)
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError(f"{where}: gradient_predivide_factor="
+                             f"{gradient_predivide_factor!r} needs op=Average")
+        return cls(op, as_compressor(compression), bool(sparse_as_dense),
+                   gradient_predivide_factor)
+
+    def reduce(self, grads):
+        """All-reduces a list of gradients (None kept) in one grouped all-reduce.
+
+        Args:
+          grads: list of N tf.Tensor, tf.IndexedSlices or None.
+
+        Returns:
+          list of N, the reduced gradients (None where the gradient is None).
+        """
+        present = [n for n, g in enumerate(grads) if g is not None]
+        values = [tf.convert_to_tensor(grads[n]) if self.sparse_as_dense else grads[n]
+                  for n in present]
+        factor = self.gradient_predivide_factor
+        scale = {} if factor == 1.0 else {"prescale_factor": 1.0 / factor,
+                                          "postscale_factor": factor}
+        reduced = grouped_allreduce(values, compression=self.compression, op=self.op, **scale)
+        out = list(grads)
+        for n, g in zip(present, reduced):
+            out[n] = g
+        return out
 
 
 class _DistributedGradientTape:
     """The wrapped tape, whose ``gradient`` all-reduces; every other attribute is the tape's."""
 
-    def __init__(self, tape, options):
+    def __init__(self, tape, reduction):
         self._tape = tape
-        self._options = options
+        self._reduction = reduction
 
     def __getattr__(self, name):
         return getattr(self._tape, name)
@@ -78,8 +108,7 @@ class _DistributedGradientTape:
             "unconnected_gradients": unconnected_gradients}
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
         flat = tf.nest.flatten(grads)
-        reduced = reduce_gradients(flat, *self._options, "DistributedGradientTape")
-        return tf.nest.pack_sequence_as(grads, reduced)
+        return tf.nest.pack_sequence_as(grads, self._reduction.reduce(flat))
 
 
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa: N802
@@ -107,7 +136,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa
       compression: tfreduce.Compression.none, .fp16 or .bf16.
       sparse_as_dense: bool, densify IndexedSlices gradients first.
       op: Average (default) or Sum.
-      gradient_predivide_factor: float, see ``reduce_gradients``.
+      gradient_predivide_factor: float, see ``GradientReduction``.
       num_groups: Horovod's number of fusion groups; tfreduce packs by size:
         must be 0.
       groups: Horovod's fusion groups: must be None.
@@ -120,29 +149,12 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa
 
     Raises:
       TypeError: gradtape is not a tf.GradientTape.
-      ValueError: an unsupported op, groups or process set.
+      ValueError: see ``GradientReduction.from_horovod``.
     """
     del device_dense, device_sparse, scale_local_gradients
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError(f"DistributedGradientTape needs a tf.GradientTape, got "
                         f"{type(gradtape).__name__}")
-    check_groups(num_groups, groups, "DistributedGradientTape")
-    check_process_set(process_set, "DistributedGradientTape")
-    op = check_op(op, where="DistributedGradientTape")
-    check_predivide(gradient_predivide_factor, op, "DistributedGradientTape")
-    return _DistributedGradientTape(
-        gradtape, (op, as_compressor(compression), sparse_as_dense, gradient_predivide_factor))
-
-
-def check_predivide(factor, op, where):
-    """Raises ValueError unless gradient_predivide_factor is 1 or op is Average."""
-    if factor != 1.0 and op != Average:
-        raise ValueError(f"{where}: gradient_predivide_factor={factor!r} needs op=Average")
-
-
-def check_groups(num_groups, groups, where):
-    """Refuses Horovod's explicit fusion groups: tfreduce packs gradients by size."""
-    if num_groups or groups is not None:
-        raise ValueError(f"{where}: num_groups={num_groups!r}, groups={groups!r}: explicit "
-                         "fusion groups are not supported; tfreduce packs the gradients into "
-                         "4 MiB buffers")
+    return _DistributedGradientTape(gradtape, GradientReduction.from_horovod(
+        "DistributedGradientTape", compression, sparse_as_dense, op, gradient_predivide_factor,
+        num_groups, groups, process_set))

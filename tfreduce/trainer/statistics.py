@@ -48,12 +48,9 @@ def sync_moving(towers, sizes, batch, after, allreduce):
         sizes[k] / B of all T towers add up to 1.
       after: tensors the reduction runs after (control dependencies).
       allreduce: fn(all_grads, average) -> K x N, the trainer's all-reduce.
-
-    Returns:
-      the tensors a later collective must run after.
     """
     if not towers.moving[0]:
-        return after
+        return
     weighted = []
     for k, device in enumerate(towers.devices):
         with tf.device(device), tf.name_scope(f"tower{k}_moving"):
@@ -67,4 +64,3 @@ def sync_moving(towers, sizes, batch, after, allreduce):
         with tf.device(device):
             for v, value in zip(towers.moving[k], reduced[k]):
                 v.assign(value)
-    return list(reduced[0])

@@ -124,8 +124,9 @@ def _update(towers, options, state, all_grads, batch, losses_finite, after):
       after: tensors the gradients' reduction runs after.
 
     Returns:
-      (finite bool scalar, report int32 [K + 1, N] (see locate_nonfinite),
-      the tensors a later collective must run after).
+      (finite bool scalar: the update applied (with a LossScaleOptimizer,
+      also every loss finite), report int32 [K + 1, N] (see
+      locate_nonfinite), the tensors a later collective must run after).
     """
     grads = state.take(all_grads, batch)
     with tf.control_dependencies(after):
@@ -134,6 +135,10 @@ def _update(towers, options, state, all_grads, batch, losses_finite, after):
     finite = all_finite(reduced[0], towers.devices[0])
     report = locate_nonfinite(finite, grads, reduced[0], towers.devices, HOST)
     apply_gradients(towers, reduced, finite, losses_finite)
+    if scales_loss(towers.optimizers[0]):
+        # A non-finite loss skips the update even when its gradients are
+        # finite: the commit and the skipped-step count follow.
+        finite = tf.logical_and(finite, losses_finite)
     # Each worker's collectives run one after the other, in the same
     # order on every worker: independent ones could wait for each other.
     after = [g for g in reduced[0] if g is not None] if options.multiworker else []
@@ -161,9 +166,9 @@ def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
       (float64 scalar, the mean loss over the global batch plus
       regularisation; int64 scalar, the correct predictions in the global
       batch, -1 when accuracy is not defined; float64 scalar, the workers
-      asked to stop, summed over the cluster; bool scalar, the reduced
-      gradients are finite; int32 [K + 1, N], where they are not (see
-      update.locate_nonfinite); float64 [K], each tower's loss sum; bool
+      asked to stop, summed over the cluster; bool scalar, the update
+      applied (see _update); int32 [K + 1, N], where the gradients are not
+      finite (see update.locate_nonfinite); float64 [K], each tower's loss sum; bool
       scalar, every loss of the update cycle on every tower of every worker
       is finite).
     """
@@ -335,8 +340,6 @@ class StepFunctions:
             # non-finite loss is not.
             if raises and not bool(losses_finite):
                 raise self._loss_error(number, tower_losses.numpy())
-            # A non-finite loss skips the update even when its gradients are finite.
-            finite = bool(finite) and bool(losses_finite)
         elif raises and not bool(finite):
             raise nonfinite_error(report.numpy(), number, self._towers, self._options.cluster,
                                   self._options.reduction.compression)

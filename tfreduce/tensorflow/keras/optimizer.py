@@ -9,9 +9,9 @@ user's optimizer class.
 import keras
 import tensorflow as tf
 
-from tfreduce.compression import Compression, as_compressor
-from tfreduce.tensorflow.ops import Average, check_op, check_process_set, global_process_set
-from tfreduce.tensorflow.tape import check_groups, check_predivide, reduce_gradients
+from tfreduce.compression import Compression
+from tfreduce.tensorflow.ops import Average, global_process_set
+from tfreduce.tensorflow.tape import GradientReduction
 
 __all__ = ["DistributedOptimizer", "describe_optimizer"]
 
@@ -30,8 +30,7 @@ def _distributed_class(base):
                                                       name="tfreduce_backward_passes")
 
     def reduce_and_apply(self, grads, variables):
-        reduced = reduce_gradients(grads, *self._tfreduce_options, "DistributedOptimizer")
-        return base.apply(self, reduced, variables)
+        return base.apply(self, self._tfreduce_reduction.reduce(grads), variables)
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
@@ -125,11 +124,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
             backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be an int >= 1, got "
                          f"{backward_passes_per_step!r}")
-    check_groups(num_groups, groups, "DistributedOptimizer")
-    check_process_set(process_set, "DistributedOptimizer")
-    op = check_op(op, where="DistributedOptimizer")
-    check_predivide(gradient_predivide_factor, op, "DistributedOptimizer")
-    compression = as_compressor(compression)
+    reduction = GradientReduction.from_horovod(
+        "DistributedOptimizer", compression, sparse_as_dense, op, gradient_predivide_factor,
+        num_groups, groups, process_set)
     if (keras.mixed_precision.global_policy().name == "mixed_float16"
             and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
         # As compile would, but inside: the scale must decide on the reduced
@@ -140,8 +137,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if name is not None:
         config["name"] = name
     distributed = _distributed_class(type(optimizer)).from_config(config)
-    distributed._tfreduce_options = (op, compression, sparse_as_dense,
-                                     gradient_predivide_factor)
+    distributed._tfreduce_reduction = reduction
     distributed._tfreduce_passes_per_step = backward_passes_per_step
     distributed._tfreduce_average_aggregated = bool(average_aggregated_gradients)
     return distributed
@@ -151,7 +147,7 @@ def describe_optimizer(optimizer):
     """The optimizer's class and reduction settings, as text the processes compare."""
     if optimizer is None:
         return "no optimizer"
-    settings = getattr(optimizer, "_tfreduce_options", None)
+    settings = getattr(optimizer, "_tfreduce_reduction", None)
     passes = getattr(optimizer, "_tfreduce_passes_per_step", None)
     return (f"optimizer {type(optimizer).__name__}, reduction {settings!r}, "
             f"backward_passes_per_step {passes}")
