@@ -23,7 +23,7 @@ LAYERS = {
     "devices": 1,
     "contract": 2,
     "packing": 3, "compression": 3, "graphwalk": 3,
-    "primitives": 4, "collective": 4, "traffic": 4,
+    "primitives": 4, "collective": 4, "traffic": 4, "stage": 4,
     "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5,
     "registry": 5, "costmodel": 5, "hostprobe": 5, "planner": 5, "powersgd": 5,
     "failures": 5, "cluster": 5, "localcluster": 5, "crossworker": 5, "consistency": 5,
@@ -32,14 +32,13 @@ LAYERS = {
     "trainer": 8, "distribute": 8, "tensorflow": 8,
     "launch": 9, "bench": 9,
 }
-# Same-layer imports that are part of the design: the algorithms and the
-# cross-worker stage build on the frame; the registry names the algorithms;
+# Same-layer imports that are part of the design: the stage contract uses the
+# primitives' one scaling; the registry names the algorithms;
 # the planner costs the registry's stages, run in the frame, with the cost
 # model, which calls the host probe, which times the collective algorithm's
 # stage; the cluster uses the failure probes.
 SAME_LAYER = {
-    ("replicated", "frame"), ("hierarchical", "frame"), ("ring", "frame"),
-    ("nccl_ops", "frame"), ("crossworker", "frame"),
+    ("stage", "primitives"),
     ("registry", "replicated"), ("registry", "hierarchical"), ("registry", "ring"),
     ("registry", "nccl_ops"),
     ("cluster", "failures"), ("costmodel", "hostprobe"),

@@ -13,7 +13,7 @@ from tfreduce.collective import CollectiveChain, CollectiveOptions, check_keys
 from tfreduce.compression import Compression
 from tfreduce.contract import nbytes
 from tfreduce.devices import local_name
-from tfreduce.frame import Stage
+from tfreduce.stage import Stage
 from tfreduce.primitives import (RootBalancer, broadcast, finish_sum, mean_of_sum,
                                  scale_by_reciprocal, sum_order)
 

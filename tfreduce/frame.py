@@ -7,20 +7,13 @@ One public call builds one reduction:
     run the stages on the dense entries, gather the sparse ones -> unpack
     to K x N
 
-An algorithm is a ``Stage``: it only reduces packed dense buffers. Every
-check, the packing, the sparse path and the errors users see are shared, so
-all algorithms behave the same. A reduction of several stages (the
-multi-worker one: local stage -> cross-worker stage) is a list of stages run
-by the same frame: every stage but the last forms plain sums in the
-accumulation dtype; the last scales once and casts back once.
-
-The stage contract, tower-major like the public API::
-
-    buffers[k][m]   entry m as tower k holds it: a dense tf.Tensor on
-                    devices[k]; an entry has one shape and dtype on every tower
-    out = stage.reduce(buffers, ctx)
-    out[k][m]       the sum (or mean) of entry m over the stage's towers,
-                    placed on devices[k], of dtype ctx.dtypes[m]
+An algorithm is a ``Stage`` (``tfreduce.stage``, which states its contract):
+it only reduces packed dense buffers. Every check, the packing, the sparse
+path and the errors users see are shared, so all algorithms behave the same.
+A reduction of several stages (the multi-worker one: local stage ->
+cross-worker stage) is a list of stages run by the same frame: every stage
+but the last forms plain sums in the accumulation dtype; the last scales
+once and casts back once.
 """
 
 import tensorflow as tf
@@ -31,118 +24,11 @@ from tfreduce.contract import nbytes, values_of
 from tfreduce.devices import host_device
 from tfreduce.packing import PackPlan
 from tfreduce.primitives import (RootBalancer, accumulation_dtype, broadcast_slices,
-                                 check_average_dtype, finish_sum, gather_slices,
-                                 scale_by_reciprocal, sum_order)
+                                 check_average_dtype, gather_slices, scale_by_reciprocal,
+                                 sum_order)
+from tfreduce.stage import ReduceContext
 
-__all__ = ["Stage", "ReduceContext", "run_stages"]
-
-
-class Stage:
-    """One reduction algorithm over packed dense buffers (see the module docstring).
-
-    Subclasses set their options once, in the constructor (which checks
-    them), and implement ``reduce``.
-
-    Attributes:
-      name: str, the algorithm's name; ``allreduce_<name>`` is its name scope.
-      collective: bool, the K ops of one entry wait for each other (NCCL, TF
-        collective ops): every one of them must run.
-      needs_function: bool, eagerly the frame builds and runs the whole call
-        in one tf.function (TF collective ops).
-    """
-
-    name = None
-    collective = False
-    needs_function = False
-
-    #: dtypes the stage's engine can sum, or None for every floating-point
-    #: and integer dtype (add_n's).
-    dtypes = None
-
-    def bind(self, devices):
-        """Checks the options against the K canonical devices, before any op is built.
-
-        Returns:
-          Stage, the one to run (self, or a copy with options resolved for K).
-
-        Raises:
-          ValueError: devices this stage cannot use, or options that do not
-            fit K.
-        """
-        return self
-
-    def gather(self, slices, device, average, m):
-        """The later stage of a composition: gathers a ``tf.IndexedSlices`` further.
-
-        The frame gathers the K towers' rows of a sparse entry on one device;
-        a later stage (across workers) gathers those further and scales them.
-
-        Args:
-          slices: tf.IndexedSlices on ``device``, the rows of this stage's
-            members gathered so far.
-          device: str.
-          average: bool, scale the values by 1/T of all towers.
-          m: int, the entry, for op names.
-
-        Returns:
-          tf.IndexedSlices on ``device``.
-        """
-        raise NotImplementedError(f"stage {self.name!r} cannot follow another stage")
-
-    def reduce(self, buffers, ctx):
-        """Reduces K x M dense buffers.
-
-        Args:
-          buffers: list of K lists of M tf.Tensor, ``buffers[k][m]`` on
-            ``ctx.devices[k]``.
-          ctx: ReduceContext.
-
-        Returns:
-          list of K lists of M tf.Tensor, ``out[k][m]`` on ``ctx.devices[k]``.
-        """
-        raise NotImplementedError
-
-
-class ReduceContext:
-    """What a stage needs to know of the call it is part of.
-
-    Args:
-      devices: list of K canonical device strings.
-      average: bool, the stage scales the sum by 1/T where it completes it.
-      dtypes: list of M tf.DType, the dtype each entry's result must have.
-      upstream_collective: bool, the input comes from a collective stage: a
-        stage that reads only some towers' copies must still make the others
-        run (see ``Stage.collective``).
-      wire_sum: bool, the call compresses (``compression=``): partial sums
-        of 16-bit entries cross devices in 16 bits too (hierarchical group
-        sums, ring hops, the collective's sum) instead of going up to
-        float32 first; when averaging, the frame has prescaled the inputs
-        by 1/K and asks the stages for a sum (``average`` False), so no
-        partial sum of a mean overflows.
-    """
-
-    def __init__(self, devices, average, dtypes, upstream_collective=False, wire_sum=False):
-        self.devices = devices
-        self.average = average
-        self.dtypes = dtypes
-        self.upstream_collective = upstream_collective
-        self.wire_sum = wire_sum
-
-    def finish(self, total, m, num_replicas, device, name):
-        """Scales a completed sum of entry m by 1/T (if averaging) and casts it back.
-
-        Args:
-          total: tf.Tensor, the sum over T = ``num_replicas`` towers, in the
-            accumulation dtype, on ``device``.
-          m: int, the entry.
-          num_replicas: int T.
-          device: str.
-          name: str, the result op's name.
-
-        Returns:
-          tf.Tensor of ``dtypes[m]`` on ``device``.
-        """
-        return finish_sum(total, self.dtypes[m], num_replicas, self.average, device, name)
+__all__ = ["run_stages"]
 
 
 def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_dense=False,

@@ -18,7 +18,7 @@ divides by K once, on the device that forms the total.
 import tensorflow as tf
 
 from tfreduce.contract import nbytes, validate_groups
-from tfreduce.frame import Stage
+from tfreduce.stage import Stage
 from tfreduce.primitives import RootBalancer, broadcast, finish_sum, reduce_to, sum_order
 
 __all__ = ["HierarchicalStage", "default_groups"]

@@ -17,7 +17,7 @@ from tensorflow.python.ops import nccl_ops as _tf_nccl
 
 from tfreduce.collective import CollectiveChain, CollectiveKeys, CollectiveOptions, check_keys
 from tfreduce.devices import is_gpu
-from tfreduce.frame import Stage
+from tfreduce.stage import Stage
 from tfreduce.primitives import accumulation_dtype, scale_by_reciprocal
 
 __all__ = ["NcclStage", "CollectiveStage"]

@@ -226,7 +226,7 @@ class Reduction:
         Args:
           grads: contract.Gradients, the K x N input, validated once.
           average: bool, checked by the caller.
-          later: list of frame.Stage to run after this reduction's own
+          later: list of stage.Stage to run after this reduction's own
             stage: the cross-worker stage of a multi-worker reduction, which
             then does the compression (of the local sums) itself.
 

@@ -1,6 +1,6 @@
 """The algorithm registry: name -> Stage class, the options each takes, the default rule.
 
-Every algorithm is a ``frame.Stage``; ``STAGES`` registers each once, by
+Every algorithm is a ``stage.Stage``; ``STAGES`` registers each once, by
 name. The options an algorithm takes are its stage's constructor arguments
 (``stage_options``), so no table repeats a signature; ``tfreduce.Reduction``
 adds the frame's options, which every algorithm takes.
@@ -70,7 +70,7 @@ def make_stage(algorithm, options):
         ``stage_options``), e.g. ``{"groups": [[0, 1], [2, 3]]}``.
 
     Returns:
-      frame.Stage.
+      stage.Stage.
 
     Raises:
       ValueError, TypeError: a bad option value (the stage's constructor

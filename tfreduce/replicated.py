@@ -17,7 +17,7 @@ the copies have drifted apart.
 import tensorflow as tf
 
 from tfreduce.contract import check_variables, nbytes, tf_variables
-from tfreduce.frame import Stage
+from tfreduce.stage import Stage
 from tfreduce.primitives import RootBalancer, broadcast, reduce_to, sum_order
 
 __all__ = ["FlatStage", "broadcast_variables", "max_replica_difference"]

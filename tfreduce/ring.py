@@ -23,7 +23,7 @@ links between devices are the bottleneck.
 import tensorflow as tf
 
 from tfreduce.contract import shard_sizes
-from tfreduce.frame import Stage
+from tfreduce.stage import Stage
 from tfreduce.primitives import ring_all_gather, ring_reduce_scatter
 
 __all__ = ["RingStage"]
