@@ -21,14 +21,14 @@ PACKAGE = pathlib.Path(tfreduce.__file__).parent
 LAYERS = {
     "tf_config": 0, "startup": 0, "choices": 0, "topology": 0,
     "devices": 1,
-    "contract": 2,
+    "contract": 2, "shards": 2,
     "packing": 3, "compression": 3, "graphwalk": 3,
     "primitives": 4, "collective": 4, "traffic": 4, "stage": 4,
     "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5,
     "registry": 5, "costmodel": 5, "hostprobe": 5, "planner": 5, "powersgd": 5,
     "failures": 5, "cluster": 5, "localcluster": 5, "crossworker": 5, "consistency": 5,
     "reduction": 6,
-    "allreduce": 7, "multiworker": 7, "models": 7,
+    "allreduce": 7, "multiworker": 7, "models": 7, "collectives": 7,
     "trainer": 8, "distribute": 8, "tensorflow": 8,
     "launch": 9, "bench": 9,
 }
@@ -38,7 +38,7 @@ LAYERS = {
 # model, which calls the host probe, which times the collective algorithm's
 # stage; the cluster uses the failure probes.
 SAME_LAYER = {
-    ("stage", "primitives"),
+    ("stage", "primitives"), ("shards", "contract"),
     ("registry", "replicated"), ("registry", "hierarchical"), ("registry", "ring"),
     ("registry", "nccl_ops"),
     ("cluster", "failures"), ("costmodel", "hostprobe"),

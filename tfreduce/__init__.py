@@ -47,6 +47,11 @@ _EXPORTS = {
     "predict": "tfreduce.costmodel",
     "ReplicatedTrainer": "tfreduce.trainer",
     "Reduction": "tfreduce.reduction",
+    "reduce_scatter": "tfreduce.collectives",
+    "all_gather": "tfreduce.collectives",
+    "broadcast": "tfreduce.collectives",
+    "reduce": "tfreduce.collectives",
+    "all_to_all": "tfreduce.collectives",
 }
 
 __all__ = sorted(_EXPORTS)

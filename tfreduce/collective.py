@@ -285,6 +285,28 @@ class CollectiveChain:
         return self._chained(device, lambda token: all_gather(
             x, group_size, group_key, instance_key, self.options, token, name))
 
+    def broadcast(self, x, device, group_size, group_key, instance_key, name, shape=None,
+                  dtype=None):
+        """A broadcast member on ``device``, chained: the root sends x, the others receive.
+
+        Call it inside ``after_previous(device)``, after ``token(device, ...)``.
+
+        Args:
+          x: tf.Tensor on the root; None on a receiving member.
+          device, group_size, group_key, instance_key: as ``all_reduce``.
+          name: str, the op's name.
+          shape: the root's static shape (receivers).
+          dtype: the root's tf.DType (receivers).
+
+        Returns:
+          tf.Tensor, the root's value.
+        """
+        if x is not None:
+            return self._chained(device, lambda token: broadcast_send(
+                x, group_size, group_key, instance_key, self.options, name))
+        return self._chained(device, lambda token: broadcast_recv(
+            shape, dtype, group_size, group_key, instance_key, self.options, name))
+
     def all_gather_rows(self, x, device, group_size, group_key, keys, name):
         """All-gathers x [rows, ...] whose row count differs between members.
 

@@ -24,8 +24,8 @@ from tfreduce.contract import nbytes, values_of
 from tfreduce.devices import host_device
 from tfreduce.packing import PackPlan
 from tfreduce.primitives import (RootBalancer, accumulation_dtype, broadcast_slices,
-                                 check_average_dtype, gather_slices, scale_by_reciprocal,
-                                 sum_order)
+                                 check_average_dtype, copy_to, gather_slices,
+                                 scale_by_reciprocal, sum_order)
 from tfreduce.stage import ReduceContext
 
 __all__ = ["run_stages"]
@@ -100,19 +100,8 @@ def run_stages(grads, stages, average, scope=None, pack_bytes=None, sparse_as_de
     if tf.executing_eagerly():
         # A tf.function hands its results back on the host: copy each to its
         # tower, so that eagerly too out[k][n] is on devices[k].
-        out = [[_identity(g, device) for g in row] for row, device in zip(out, grads.devices)]
+        out = [[copy_to(g, device) for g in row] for row, device in zip(out, grads.devices)]
     return out
-
-
-def _identity(g, device):
-    # g (None, a tensor or IndexedSlices) copied to device.
-    if g is None:
-        return None
-    with tf.device(device):
-        if isinstance(g, tf.IndexedSlices):
-            shape = None if g.dense_shape is None else tf.identity(g.dense_shape)
-            return tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), shape)
-        return tf.identity(g)
 
 
 def _check_shapes_at_run_time(grads):

@@ -19,7 +19,8 @@ import tensorflow as tf
 
 from tfreduce.contract import nbytes, validate_groups
 from tfreduce.stage import Stage
-from tfreduce.primitives import RootBalancer, broadcast, finish_sum, reduce_to, sum_order
+from tfreduce.primitives import (RootBalancer, broadcast, concat_rows, finish_sum, reduce_to,
+                                 split_rows, sum_order)
 
 __all__ = ["HierarchicalStage", "default_groups"]
 
@@ -64,40 +65,122 @@ class HierarchicalStage(Stage):
         groups = default_groups(len(devices)) if self.groups is None else self.groups
         return HierarchicalStage(validate_groups(groups, len(devices)))
 
-    def reduce(self, buffers, ctx):
-        devices, groups = ctx.devices, self.groups
-        num_towers = len(devices)
+    def _pick_roots(self, balancer, size, fixed=None):
+        # (roots, combiner): the group roots at the position p that loads them
+        # least (paired by position, i and i+4 for the DGX-1 groups), and the
+        # least-loaded root to combine on; ``fixed`` (a tower) roots its group
+        # and combines.
+        groups = self.groups
         positions = max(len(g) for g in groups)
-        balancer = RootBalancer(num_towers)
+        p = min(range(positions),
+                key=lambda q: sum(balancer.load[g[q % len(g)]] for g in groups))
+        roots = [fixed if fixed in g else g[p % len(g)] for g in groups]
+        for r in roots:
+            balancer.load[r] += size
+        return roots, (fixed if fixed is not None else balancer.pick(roots, size))
+
+    def _total(self, buffers, ctx, m, roots, combiner):
+        # The sum of entry m, finished on the combiner.
+        devices = ctx.devices
+        group_sums = [
+            reduce_to([buffers[i][m] for i in g], devices[r], name=f"entry{m}_group{gi}_sum")
+            for gi, (g, r) in enumerate(zip(self.groups, roots))]
+        if ctx.wire_sum:
+            # Compressed: the group sums cross between roots in 16 bits too
+            # (one more rounding each; of means when averaging: the
+            # frame prescaled); the combiner sums them in float32.
+            group_sums = [finish_sum(t, buffers[0][m].dtype, len(devices), False,
+                                     devices[r], name=f"entry{m}_group{gi}_wire")
+                          for gi, (t, r) in enumerate(zip(group_sums, roots))]
+        total = reduce_to(group_sums, devices[combiner], name=f"entry{m}_sum")
+        return finish_sum(total, ctx.dtypes[m], len(devices), ctx.average,
+                          devices[combiner], name=f"entry{m}_total")
+
+    def _to_roots(self, total, devices, m, roots, combiner):
+        # The combiner's result copied to every other root.
+        at_roots = []
+        for gi, r in enumerate(roots):
+            if r == combiner:
+                at_roots.append(total)
+                continue
+            with tf.device(devices[r]):
+                at_roots.append(tf.identity(total, name=f"entry{m}_group{gi}_total"))
+        return at_roots
+
+    def reduce(self, buffers, ctx):
+        devices = ctx.devices
+        balancer = RootBalancer(len(devices))
         sizes = [nbytes(t) for t in buffers[0]]
-        out = [[None] * len(sizes) for _ in range(num_towers)]  # K x M
+        out = [[None] * len(sizes) for _ in devices]  # K x M
         for m in sum_order(sizes):
-            # Position p minimising the summed load of the roots it selects.
-            p = min(range(positions),
-                    key=lambda q: sum(balancer.load[g[q % len(g)]] for g in groups))
-            roots = [g[p % len(g)] for g in groups]
-            for r in roots:
-                balancer.load[r] += sizes[m]
-            combiner = balancer.pick(roots, sizes[m])
-            group_sums = [
-                reduce_to([buffers[i][m] for i in g], devices[r], name=f"entry{m}_group{gi}_sum")
-                for gi, (g, r) in enumerate(zip(groups, roots))]
-            if ctx.wire_sum:
-                # Compressed: the group sums cross between roots in 16 bits too
-                # (one more rounding each; of means when averaging: the
-                # frame prescaled); the combiner sums them in float32.
-                group_sums = [finish_sum(t, buffers[0][m].dtype, num_towers, False,
-                                         devices[r], name=f"entry{m}_group{gi}_wire")
-                              for gi, (t, r) in enumerate(zip(group_sums, roots))]
-            total = reduce_to(group_sums, devices[combiner], name=f"entry{m}_sum")
-            total = finish_sum(total, ctx.dtypes[m], num_towers, ctx.average,
-                               devices[combiner], name=f"entry{m}_total")
-            for gi, (g, r) in enumerate(zip(groups, roots)):
-                root_total = total
-                if r != combiner:
-                    with tf.device(devices[r]):
-                        root_total = tf.identity(total, name=f"entry{m}_group{gi}_total")
+            roots, combiner = self._pick_roots(balancer, sizes[m])
+            total = self._total(buffers, ctx, m, roots, combiner)
+            for g, root_total in zip(self.groups, self._to_roots(total, devices, m, roots,
+                                                                  combiner)):
                 for k, t in zip(g, broadcast(root_total, [devices[i] for i in g],
                                              name_fmt=f"entry{m}_dev{{}}_out", indices=g)):
                     out[k][m] = t
+        return out
+
+    # The other collectives, through the group roots the same way.
+    collectives = ("reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
+
+    def reduce_scatter(self, buffers, ctx):
+        devices, num_towers = ctx.devices, len(ctx.devices)
+        balancer = RootBalancer(num_towers)
+        sizes = [nbytes(t) for t in buffers[0]]
+        out = [[None] * len(sizes) for _ in devices]  # K x M
+        for m in sum_order(sizes):
+            roots, combiner = self._pick_roots(balancer, sizes[m])
+            total = self._total(buffers, ctx, m, roots, combiner)
+            for g, r, root_total in zip(self.groups, roots,
+                                        self._to_roots(total, devices, m, roots, combiner)):
+                with tf.device(devices[r]):
+                    shards = split_rows(root_total, num_towers, name=f"entry{m}_dev{r}_split")
+                for k in g:
+                    with tf.device(devices[k]):
+                        out[k][m] = tf.identity(shards[k], name=f"entry{m}_dev{k}_out")
+        return out
+
+    def all_gather(self, buffers, ctx):
+        devices = ctx.devices
+        balancer = RootBalancer(len(devices))
+        sizes = [sum(nbytes(row[m]) for row in buffers) for m in range(len(buffers[0]))]
+        out = [[None] * len(sizes) for _ in devices]  # K x M
+        for m in sum_order(sizes):
+            roots, _ = self._pick_roots(balancer, sizes[m])
+            # Each root collects its group's tensors, then the other roots'.
+            own = {}
+            for g, r in zip(self.groups, roots):
+                for i in g:
+                    with tf.device(devices[r]):
+                        own[i] = buffers[i][m] if i == r else tf.identity(
+                            buffers[i][m], name=f"entry{m}_dev{i}_to_root{r}")
+            for gi, (g, r) in enumerate(zip(self.groups, roots)):
+                with tf.device(devices[r]):
+                    whole = concat_rows([own[i] for i in range(len(devices))],
+                                        name=f"entry{m}_group{gi}_concat")
+                for k, t in zip(g, broadcast(whole, [devices[i] for i in g],
+                                             name_fmt=f"entry{m}_dev{{}}_out", indices=g)):
+                    out[k][m] = t
+        return out
+
+    def broadcast(self, row, ctx):
+        devices = ctx.devices
+        balancer = RootBalancer(len(devices))
+        out = [[None] * len(row) for _ in devices]  # K x M
+        for m, t in enumerate(row):
+            roots, _ = self._pick_roots(balancer, nbytes(t), fixed=ctx.root)
+            for g, root_copy in zip(self.groups, self._to_roots(t, devices, m, roots, ctx.root)):
+                for k, copy in zip(g, broadcast(root_copy, [devices[i] for i in g],
+                                                name_fmt=f"entry{m}_dev{{}}_out", indices=g)):
+                    out[k][m] = copy
+        return out
+
+    def reduce_to_root(self, buffers, ctx):
+        balancer = RootBalancer(len(ctx.devices))
+        out = []
+        for m in range(len(buffers[0])):
+            roots, _ = self._pick_roots(balancer, nbytes(buffers[0][m]), fixed=ctx.root)
+            out.append(self._total(buffers, ctx, m, roots, ctx.root))
         return out

@@ -18,7 +18,7 @@ from tensorflow.python.ops import nccl_ops as _tf_nccl
 from tfreduce.collective import CollectiveChain, CollectiveKeys, CollectiveOptions, check_keys
 from tfreduce.devices import is_gpu
 from tfreduce.stage import Stage
-from tfreduce.primitives import accumulation_dtype, scale_by_reciprocal
+from tfreduce.primitives import accumulation_dtype, concat_rows, scale_by_reciprocal, split_rows
 
 __all__ = ["NcclStage", "CollectiveStage"]
 
@@ -55,6 +55,32 @@ class NcclStage(Stage):
             columns.append(_tf_nccl.all_sum(placed))
         return [list(row) for row in zip(*columns)]  # K x M
 
+    # TF's NCCL ops besides all_sum: broadcast and reduce_sum (no
+    # reduce-scatter, all-gather or all-to-all).
+    collectives = ("broadcast", "reduce")
+
+    def broadcast(self, row, ctx):
+        out = [[None] * len(row) for _ in ctx.devices]  # K x M
+        for m, t in enumerate(row):
+            sent = _tf_nccl.broadcast(t)  # on the root's GPU
+            for k, d in enumerate(ctx.devices):
+                with tf.device(d):
+                    out[k][m] = tf.identity(sent, name=f"entry{m}_dev{k}_out")
+        return out
+
+    def reduce_to_root(self, buffers, ctx):
+        device, num_towers = ctx.devices[ctx.root], len(ctx.devices)
+        out = []
+        for m in range(len(buffers[0])):
+            column = [row[m] for row in buffers]
+            if ctx.average:
+                # NCCL sums in the input dtype: prescale, as for all_sum.
+                column = [_prescaled(t, num_towers, d) for t, d in zip(column, ctx.devices)]
+            with tf.device(device):
+                total = tf.identity(_tf_nccl.reduce_sum(column), name=f"entry{m}_out")
+            out.append(total)
+        return out
+
 
 class CollectiveStage(Stage):
     """Per entry: one ``CollectiveReduceV2`` per device, chained per device.
@@ -80,9 +106,8 @@ class CollectiveStage(Stage):
         self.options = CollectiveOptions(communication, timeout)
         self.keys = check_keys(keys)
 
-    def reduce(self, buffers, ctx):
-        devices = ctx.devices
-        num_towers = len(devices)
+    def _start(self, buffers, devices):
+        # (keys, group key, chain) of one call, each device's token made.
         keys = self.keys
         if keys is None:
             # The graph object too: two tf.functions of one name, scope and
@@ -91,7 +116,7 @@ class CollectiveStage(Stage):
             # K members of this group are all in this process, so keys need
             # not agree with any other process.
             graph = tf.compat.v1.get_default_graph()
-            layout = [(t.dtype.name, str(t.shape)) for t in buffers[0]]
+            layout = [(t.dtype.name, str(t.shape)) for row in buffers for t in row]
             keys = CollectiveKeys.for_call(
                 f"{getattr(graph, 'name', '')}|{id(graph)}|{graph.get_name_scope()}|"
                 f"{devices}|{layout}")
@@ -99,7 +124,13 @@ class CollectiveStage(Stage):
         chain = CollectiveChain(self.options)
         for k, d in enumerate(devices):
             chain.token(d, f"tfreduce_order_{group_key}_{k}", f"dev{k}_order")
-        out = [[None] * len(buffers[0]) for _ in range(num_towers)]  # K x M
+        return keys, group_key, chain
+
+    def _sums(self, buffers, ctx):
+        # K x M: each device's sum of each entry, not yet scaled or cast back.
+        devices = ctx.devices
+        keys, group_key, chain = self._start(buffers[:1], devices)
+        out = [[None] * len(buffers[0]) for _ in devices]  # K x M
         for m in range(len(buffers[0])):
             instance_key = keys.instance_key()  # one per entry, shared by its K ops
             for k, d in enumerate(devices):
@@ -111,7 +142,167 @@ class CollectiveStage(Stage):
                 acc = g.dtype if in_wire else accumulation_dtype(g.dtype)
                 with chain.after_previous(d):
                     x = tf.cast(g, acc) if acc != g.dtype else tf.identity(g)
-                    r = chain.all_reduce(x, d, num_towers, group_key, instance_key,
-                                         name=f"entry{m}_dev{k}_allreduce")
-                out[k][m] = ctx.finish(r, m, num_towers, d, name=f"entry{m}_dev{k}_out")
+                    out[k][m] = chain.all_reduce(x, d, len(devices), group_key, instance_key,
+                                                 name=f"entry{m}_dev{k}_allreduce")
         return out
+
+    def reduce(self, buffers, ctx):
+        num_towers = len(ctx.devices)
+        return [[ctx.finish(r, m, num_towers, d, name=f"entry{m}_dev{k}_out")
+                 for m, r in enumerate(row)]
+                for k, (row, d) in enumerate(zip(self._sums(buffers, ctx), ctx.devices))]
+
+    # The other collectives, from TF's CollectiveReduceV2, GatherV2 and
+    # BcastSendV2/RecvV2 (TF's reduce-scatter and all-to-all ops have no CPU
+    # kernel).
+    collectives = ("reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
+
+    def reduce_scatter(self, buffers, ctx):
+        # Every device forms the sum and keeps its shard.
+        num_towers = len(ctx.devices)
+        out = []
+        for k, (row, d) in enumerate(zip(self._sums(buffers, ctx), ctx.devices)):
+            with tf.device(d):
+                shards = [split_rows(r, num_towers, name=f"entry{m}_dev{k}_split")[k]
+                          for m, r in enumerate(row)]
+            out.append([ctx.finish(t, m, num_towers, d, name=f"entry{m}_dev{k}_out")
+                        for m, t in enumerate(shards)])
+        return out
+
+    def reduce_to_root(self, buffers, ctx):
+        # Every device forms the sum (the root's result waits for all of
+        # them, so fetching it runs the whole group).
+        sums = self._sums(buffers, ctx)
+        root, device = ctx.root, ctx.devices[ctx.root]
+        out = []
+        for m in range(len(buffers[0])):
+            others = [row[m] for k, row in enumerate(sums) if k != root]
+            with tf.control_dependencies(others):
+                out.append(ctx.finish(sums[root][m], m, len(ctx.devices), device,
+                                      name=f"entry{m}_out"))
+        return out
+
+    def broadcast(self, row, ctx):
+        devices, root = ctx.devices, ctx.root
+        keys, group_key, chain = self._start([row], devices)
+        out = [[None] * len(row) for _ in devices]  # K x M
+        for m, t in enumerate(row):
+            if not t.shape.is_fully_defined():
+                raise ValueError(f"broadcast: tensor {m}'s shape {t.shape} is not known when "
+                                 f"built; TF's collective broadcast needs it: use "
+                                 f"algorithm='flat'")
+            if t.shape.num_elements() == 0:
+                # TF's collective kernels crash on empty tensors: copy.
+                for k, d in enumerate(devices):
+                    with tf.device(d):
+                        out[k][m] = tf.identity(t, name=f"entry{m}_dev{k}_out")
+                continue
+            instance_key = keys.instance_key()
+            for k, d in enumerate(devices):
+                with chain.after_previous(d):
+                    sent = _to_wire(t) if k == root else None
+                    got = chain.broadcast(sent, d, len(devices), group_key, instance_key,
+                                          name=f"entry{m}_dev{k}_bcast", shape=t.shape,
+                                          dtype=_to_wire(t).dtype)
+                    out[k][m] = tf.cast(got, t.dtype, name=f"entry{m}_dev{k}_out")
+        return out
+
+    def all_gather(self, buffers, ctx):
+        devices = ctx.devices
+        keys, group_key, chain = self._start(buffers, devices)
+        # TF orders a gather by its own ranking of the devices: each member
+        # gathers its tower index once, and every entry is put back in tower
+        # order by it.
+        ranks = []
+        instance_key = keys.instance_key()
+        for k, d in enumerate(devices):
+            with chain.after_previous(d):
+                order = chain.all_gather(tf.constant([k], tf.int32), d, len(devices), group_key,
+                                         instance_key, name=f"dev{k}_tower_order")
+                ranks.append(tf.argsort(order))  # ranks[k][j]: the rank of tower j
+        out = [[None] * len(buffers[0]) for _ in devices]  # K x M
+        for m in range(len(buffers[0])):
+            column = [row[m] for row in buffers]
+            gathered = _gather_entry(chain, keys, group_key, column, ranks, devices, m)
+            for k in range(len(devices)):
+                out[k][m] = gathered[k]
+        return out
+
+    def all_to_all(self, pieces, ctx):
+        # Every tower's pieces joined into one block, the blocks all-gathered,
+        # each device keeping its pieces: K-1 times the bytes of point to
+        # point, the price of having only TF's gather across devices.
+        devices, num_towers = ctx.devices, len(ctx.devices)
+        blocks = []
+        for j, (row, d) in enumerate(zip(pieces, devices)):
+            with tf.device(d):
+                blocks.append([concat_rows(parts, name=f"entry{m}_dev{j}_block")
+                               for m, parts in enumerate(row)])
+        gathered = self.all_gather(blocks, ctx)
+        out = [[None] * len(pieces[0]) for _ in devices]  # K x M
+        for m in range(len(pieces[0])):
+            counts = [[p.shape[0] for p in row[m]] for row in pieces]  # K x K rows
+            if any(c is None for row in counts for c in row):
+                raise ValueError(f"all_to_all: tensor {m}'s pieces have row counts not known "
+                                 f"when built; algorithm 'collective' needs them: use 'flat'")
+            for k, d in enumerate(devices):
+                starts = [sum(map(sum, counts[:j])) + sum(counts[j][:k])
+                          for j in range(num_towers)]
+                with tf.device(d):
+                    out[k][m] = concat_rows(
+                        [gathered[k][m][s:s + counts[j][k]] for j, s in enumerate(starts)],
+                        name=f"entry{m}_dev{k}_out")
+        return out
+
+
+def _prescaled(t, num_towers, device):
+    with tf.device(device):
+        return scale_by_reciprocal(t, num_towers)
+
+
+def _to_wire(t):
+    # What crosses in TF's gather and broadcast: half types as float32 (exact).
+    return tf.cast(t, tf.float32) if t.dtype in (tf.float16, tf.bfloat16) else t
+
+
+def _gather_entry(chain, keys, group_key, column, ranks, devices, m):
+    # The K towers' rows of one entry joined in tower order on every device:
+    # row counts (gathered when not known), every x padded to the longest
+    # (TF's gather takes one shape), gathered, put in tower order, unpadded.
+    num_towers = len(devices)
+    counts = [t.shape[0] for t in column]
+    trailing = column[0].shape[1:]
+    static = None not in counts
+    if static and (max(counts) == 0 or trailing.num_elements() == 0):
+        # Nothing to send (TF's kernels crash on empty tensors).
+        out = []
+        for k, d in enumerate(devices):
+            with tf.device(d):
+                out.append(tf.zeros([sum(counts)] + trailing.as_list(), column[0].dtype,
+                                    name=f"entry{m}_dev{k}_out"))
+        return out
+    if not static:
+        instance_key = keys.instance_key()
+        gathered_counts = []
+        for k, (t, d) in enumerate(zip(column, devices)):
+            with chain.after_previous(d):
+                rows = chain.all_gather(tf.shape(t)[:1], d, num_towers, group_key, instance_key,
+                                        name=f"entry{m}_dev{k}_rows")
+                gathered_counts.append(tf.gather(rows, ranks[k]))
+    instance_key = keys.instance_key()
+    out = []
+    for k, (t, d) in enumerate(zip(column, devices)):
+        with chain.after_previous(d):
+            tower_counts = counts if static else gathered_counts[k]
+            longest = max(max(counts), 1) if static else tf.maximum(tf.reduce_max(
+                tower_counts), 1)
+            rows = counts[k] if static else tf.shape(t)[0]
+            padded = tf.pad(_to_wire(t), [[0, longest - rows]] + [[0, 0]] * (t.shape.rank - 1))
+            whole = chain.all_gather(padded, d, num_towers, group_key, instance_key,
+                                     name=f"entry{m}_dev{k}_gather")
+            blocks = tf.gather(tf.reshape(whole, tf.concat([[num_towers, longest],
+                                                            tf.shape(t)[1:]], 0)), ranks[k])
+            keep = tf.reshape(tf.sequence_mask(tower_counts, longest), [-1])
+            flat = tf.reshape(blocks, tf.concat([[-1], tf.shape(t)[1:]], 0))
+            out.append(tf.cast(tf.boolean_mask(flat, keep), t.dtype, name=f"entry{m}_dev{k}_out"))
+    return out

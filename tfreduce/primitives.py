@@ -12,6 +12,8 @@ an op on device B that reads a tensor produced on device A is one A -> B copy.
 - ``ring_reduce_scatter``, ``ring_all_gather``: the two halves of a ring
   all-reduce, one chunk step per op, each on its device.
 - ``RootBalancer``: picks root devices so that bytes are spread evenly.
+- ``split_rows``, ``concat_rows``, ``copy_to``: the shards of the other
+  collectives along axis 0, and one copy to a device.
 
 Half precision: ``float16`` and ``bfloat16`` gradients are cast to float32 on
 the device that forms the sum, summed and (for a mean) divided in float32, and
@@ -20,6 +22,8 @@ their mean does not; accumulating in float32 avoids that and rounds only once.
 """
 
 import tensorflow as tf
+
+from tfreduce.contract import shard_sizes
 
 __all__ = [
     "accumulation_dtype",
@@ -35,6 +39,9 @@ __all__ = [
     "sum_order",
     "ring_reduce_scatter",
     "ring_all_gather",
+    "split_rows",
+    "concat_rows",
+    "copy_to",
 ]
 
 _HALF = (tf.float16, tf.bfloat16)
@@ -133,11 +140,11 @@ def broadcast(tensor, devices, name_fmt="dev{}_out", indices=None):
     return out
 
 
-def check_average_dtype(dtype, n, average):
-    """Raises TypeError for ``average=True`` on non-floating gradients."""
+def check_average_dtype(dtype, n, average, what="variable {n}", kind="gradients"):
+    """Raises TypeError for ``average=True`` on non-floating gradients (or tensors)."""
     if average and not (dtype.is_floating or dtype.is_complex):
         raise TypeError(
-            f"variable {n}: average=True needs floating gradients, got "
+            f"{what.format(n=n)}: average=True needs floating {kind}, got "
             f"{dtype.name}; reduce with average=False and divide yourself")
 
 
@@ -305,3 +312,43 @@ def ring_all_gather(totals, devices, name):
                 chunk = tf.identity(chunk, name=f"{name}_chunk{c}_dev{k}_copy")
             out[k][c] = chunk
     return out
+
+
+def split_rows(x, num_shards, name, sizes=None):
+    """Splits x along axis 0 into shards, on the current device.
+
+    Args:
+      x: tf.Tensor of rank >= 1.
+      num_shards: int K.
+      name: str, the split op's name.
+      sizes: list of K ints (or a 1-D int tensor) of rows, summing to x's
+        rows; None: ``contract.shard_sizes`` of the rows (the first B % K
+        shards one row larger).
+
+    Returns:
+      list of K tf.Tensor, shard k of ``sizes[k]`` rows (0 rows included).
+    """
+    if sizes is None:
+        rows = x.shape[0]
+        sizes = shard_sizes(tf.shape(x)[0] if rows is None else rows, num_shards)
+    if num_shards == 1:
+        return [tf.identity(x, name=name)]
+    return tf.split(x, sizes, num=num_shards, axis=0, name=name)
+
+
+def concat_rows(parts, name):
+    """Concatenates tensors along axis 0 on the current device (one identity for one)."""
+    if len(parts) == 1:
+        return tf.identity(parts[0], name=name)
+    return tf.concat(parts, axis=0, name=name)
+
+
+def copy_to(g, device):
+    """One copy of g (None, a tf.Tensor or tf.IndexedSlices) placed on ``device``."""
+    if g is None:
+        return None
+    with tf.device(device):
+        if isinstance(g, tf.IndexedSlices):
+            shape = None if g.dense_shape is None else tf.identity(g.dense_shape)
+            return tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), shape)
+        return tf.identity(g)

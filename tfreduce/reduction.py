@@ -33,7 +33,7 @@ from tfreduce.frame import run_stages
 from tfreduce.localcluster import LocalCluster
 from tfreduce.packing import check_pack_bytes
 from tfreduce.planner import plan_for, plan_shapes
-from tfreduce.registry import choose_algorithm, make_stage, stage_options
+from tfreduce.registry import STAGES, choose_algorithm, make_stage, stage_options
 from tfreduce.topology import Topology, check_topology
 
 __all__ = ["Reduction", "as_reduction", "FRAME_OPTIONS"]
@@ -264,6 +264,43 @@ class Reduction:
             return
         stage = self._stage or make_stage(choose_algorithm(devices), {})
         stage.bind(normalize_devices(devices))
+
+    def collective_stage(self, collective, devices):
+        """The stage that builds one of the other collectives on one group's devices.
+
+        "auto" takes the registry's rule (``choose_algorithm``), or "ring"
+        where that algorithm lacks the collective (NCCL's reduce-scatter,
+        all-gather and all-to-all). The collectives move each tensor as it
+        is: ``pack_bytes`` and ``sparse_as_dense`` apply to all-reduce only.
+
+        Args:
+          collective: str, a name in ``tfreduce.collectives.COLLECTIVES``.
+          devices: list of the group's canonical device names.
+
+        Returns:
+          stage.Stage, bound to the devices.
+
+        Raises:
+          ValueError: compression or a topology (they choose how to
+            all-reduce); an algorithm that does not build this collective
+            (naming those that do); devices the algorithm cannot use.
+        """
+        if self.compression.compresses:
+            raise ValueError(f"{collective}: compression={self.compression.name!r} applies to "
+                             f"all-reduce; {collective} moves the tensors in their own dtype")
+        if self.topology is not None:
+            raise ValueError(f"{collective}: topology= plans an all-reduce; name the algorithm "
+                             f"(the cost model prices a built {collective} with "
+                             f"tfreduce.predict)")
+        stage = self._stage
+        if stage is None:
+            name = choose_algorithm(devices)
+            stage = make_stage(name if collective in STAGES[name].collectives else "ring", {})
+        if collective not in stage.collectives:
+            able = [name for name, cls in STAGES.items() if collective in cls.collectives]
+            raise ValueError(f"algorithm {stage.name!r} does not build {collective} (TF has no "
+                             f"such {stage.name} op); use algorithm= one of {able}")
+        return stage.bind(devices)
 
     def plan(self, shapes, devices, dtype=tf.float32, average=True):
         """The candidate the cost model predicts fastest for these gradients on ``topology``.

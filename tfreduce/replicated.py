@@ -18,7 +18,8 @@ import tensorflow as tf
 
 from tfreduce.contract import check_variables, nbytes, tf_variables
 from tfreduce.stage import Stage
-from tfreduce.primitives import RootBalancer, broadcast, reduce_to, sum_order
+from tfreduce.primitives import (RootBalancer, broadcast, concat_rows, reduce_to, split_rows,
+                                 sum_order)
 
 __all__ = ["FlatStage", "broadcast_variables", "max_replica_difference"]
 
@@ -41,6 +42,49 @@ class FlatStage(Stage):
             for k, t in enumerate(broadcast(total, devices, name_fmt=f"entry{m}_dev{{}}_out")):
                 out[k][m] = t
         return out
+
+    # The other collectives: every one through a root, spread by bytes.
+    collectives = ("reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
+
+    def _roots(self, buffers):
+        # (entry, its root) pairs, largest entries first, roots least loaded.
+        balancer = RootBalancer(len(buffers))
+        sizes = [sum(nbytes(row[m]) for row in buffers) for m in range(len(buffers[0]))]
+        return [(m, balancer.pick(range(len(buffers)), sizes[m])) for m in sum_order(sizes)]
+
+    def reduce_scatter(self, buffers, ctx):
+        devices, num_towers = ctx.devices, len(ctx.devices)
+        out = [[None] * len(buffers[0]) for _ in devices]  # K x M
+        for m, root in self._roots(buffers):
+            total = reduce_to([row[m] for row in buffers], devices[root], name=f"entry{m}_sum")
+            total = ctx.finish(total, m, num_towers, devices[root], name=f"entry{m}_total")
+            with tf.device(devices[root]):
+                shards = split_rows(total, num_towers, name=f"entry{m}_split")
+            for k, (shard, device) in enumerate(zip(shards, devices)):
+                with tf.device(device):
+                    out[k][m] = tf.identity(shard, name=f"entry{m}_dev{k}_out")
+        return out
+
+    def all_gather(self, buffers, ctx):
+        out = [[None] * len(buffers[0]) for _ in ctx.devices]  # K x M
+        for m, root in self._roots(buffers):
+            with tf.device(ctx.devices[root]):
+                whole = concat_rows([row[m] for row in buffers], name=f"entry{m}_concat")
+            for k, t in enumerate(broadcast(whole, ctx.devices,
+                                            name_fmt=f"entry{m}_dev{{}}_out")):
+                out[k][m] = t
+        return out
+
+    def broadcast(self, row, ctx):
+        copies = [broadcast(t, ctx.devices, name_fmt=f"entry{m}_dev{{}}_out")
+                  for m, t in enumerate(row)]  # M x K
+        return [list(tower) for tower in zip(*copies)]
+
+    def reduce_to_root(self, buffers, ctx):
+        device, num_towers = ctx.devices[ctx.root], len(ctx.devices)
+        return [ctx.finish(reduce_to([row[m] for row in buffers], device, name=f"entry{m}_sum"),
+                           m, num_towers, device, name=f"entry{m}_out")
+                for m in range(len(buffers[0]))]
 
 
 def broadcast_variables(all_vars, root=0):

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from tfreduce.contract import shard_sizes
 from tfreduce.stage import Stage
-from tfreduce.primitives import ring_all_gather, ring_reduce_scatter
+from tfreduce.primitives import concat_rows, ring_all_gather, ring_reduce_scatter, split_rows
 
 __all__ = ["RingStage"]
 
@@ -38,6 +38,71 @@ class RingStage(Stage):
         columns = [_ring_entry([row[m] for row in buffers], ctx, m)  # M x K
                    for m in range(len(buffers[0]))]
         return [list(row) for row in zip(*columns)]  # K x M
+
+    # The other collectives: reduce-scatter and all-gather are the ring's
+    # halves; broadcast and reduce are pipelines along the ring.
+    collectives = ("reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
+
+    def reduce_scatter(self, buffers, ctx):
+        columns = [_scatter_entry([row[m] for row in buffers], ctx, m)  # M x K
+                   for m in range(len(buffers[0]))]
+        return [list(row) for row in zip(*columns)]  # K x M
+
+    def all_gather(self, buffers, ctx):
+        devices = ctx.devices
+        out = [[None] * len(buffers[0]) for _ in devices]  # K x M
+        for m in range(len(buffers[0])):
+            column = [row[m] for row in buffers]
+            # Towers with no rows (known when built) send nothing.
+            blocks = [None if t.shape[0] == 0 else t for t in column]
+            gathered = ring_all_gather(blocks, devices, f"entry{m}")
+            for k, device in enumerate(devices):
+                parts = [t for t in gathered[k] if t is not None] or [column[k]]
+                with tf.device(device):
+                    out[k][m] = concat_rows(parts, name=f"entry{m}_dev{k}_out")
+        return out
+
+    def broadcast(self, row, ctx):
+        devices, num_devices = ctx.devices, len(ctx.devices)
+        out = [[None] * len(row) for _ in devices]  # K x M
+        for m, t in enumerate(row):
+            totals = [t if c == ctx.root else None for c in range(num_devices)]
+            for k, copies in enumerate(ring_all_gather(totals, devices, f"entry{m}")):
+                out[k][m] = copies[ctx.root]
+        return out
+
+    def reduce_to_root(self, buffers, ctx):
+        devices, root, num_devices = ctx.devices, ctx.root, len(ctx.devices)
+        out = []
+        for m in range(len(buffers[0])):
+            pieces = [[row[m] if c == root else None for c in range(num_devices)]
+                      for row in buffers]
+            total = ring_reduce_scatter(pieces, devices, f"entry{m}")[root]
+            out.append(ctx.finish(total, m, num_devices, devices[root], name=f"entry{m}_out"))
+        return out
+
+
+def _scatter_entry(column, ctx, m):
+    # The ring's first half on axis-0 shards: shard c completes on device c.
+    devices, num_devices = ctx.devices, len(ctx.devices)
+    name = f"entry{m}"
+    shards = []
+    for k, (t, d) in enumerate(zip(column, devices)):
+        with tf.device(d):
+            shards.append(split_rows(t, num_devices, name=f"{name}_dev{k}_split"))
+    rows = column[0].shape[0]
+    sizes = shard_sizes(rows, num_devices) if rows is not None else [None] * num_devices
+    # Shards with no rows (known when built) travel nowhere.
+    pieces = [[None if sizes[c] == 0 else own[c] for c in range(num_devices)] for own in shards]
+    totals = ring_reduce_scatter(pieces, devices, name)
+    out = []
+    for c, d in enumerate(devices):
+        if totals[c] is None:
+            with tf.device(d):
+                out.append(tf.identity(shards[c][c], name=f"{name}_dev{c}_out"))
+            continue
+        out.append(ctx.finish(totals[c], m, num_devices, d, name=f"{name}_dev{c}_out"))
+    return out
 
 
 def _ring_entry(column, ctx, m):

@@ -10,9 +10,19 @@ API::
     out = stage.reduce(buffers, ctx)
     out[k][m]       the sum (or mean) of entry m over the stage's towers,
                     placed on devices[k], of dtype ctx.dtypes[m]
+
+The other collectives (``tfreduce.collectives``) are methods of the same
+stage, on unpacked dense tensors of one group of towers, K x M in the same
+orientation: ``reduce_scatter``, ``all_gather``, ``broadcast``,
+``reduce_to_root`` and ``all_to_all``. An algorithm lists the ones it builds
+in ``collectives``; a door refuses the others with a ValueError that names
+the algorithms that can. All-to-all is point to point (each piece one copy from
+its tower to its destination) unless a stage builds it otherwise.
 """
 
-from tfreduce.primitives import finish_sum
+import tensorflow as tf
+
+from tfreduce.primitives import concat_rows, finish_sum
 
 __all__ = ["Stage", "ReduceContext"]
 
@@ -82,6 +92,85 @@ class Stage:
         """
         raise NotImplementedError
 
+    #: The collectives besides all-reduce this stage builds (names of
+    #: ``tfreduce.collectives.COLLECTIVES``); a door refuses the others.
+    collectives = ()
+
+    def reduce_scatter(self, buffers, ctx):
+        """Sums K x M tensors and leaves shard k of each sum on device k.
+
+        Args:
+          buffers: list of K lists of M dense tf.Tensor of rank >= 1,
+            ``buffers[k][m]`` on ``ctx.devices[k]``, one shape per entry.
+          ctx: ReduceContext.
+
+        Returns:
+          list of K lists of M, ``out[k][m]`` the rows of shard k
+          (``contract.shard_sizes`` of the rows over K) of the sum (mean) of
+          entry m, of dtype ``ctx.dtypes[m]``, on ``ctx.devices[k]``.
+        """
+        raise NotImplementedError
+
+    def all_gather(self, buffers, ctx):
+        """Concatenates the K towers' tensors along axis 0 on every device.
+
+        Args:
+          buffers: list of K lists of M dense tf.Tensor of rank >= 1; the
+            towers' row counts may differ, the other axes agree.
+          ctx: ReduceContext.
+
+        Returns:
+          list of K lists of M, ``out[k][m]`` the concatenation of
+          ``buffers[0..K-1][m]`` in tower order, on ``ctx.devices[k]``.
+        """
+        raise NotImplementedError
+
+    def broadcast(self, row, ctx):
+        """Copies the root tower's M tensors to every device.
+
+        Args:
+          row: list of M dense tf.Tensor on ``ctx.devices[ctx.root]``.
+          ctx: ReduceContext.
+
+        Returns:
+          list of K lists of M, ``out[k][m]`` equal to ``row[m]``, on
+          ``ctx.devices[k]``.
+        """
+        raise NotImplementedError
+
+    def reduce_to_root(self, buffers, ctx):
+        """Sums K x M tensors on the root device.
+
+        Args:
+          buffers: list of K lists of M dense tf.Tensor, one shape per entry.
+          ctx: ReduceContext.
+
+        Returns:
+          list of M tf.Tensor, the sums (means) of dtype ``ctx.dtypes[m]``
+          on ``ctx.devices[ctx.root]``.
+        """
+        raise NotImplementedError
+
+    def all_to_all(self, pieces, ctx):
+        """Sends piece k of every tower's tensors to device k (point to point).
+
+        Args:
+          pieces: list of K lists of M lists of K dense tf.Tensor;
+            ``pieces[j][m][k]`` is on ``ctx.devices[j]`` and goes to device k.
+          ctx: ReduceContext.
+
+        Returns:
+          list of K lists of M, ``out[k][m]`` the concatenation along axis 0
+          of ``pieces[0..K-1][m][k]``, on ``ctx.devices[k]``.
+        """
+        out = []
+        for k, device in enumerate(ctx.devices):
+            with tf.device(device):
+                out.append([concat_rows([row[m][k] for row in pieces],
+                                        name=f"entry{m}_dev{k}_out")
+                            for m in range(len(pieces[0]))])
+        return out
+
 
 class ReduceContext:
     """What a stage needs to know of the call it is part of.
@@ -93,6 +182,8 @@ class ReduceContext:
       upstream_collective: bool, the input comes from a collective stage: a
         stage that reads only some towers' copies must still make the others
         run (see ``Stage.collective``).
+      root: int, the root tower's index among the devices (broadcast and
+        reduce).
       wire_sum: bool, the call compresses (``compression=``): partial sums
         of 16-bit entries cross devices in 16 bits too (hierarchical group
         sums, ring hops, the collective's sum) instead of going up to
@@ -101,8 +192,10 @@ class ReduceContext:
         partial sum of a mean overflows.
     """
 
-    def __init__(self, devices, average, dtypes, upstream_collective=False, wire_sum=False):
+    def __init__(self, devices, average, dtypes, upstream_collective=False, wire_sum=False,
+                 root=0):
         self.devices = devices
+        self.root = root
         self.average = average
         self.dtypes = dtypes
         self.upstream_collective = upstream_collective

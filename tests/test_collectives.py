@@ -1,0 +1,416 @@
+"""The collectives besides all-reduce: exact per-device values against NumPy, placement, errors."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings, strategies as st
+
+import tfreduce
+from helpers import CPU_DEVICES, GPU_DEVICES, placeholders
+
+ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]
+DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int32, np.int64]
+FLOATS = DTYPES[:4]
+HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+KS = [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)]
+
+
+def values(rng, shape, dtype):
+    # Multiples of 1/4 in [-16, 16]: sums over 8 towers are exact in every dtype.
+    scale = 1 if np.dtype(dtype).kind == "i" else 4.0
+    return np.asarray(rng.integers(-64, 65, size=shape) / scale).astype(dtype)
+
+
+def same_shapes(num_towers, dtypes, seed):
+    """K x N arrays of one shape per n: rows 0, 1, fewer than K, more than K."""
+    rng = np.random.default_rng(seed)
+    shapes = [(0, 3), (1,), (2, 2), (2 * num_towers + 1, 3), (5, 1, 2)]
+    specs = [(s, d) for d in dtypes for s in shapes]
+    return [[values(rng, s, d) for s, d in specs] for _ in range(num_towers)]
+
+
+def uneven_rows(num_towers, dtypes, seed):
+    """K x N arrays whose row counts differ by tower (0 included), trailing axes agree."""
+    rng = np.random.default_rng(seed)
+    trailing = [(3,), (), (2, 2)]
+    out = [[] for _ in range(num_towers)]
+    for d in dtypes:
+        for i, rest in enumerate(trailing):
+            for k in range(num_towers):
+                out[k].append(values(rng, ((k * 3 + i) % 5,) + rest, d))
+    return out
+
+
+def summed(column, average):
+    # The NumPy reference of a sum (float32 for half types) or a mean (x 1/K).
+    dtype = column[0].dtype
+    acc = np.dtype(np.float32) if dtype in HALF else dtype
+    total = np.sum([c.astype(acc) for c in column], axis=0, dtype=acc)
+    if average:
+        total = total * acc.type(1.0 / len(column))
+    return np.asarray(total).astype(dtype)
+
+
+def expected(collective, arrays, groups, root=0, average=False, splits=None):
+    """K x N NumPy results (for reduce: one list per group), the collective run per group."""
+    num_towers = len(arrays)
+    out = [[None] * len(arrays[0]) for _ in range(num_towers)]
+    reduced = []
+    for g in groups:
+        for n in range(len(arrays[0])):
+            column = [arrays[i][n] for i in g]
+            if collective == "reduce_scatter":
+                for i, shard in zip(g, np.array_split(summed(column, average), len(g))):
+                    out[i][n] = shard
+            elif collective == "all_gather":
+                for i in g:
+                    out[i][n] = np.concatenate(column)
+            elif collective == "broadcast":
+                for i in g:
+                    out[i][n] = column[root]
+            elif collective == "all_to_all":
+                pieces = [np.split(c, np.cumsum(splits[j])[:-1]) if splits else
+                          np.array_split(c, len(g)) for j, c in zip(g, column)]
+                for p, i in enumerate(g):
+                    out[i][n] = np.concatenate([piece[p] for piece in pieces])
+        if collective == "reduce":
+            reduced.append([summed([arrays[i][n] for i in g], average)
+                            for n in range(len(arrays[0]))])
+    return reduced if collective == "reduce" else out
+
+
+def call(collective, tensors, devices, algorithm, groups=None, root=0, average=False,
+         splits=None):
+    kwargs = {"algorithm": algorithm, "groups": groups}
+    if collective in ("reduce_scatter", "reduce"):
+        kwargs["average"] = average
+    if collective in ("broadcast", "reduce"):
+        kwargs["root"] = root
+    if collective == "all_to_all":
+        kwargs["splits"] = splits
+    out = getattr(tfreduce, collective)(tensors, devices, **kwargs)
+    if collective == "reduce":
+        return [out] if groups is None else out
+    return out
+
+
+def check(got, got_devices, want, placed_on):
+    for k, row in enumerate(want):
+        for n, w in enumerate(row):
+            assert got[k][n].dtype == w.dtype, (k, n, got[k][n].dtype, w.dtype)
+            assert got[k][n].shape == w.shape, (k, n, got[k][n].shape, w.shape)
+            np.testing.assert_array_equal(got[k][n], w, err_msg=f"row {k} tensor {n}")
+            assert got_devices[k][n].endswith(placed_on[k]), (k, n, got_devices[k][n])
+
+
+def run(runner, collective, arrays, devices, algorithm, groups=None, root=0, average=False,
+        splits=None):
+    def build(tensors):
+        return call(collective, tensors, devices, algorithm, groups, root, average, splits)
+    return runner(build, arrays, devices)
+
+
+def placement(collective, devices, groups, root):
+    if collective != "reduce":
+        return [d.replace("/device", "") for d in devices]
+    groups = groups or [list(range(len(devices)))]
+    return [devices[g[root]].replace("/device", "") for g in groups]
+
+
+@pytest.mark.parametrize("average", [False, True])
+@pytest.mark.parametrize("collective", ["reduce_scatter", "reduce"])
+@pytest.mark.parametrize("num_towers", KS)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_sums_equal_numpy_on_every_device(runner, algorithm, num_towers, collective, average):
+    devices = CPU_DEVICES[:num_towers]
+    arrays = same_shapes(num_towers, FLOATS if average else DTYPES, seed=num_towers)
+    root = num_towers - 1
+    got, got_devices = run(runner, collective, arrays, devices, algorithm, root=root,
+                           average=average)
+    want = expected(collective, arrays, [list(range(num_towers))], root, average)
+    check(got, got_devices, want, placement(collective, devices, None, root))
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "broadcast", "all_to_all"])
+@pytest.mark.parametrize("num_towers", KS)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_data_movement_equals_numpy_on_every_device(runner, algorithm, num_towers, collective):
+    devices = CPU_DEVICES[:num_towers]
+    arrays = uneven_rows(num_towers, DTYPES, seed=num_towers)
+    root = num_towers // 2
+    if collective == "broadcast":
+        arrays = [row if k == root else [None] * len(row) for k, row in enumerate(arrays)]
+    got, got_devices = run(runner, collective, arrays, devices, algorithm, root=root)
+    if collective == "broadcast":
+        arrays = [arrays[root]] * num_towers
+    want = expected(collective, arrays, [list(range(num_towers))], root)
+    check(got, got_devices, want, placement(collective, devices, None, root))
+
+
+GROUPS = [
+    [[0, 2], [1]],                       # K=3, unequal sizes
+    [[3, 0], [1, 2]],                    # K=4, out of order
+    [[0], [1, 2, 3]],                    # K=4, a group of one
+    [[0, 1, 2, 3], [4, 5], [6], [7]],    # K=8
+]
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather", "broadcast", "reduce",
+                                        "all_to_all"])
+@pytest.mark.parametrize("groups", GROUPS, ids=str)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_groups_run_their_own_collective(runner, algorithm, groups, collective):
+    num_towers = sum(map(len, groups))
+    devices = CPU_DEVICES[:num_towers]
+    if collective in ("reduce_scatter", "reduce"):
+        arrays = same_shapes(num_towers, [np.float32, np.int64], seed=7)
+    else:
+        arrays = uneven_rows(num_towers, [np.float64, np.int32], seed=7)
+    got, got_devices = run(runner, collective, arrays, devices, algorithm, groups=groups)
+    want = expected(collective, arrays, groups)
+    check(got, got_devices, want, placement(collective, devices, groups, 0))
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_all_to_all_with_uneven_splits(runner, algorithm):
+    rng = np.random.default_rng(3)
+    splits = [[0, 2, 1], [3, 0, 0], [1, 1, 1]]
+    arrays = [[values(rng, (sum(s), 2), np.float32), values(rng, (sum(s),), np.int64)]
+              for s in splits]
+    got, got_devices = run(runner, "all_to_all", arrays, CPU_DEVICES[:3], algorithm,
+                           splits=splits)
+    check(got, got_devices, expected("all_to_all", arrays, [[0, 1, 2]], splits=splits),
+          [d.replace("/device", "") for d in CPU_DEVICES[:3]])
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_all_gather_of_reduce_scatter_is_the_all_reduce(algorithm):
+    devices = CPU_DEVICES[:3]
+    rng = np.random.default_rng(5)
+    arrays = [[values(rng, (7, 2), np.float32), values(rng, (2,), np.float64)]
+              for _ in devices]
+    tensors = [[tf.constant(a) for a in row] for row in arrays]
+    scattered = tfreduce.reduce_scatter(tensors, devices, average=True, algorithm=algorithm)
+    gathered = tfreduce.all_gather(scattered, devices, algorithm=algorithm)
+    reduced = tfreduce.allreduce_grads(tensors, devices, average=True, algorithm=algorithm)
+    for k in range(3):
+        for n in range(2):
+            np.testing.assert_array_equal(gathered[k][n].numpy(), reduced[k][n].numpy())
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather", "broadcast", "reduce",
+                                        "all_to_all"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_eagerly_outputs_are_on_their_devices(algorithm, collective):
+    devices = CPU_DEVICES[:3]
+    arrays = (same_shapes if collective in ("reduce_scatter", "reduce") else uneven_rows)(
+        3, [np.float32, ml_dtypes.bfloat16, np.int32], seed=11)
+    tensors = []
+    for row, d in zip(arrays, devices):
+        with tf.device(d):
+            tensors.append([tf.constant(a) for a in row])
+    out = call(collective, tensors, None, algorithm, root=1)
+    want = expected(collective, arrays, [[0, 1, 2]], root=1)
+    places = placement(collective, devices, None, 1)
+    for k, row in enumerate(want):
+        for n, w in enumerate(row):
+            np.testing.assert_array_equal(out[k][n].numpy(), w)
+            assert out[k][n].device.endswith(places[k]), (k, n, out[k][n].device)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_all_gather_of_indexed_slices_gathers_rows(runner, algorithm):
+    devices = CPU_DEVICES[:3]
+    rng = np.random.default_rng(2)
+    dense_rows = [4, 0, 3]
+    slices = [(values(rng, (2, 3), np.float32), np.array([r - 1, 0]) if r else
+               np.zeros([0], np.int64)) for r in dense_rows]
+    slices[1] = (np.zeros((0, 3), np.float32), np.zeros([0], np.int64))
+
+    def build(_):
+        tensors = []
+        for (v, i), rows, d in zip(slices, dense_rows, devices):
+            with tf.device(d):
+                tensors.append([tf.IndexedSlices(tf.constant(v), tf.constant(i, tf.int64),
+                                                 tf.constant([rows, 3], tf.int64))])
+        return tfreduce.all_gather(tensors, devices, algorithm=algorithm)
+
+    got, _ = runner(build, [[np.zeros(1)] for _ in devices], devices)
+    dense = []
+    for (v, i), rows in zip(slices, dense_rows):
+        block = np.zeros((rows, 3), np.float32)
+        np.add.at(block, i, v)
+        dense.append(block)
+    for k in range(3):
+        assert isinstance(got[k][0].dense(), np.ndarray)
+        np.testing.assert_array_equal(got[k][0].dense(), np.concatenate(dense))
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_property_any_groups_and_rows(data):
+    num_towers = data.draw(st.integers(1, 5), label="K")
+    order = data.draw(st.permutations(range(num_towers)), label="order")
+    cuts = sorted(data.draw(st.sets(st.integers(1, num_towers - 1), max_size=3), label="cuts")
+                  ) if num_towers > 1 else []
+    groups = [list(order[a:b]) for a, b in zip([0] + cuts, cuts + [num_towers])]
+    collective = data.draw(st.sampled_from(["reduce_scatter", "all_gather", "broadcast",
+                                            "reduce", "all_to_all"]), label="collective")
+    algorithm = data.draw(st.sampled_from(["flat", "hierarchical", "ring"]), label="algorithm")
+    rows = data.draw(st.lists(st.integers(0, 6), min_size=num_towers, max_size=num_towers))
+    if collective in ("reduce_scatter", "reduce", "broadcast"):
+        rows = [rows[0]] * num_towers
+    rng = np.random.default_rng(num_towers)
+    arrays = [[values(rng, (r, 2), np.float32)] for r in rows]
+    devices = CPU_DEVICES[:num_towers]
+    tensors = [[tf.constant(a) for a in row] for row in arrays]
+    out = call(collective, tensors, devices, algorithm, groups=groups)
+    want = expected(collective, arrays, groups)
+    for k, row in enumerate(want):
+        np.testing.assert_array_equal(out[k][0].numpy(), row[0])
+
+
+def test_none_on_every_tower_stays_none():
+    devices = CPU_DEVICES[:2]
+    x = [[tf.constant([1.0, 2.0]), None], [tf.constant([3.0, 4.0]), None]]
+    out = tfreduce.reduce_scatter(x, devices)
+    assert out[0][1] is None and out[1][1] is None
+    np.testing.assert_array_equal(out[1][0].numpy(), [6.0])
+
+
+# -- structure: built on GPU names, nothing runs -----------------------------
+
+def build_on_gpus(collective, algorithm, num_towers=4, shape=(8, 2)):
+    graph = tf.Graph()
+    with graph.as_default():
+        devices = GPU_DEVICES[:num_towers]
+        tensors = placeholders(devices, [shape])
+        out = call(collective, tensors, devices, algorithm, root=1)
+    return graph, tensors, out
+
+
+def test_ring_reduce_scatter_sends_each_device_k_minus_1_over_k_to_its_successor():
+    _, tensors, out = build_on_gpus("reduce_scatter", "ring")
+    traffic = tfreduce.analyze_traffic(out, inputs=tensors)
+    size = 8 * 2 * 4
+    assert traffic.pair_bytes == {(GPU_DEVICES[k], GPU_DEVICES[(k + 1) % 4]): 3 * size // 4
+                                  for k in range(4)}
+    for k in range(4):
+        assert out[k][0].device == GPU_DEVICES[k]
+
+
+def test_ring_all_gather_moves_the_same_bytes_as_the_reduce_scatter():
+    _, tensors, out = build_on_gpus("all_gather", "ring", shape=(2, 2))
+    traffic = tfreduce.analyze_traffic(out, inputs=tensors)
+    assert traffic.pair_bytes == {(GPU_DEVICES[k], GPU_DEVICES[(k + 1) % 4]): 3 * 16
+                                  for k in range(4)}
+
+
+def test_flat_broadcast_sends_the_root_tensor_once_to_each_device():
+    _, tensors, out = build_on_gpus("broadcast", "flat")
+    traffic = tfreduce.analyze_traffic(out, inputs=tensors)
+    assert traffic.pair_bytes == {(GPU_DEVICES[1], GPU_DEVICES[k]): 64 for k in (0, 2, 3)}
+
+
+def test_hierarchical_reduce_crosses_between_groups_once():
+    graph = tf.Graph()
+    with graph.as_default():
+        devices = GPU_DEVICES[:8]
+        tensors = placeholders(devices, [(4,)])
+        out = tfreduce.reduce(tensors, devices, root=0, algorithm="hierarchical")
+    traffic = tfreduce.analyze_traffic(out, inputs=tensors)
+    crossing = {pair: b for pair, b in traffic.pair_bytes.items()
+                if (pair[0] in devices[:4]) != (pair[1] in devices[:4])}
+    assert len(crossing) == 1 and list(crossing.values()) == [16]
+    assert out[0].device == GPU_DEVICES[0]
+
+
+def test_nccl_builds_broadcast_and_reduce_on_gpus():
+    graph, _, out = build_on_gpus("broadcast", "nccl")
+    assert "NcclBroadcast" in {op.type for op in graph.get_operations()}
+    assert [row[0].device for row in out] == GPU_DEVICES[:4]
+    graph, _, out = build_on_gpus("reduce", "nccl")
+    assert "NcclReduce" in {op.type for op in graph.get_operations()}
+    assert out[0][0].device == GPU_DEVICES[1]
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather", "all_to_all"])
+def test_nccl_refuses_what_tf_has_no_op_for(collective):
+    with pytest.raises(ValueError, match=rf"algorithm 'nccl' does not build {collective} .*"
+                                         r"use algorithm= one of \['flat', 'hierarchical', "
+                                         r"'ring', 'collective'\]"):
+        build_on_gpus(collective, "nccl")
+
+
+def test_auto_is_ring_on_gpus_where_nccl_has_no_op_and_flat_on_cpus():
+    graph, _, _ = build_on_gpus("all_gather", "auto")
+    assert any("all_gather_ring" in op.name for op in graph.get_operations())
+    graph, _, _ = build_on_gpus("broadcast", "auto")
+    assert any("broadcast_nccl" in op.name for op in graph.get_operations())
+    graph = tf.Graph()
+    with graph.as_default():
+        tensors = placeholders(CPU_DEVICES[:2], [(3,)])
+        tfreduce.reduce_scatter(tensors, CPU_DEVICES[:2])
+    assert any("reduce_scatter_flat" in op.name for op in graph.get_operations())
+
+
+# -- errors -------------------------------------------------------------------
+
+def consts(*shapes, dtype=tf.float32):
+    return [[tf.zeros(s, dtype)] for s in shapes]
+
+
+@pytest.mark.parametrize("call_, message", [
+    (lambda: tfreduce.all_gather(consts([2, 3], [2, 4]), CPU_DEVICES[:2]),
+     r"all_gather: tensor 0: tower 1 has shape \(2, 4\), tower 0 has \(2, 3\); all_gather "
+     r"joins rows along axis 0, so the other axes must agree"),
+    (lambda: tfreduce.reduce_scatter(consts([], []), CPU_DEVICES[:2]),
+     r"reduce_scatter: tensor 0 on tower 0 is a scalar \(shape \[\]\): reduce_scatter works "
+     r"along axis 0; reshape it to \[1\]"),
+    (lambda: tfreduce.reduce_scatter(consts([3], [4]), CPU_DEVICES[:2]),
+     r"reduce_scatter: tensor 0: tower 1 has shape \(4,\), tower 0 has \(3,\); reduce_scatter "
+     r"needs one shape on every tower"),
+    (lambda: tfreduce.all_to_all(consts([3], [2]), CPU_DEVICES[:2], splits=[[1, 1], [1, 1]]),
+     r"all_to_all: splits\[0\] = \[1, 1\] add up to 2, but tensor 0 on tower 0 has 3 rows"),
+    (lambda: tfreduce.all_to_all(consts([3], [2]), CPU_DEVICES[:2], splits=[[3], [1, 1]]),
+     r"all_to_all: splits\[0\] must be 2 ints >= 0 \(the rows tower 0 sends to each tower of "
+     r"its group\), got \[3\]"),
+    (lambda: tfreduce.broadcast(consts([3], [3], [3]), CPU_DEVICES[:3], root=2,
+                                groups=[[0, 1], [2]]),
+     r"broadcast: root must be an int position in 0..0 inside every group \(group 1, \[2\], "
+     r"has 1 towers\), got 2"),
+    (lambda: tfreduce.reduce(consts([3], [3]), CPU_DEVICES[:2], root=2),
+     r"reduce: root must be an int position in 0..1 inside the 2 towers, got 2"),
+    (lambda: tfreduce.all_gather(consts([3], [3], [3]), CPU_DEVICES[:3], groups=[[0, 1], [1]]),
+     r"all_gather: device index 1 is in groups\[0\] and groups\[1\]"),
+    (lambda: tfreduce.all_gather(consts([3], [3], [3]), CPU_DEVICES[:3], groups=[[0, 1]]),
+     r"all_gather: groups \[\[0, 1\]\] leave device indices \[2\] out"),
+    (lambda: tfreduce.reduce_scatter([[tf.zeros([2])], [tf.zeros([2], tf.float64)]],
+                                     CPU_DEVICES[:2]),
+     r"reduce_scatter: tensor 0: tower 1 has dtype float64, tower 0 has float32"),
+    (lambda: tfreduce.all_gather([[tf.zeros([2])], [None]], CPU_DEVICES[:2]),
+     r"all_gather: tensor 0 is None on towers \[1\] but not on the others"),
+    (lambda: tfreduce.all_gather([[tf.zeros([2])], []], CPU_DEVICES[:2]),
+     r"all_gather: tower 1 has 0 tensors, tower 0 has 1"),
+    (lambda: tfreduce.all_gather(tf.zeros([2]), CPU_DEVICES[:2]),
+     r"all_gather: all_tensors must be a non-empty list of K lists of N tensors"),
+    (lambda: tfreduce.all_gather([[np.zeros(2)], [np.zeros(2)]], CPU_DEVICES[:2]),
+     r"tower 0, tensor 0: expected a tf.Tensor, tf.IndexedSlices or None, got ndarray"),
+    (lambda: tfreduce.broadcast([None, [tf.zeros([2])]], None, root=1),
+     r"broadcast: devices=None, but the tensors of tower 0 carry no device"),
+    (lambda: tfreduce.all_gather(consts([2], [2]), CPU_DEVICES[:2], compression="fp16"),
+     r"all_gather: compression='fp16' applies to all-reduce; all_gather moves the tensors in "
+     r"their own dtype"),
+    (lambda: tfreduce.all_gather(consts([2], [2]), CPU_DEVICES[:2], topology="dgx1-v100"),
+     r"all_gather: topology= plans an all-reduce; name the algorithm"),
+])
+def test_bad_input_names_the_tower_the_tensor_and_the_values(call_, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        call_()
+
+
+def test_average_of_integers_is_a_type_error():
+    with pytest.raises(TypeError, match=r"reduce_scatter: tensor 0: average=True needs "
+                                        r"floating tensors, got int32"):
+        tfreduce.reduce_scatter(consts([2], [2], dtype=tf.int32), CPU_DEVICES[:2], average=True)

@@ -1,0 +1,377 @@
+"""The collectives besides all-reduce: reduce-scatter, all-gather, broadcast, reduce, all-to-all.
+
+Each takes the K x N list of the all-reduce, ``all_tensors[k][n]``: tensor n
+of tower k (K towers, N tensors), and the same communication choice (an
+``algorithm`` name and its options, or a ``tfreduce.Reduction``). Outputs
+are K x N lists whose ``out[k][n]`` is placed on ``devices[k]`` (``reduce``:
+N tensors on the root). Rows are split and joined along axis 0; a split
+follows tfreduce's one shard rule (``contract.shard_sizes``: the first
+``B % K`` shards one row larger). K=2, N=1, a tensor of 3 rows per tower
+(``a0..a2`` on tower 0, ``b0..b2`` on tower 1)::
+
+    reduce_scatter  [[a],  [b]]  ->  [[a0+b0, a1+b1]],  [[a2+b2]]
+    all_gather      [[a],  [b]]  ->  [[a; b]],          [[a; b]]
+    broadcast       [[a],  None] ->  [[a]],             [[a]]          (root=0)
+    reduce          [[a],  [b]]  ->  [a+b] on devices[root]
+    all_to_all      [[a],  [b]]  ->  [[a0, a1; b0, b1]], [[a2; b2]]
+
+(``[x; y]`` joins rows.) ``all_gather(reduce_scatter(x))`` is the
+all-reduce of x. With ``groups=`` (lists of tower indices that partition
+0..K-1, sizes may differ: JAX's ``axis_index_groups``, Horovod's process
+sets) each group runs its own collective, and ``root`` is a position inside
+every group.
+
+How each algorithm builds them (the algorithm's stage owns it):
+
+- flat: sums and joins on a root device per tensor (spread by bytes), then
+  copies back (reduce-scatter sends each device its shard only);
+- hierarchical: inside each group of the reduction's ``groups`` on a root,
+  then across the roots (the DGX-1 scheme);
+- ring: reduce-scatter and all-gather are the two halves of the ring
+  all-reduce (Patarasuk & Yuan, JPDC 2009); broadcast and reduce run along
+  the ring (a pipeline, as NCCL's ring broadcast);
+- collective: TF's ``CollectiveReduceV2`` (reduce-scatter keeps each
+  device's shard of the sum: TF's ``CollectiveReduceScatterV2`` has no CPU
+  kernel), ``CollectiveGatherV2`` (all-gather; all-to-all gathers every
+  tower's pieces and keeps its own, K-1 times the bytes of point to point)
+  and ``CollectiveBcastSendV2``/``RecvV2``;
+- nccl: ``nccl_ops.broadcast`` and ``reduce_sum`` (TF has no NCCL
+  reduce-scatter, all-gather or all-to-all op).
+
+All-to-all is point to point for flat, hierarchical and ring: each piece is
+one copy from its tower to its destination (MPI's and NCCL's pairwise
+exchange). float16 and bfloat16 sums are formed in float32 and rounded once.
+``tf.IndexedSlices`` are gathered as rows by ``all_gather``; the other
+collectives convert them to dense tensors first.
+"""
+
+import contextlib
+
+import tensorflow as tf
+
+from tfreduce.collective import in_function
+from tfreduce.contract import check_flag, values_of
+from tfreduce.primitives import check_average_dtype, copy_to, split_rows
+from tfreduce.reduction import as_reduction
+from tfreduce.shards import (check_list, check_root, check_splits, resolve_groups,
+                             validate_tensors)
+from tfreduce.stage import ReduceContext
+
+__all__ = ["COLLECTIVES", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all"]
+
+#: The collectives this module builds (all-reduce is ``tfreduce.allreduce_grads``).
+COLLECTIVES = ("reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
+
+
+def reduce_scatter(all_tensors, devices=None, average=False, algorithm="auto", *, groups=None,
+                   reduction=None, **options):
+    """Sums K x N tensors and leaves shard k of each sum on device k.
+
+    ``out[k][n]`` is shard k, along axis 0, of the sum (or mean) over the
+    towers of ``all_tensors[.][n]`` (the module docstring's table). The
+    first ``B % K`` shards of B rows are one row larger; with fewer rows
+    than towers the last shards have 0 rows. The first half of a ring
+    all-reduce, and what a sharded optimizer (ZeRO) reduces gradients with.
+
+    Args:
+      all_tensors: list of K lists of N tensors of rank >= 1, one shape and
+        dtype per tensor n on every tower (None on every tower stays None).
+      devices: list of K device strings, or None for the tensors' devices.
+      average: bool, the mean over the towers (of the group) instead of the sum.
+      algorithm: a name in ``tfreduce.ALGORITHMS`` but "nccl"; "auto" is
+        flat on CPUs, ring on GPUs.
+      groups: None, or lists of tower indices that partition 0..K-1: each
+        group reduce-scatters over its own towers, in group order.
+      reduction: a ``tfreduce.Reduction`` instead of ``algorithm`` and options.
+      **options: the algorithm's options (``tfreduce.Reduction``'s fields).
+
+    Returns:
+      list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``.
+
+    Raises:
+      TypeError: not K lists of tensors; ``average`` on integer tensors.
+      ValueError: shapes or dtypes that differ between towers, a scalar,
+        groups that are no partition, an algorithm without reduce-scatter
+        (naming the tower, the tensor and the values).
+    """
+    check_flag(average, "average")
+    return _run("reduce_scatter", all_tensors, devices, (algorithm, reduction, options), groups,
+                average=average)
+
+
+def all_gather(all_tensors, devices=None, algorithm="auto", *, groups=None, reduction=None,
+               **options):
+    """Concatenates the towers' tensors along axis 0, on every device.
+
+    ``out[k][n]`` is ``all_tensors[0][n]``, ..., ``all_tensors[K-1][n]``
+    joined along axis 0 (tower order; with groups, the group's towers in
+    group order). Towers may hold different row counts (0 included), like
+    Horovod's ``allgather``; the other axes agree. ``tf.IndexedSlices`` (on
+    every tower) are gathered as rows: tower k's indices are shifted by the
+    rows of the towers before it, so the dense value of ``out[k][n]`` is the
+    concatenation of the dense values.
+
+    Args:
+      all_tensors: list of K lists of N tensors of rank >= 1.
+      devices: list of K device strings, or None for the tensors' devices.
+      algorithm: a name in ``tfreduce.ALGORITHMS`` but "nccl".
+      groups: None, or lists of tower indices that partition 0..K-1.
+      reduction: a ``tfreduce.Reduction`` instead of ``algorithm`` and options.
+      **options: the algorithm's options (``tfreduce.Reduction``'s fields).
+
+    Returns:
+      list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``.
+
+    Raises:
+      TypeError: not K lists of tensors.
+      ValueError: axes after the first that differ between towers (naming
+        both shapes), dtypes that differ, a scalar, bad groups.
+    """
+    return _run("all_gather", all_tensors, devices, (algorithm, reduction, options), groups)
+
+
+def broadcast(all_tensors, devices=None, root=0, algorithm="auto", *, groups=None,
+              reduction=None, **options):
+    """Copies the root tower's N tensors to every device.
+
+    ``out[k][n]`` is ``all_tensors[root][n]``; only the root's row is read
+    (with groups, the row of each group's root), the others may be None.
+
+    Args:
+      all_tensors: list of K rows; the root's is a list of N tensors.
+      devices: list of K device strings, or None for the tensors' devices
+        (then every row must hold tensors).
+      root: int, the root tower, a position inside every group.
+      algorithm: a name in ``tfreduce.ALGORITHMS``.
+      groups: None, or lists of tower indices that partition 0..K-1.
+      reduction: a ``tfreduce.Reduction`` instead of ``algorithm`` and options.
+      **options: the algorithm's options (``tfreduce.Reduction``'s fields).
+
+    Returns:
+      list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``.
+
+    Raises:
+      TypeError: a root row that is not a list of tensors.
+      ValueError: a root outside a group, bad groups or devices.
+    """
+    return _run("broadcast", all_tensors, devices, (algorithm, reduction, options), groups,
+                root=root)
+
+
+def reduce(all_tensors, devices=None, root=0, average=False, algorithm="auto", *, groups=None,
+           reduction=None, **options):
+    """Sums K x N tensors on the root device.
+
+    Args:
+      all_tensors: list of K lists of N tensors, one shape and dtype per n.
+      devices: list of K device strings, or None for the tensors' devices.
+      root: int, the tower that receives the sums, a position inside every group.
+      average: bool, the mean instead of the sum.
+      algorithm: a name in ``tfreduce.ALGORITHMS``.
+      groups: None, or lists of tower indices that partition 0..K-1.
+      reduction: a ``tfreduce.Reduction`` instead of ``algorithm`` and options.
+      **options: the algorithm's options (``tfreduce.Reduction``'s fields).
+
+    Returns:
+      list of N tf.Tensor, the sums (means) placed on ``devices[root]``;
+      with ``groups``, one such list per group (its sums on
+      ``devices[groups[g][root]]``).
+
+    Raises:
+      TypeError: not K lists of tensors; ``average`` on integer tensors.
+      ValueError: shapes or dtypes that differ, a root outside a group.
+    """
+    check_flag(average, "average")
+    out = _run("reduce", all_tensors, devices, (algorithm, reduction, options), groups,
+               root=root, average=average)
+    return out[0] if groups is None else out
+
+
+def all_to_all(all_tensors, devices=None, splits=None, algorithm="auto", *, groups=None,
+               reduction=None, **options):
+    """Sends piece k of every tower's tensors to tower k.
+
+    Tower j splits ``all_tensors[j][n]`` along axis 0 into one piece per
+    tower of its group (the shard rule, or ``splits[j]``); ``out[k][n]`` is
+    piece k of every tower joined in tower order.
+
+    Args:
+      all_tensors: list of K lists of N tensors of rank >= 1; row counts may
+        differ between towers, the other axes agree.
+      devices: list of K device strings, or None for the tensors' devices.
+      splits: None, or a list of K lists: ``splits[j]`` holds the rows tower
+        j sends to each tower of its group (ints >= 0 adding up to its rows
+        of every tensor), like Horovod's ``alltoall(splits=)``.
+      algorithm: a name in ``tfreduce.ALGORITHMS`` but "nccl".
+      groups: None, or lists of tower indices that partition 0..K-1.
+      reduction: a ``tfreduce.Reduction`` instead of ``algorithm`` and options.
+      **options: the algorithm's options (``tfreduce.Reduction``'s fields).
+
+    Returns:
+      list[list[tf.Tensor]], K x N; ``out[k][n]`` is placed on ``devices[k]``.
+
+    Raises:
+      ValueError: splits of the wrong size or that do not add up to a
+        tower's rows (naming the tower, the tensor, the splits and the
+        rows), axes after the first that differ, a scalar, bad groups.
+    """
+    return _run("all_to_all", all_tensors, devices, (algorithm, reduction, options), groups,
+                splits=splits)
+
+
+def _run(collective, all_tensors, devices, choice, groups, root=0, average=False, splits=None):
+    # Checks the call once, then builds each group's collective with the
+    # stage the reduction picks for the group's devices.
+    reduction = as_reduction(*choice)
+    groups = resolve_groups(groups, check_list(all_tensors, collective), collective)
+    if collective in ("broadcast", "reduce"):
+        check_root(root, groups, collective)
+    tensors = validate_tensors(all_tensors, devices, collective, [g[root] for g in groups])
+    if collective == "all_to_all" and splits is not None:
+        splits = check_splits(splits, tensors, groups)
+    stages = [reduction.collective_stage(collective, [tensors.devices[i] for i in g])
+              for g in groups]
+    if collective in ("reduce_scatter", "reduce"):
+        for n in tensors.present:
+            dtype = values_of(tensors.tensors[0][n]).dtype
+            check_average_dtype(dtype, n, average, f"{collective}: tensor {{n}}", "tensors")
+            _check_sum_dtype(stages[0], dtype, n, collective)
+
+    def build():
+        with tf.name_scope(f"{collective}_{stages[0].name}"):
+            out = [[None] * tensors.num_vars for _ in range(tensors.num_towers)]
+            results = []
+            for gi, (group, stage) in enumerate(zip(groups, stages)):
+                scope = tf.name_scope(f"group{gi}") if len(groups) > 1 else contextlib.nullcontext()
+                with scope:
+                    ctx = ReduceContext([tensors.devices[i] for i in group], average,
+                                        _dtypes(tensors, group[root]), root=root)
+                    results.append(_BUILDERS[collective](stage, tensors, group, ctx, splits))
+            if collective == "reduce":
+                return results
+            for group, rows in zip(groups, results):
+                for i, row in zip(group, rows):
+                    for n, t in zip(tensors.present, row):
+                        out[i][n] = t
+            return out
+
+    if not any(stage.needs_function for stage in stages):
+        return build()
+    out = in_function(build)
+    if tf.executing_eagerly():
+        # A tf.function hands its results back on the host: copy each back.
+        if collective == "reduce":
+            return [[copy_to(t, tensors.devices[g[root]]) for t in row]
+                    for g, row in zip(groups, out)]
+        out = [[copy_to(t, device) for t in row] for row, device in zip(out, tensors.devices)]
+    return out
+
+
+def _check_sum_dtype(stage, dtype, n, collective):
+    if stage.dtypes is not None and dtype not in stage.dtypes:
+        raise TypeError(f"{collective}: tensor {n}: algorithm {stage.name!r} cannot sum "
+                        f"{dtype.name} (it takes "
+                        f"{', '.join(sorted(d.name for d in stage.dtypes))})")
+
+
+def _dtypes(tensors, tower):
+    # The result dtype of each present tensor, in entry order.
+    return [values_of(tensors.tensors[tower][n]).dtype for n in tensors.present]
+
+
+def _dense(tensors, group):
+    # The group's present tensors, dense, on their towers: K_g x M.
+    rows = []
+    for i in group:
+        row = []
+        for n in tensors.present:
+            t = tensors.tensors[i][n]
+            if isinstance(t, tf.IndexedSlices):
+                with tf.device(tensors.devices[i]):
+                    t = tf.convert_to_tensor(t)
+            row.append(t)
+        rows.append(row)
+    return rows
+
+
+def _build_reduce_scatter(stage, tensors, group, ctx, splits):
+    return stage.reduce_scatter(_dense(tensors, group), ctx)
+
+
+def _build_broadcast(stage, tensors, group, ctx, splits):
+    return stage.broadcast(_dense(tensors, [group[ctx.root]])[0], ctx)
+
+
+def _build_reduce(stage, tensors, group, ctx, splits):
+    return stage.reduce_to_root(_dense(tensors, group), ctx)
+
+
+def _build_all_to_all(stage, tensors, group, ctx, splits):
+    pieces = []
+    for j, row in zip(group, _dense(tensors, group)):
+        with tf.device(tensors.devices[j]):
+            pieces.append([split_rows(t, len(group), name=f"entry{m}_dev{j}_pieces",
+                                      sizes=None if splits is None else splits[j])
+                           for m, t in enumerate(row)])
+    return stage.all_to_all(pieces, ctx)
+
+
+def _build_all_gather(stage, tensors, group, ctx, splits):
+    # Dense tensors gather as they are; IndexedSlices (on every tower) gather
+    # their values and their indices shifted by the rows before them.
+    sparse = [all(isinstance(tensors.tensors[i][n], tf.IndexedSlices) for i in group)
+              for n in tensors.present]
+    gathered = stage.all_gather(_dense_unless(tensors, group, sparse), ctx)
+    if not any(sparse):
+        return gathered
+    return _as_slices(gathered, tensors, group, sparse)
+
+
+def _dense_unless(tensors, group, sparse):
+    # K_g x M': dense tensors, and for each sparse entry two: values, shifted indices.
+    out = []
+    for position, i in enumerate(group):
+        row = []
+        with tf.device(tensors.devices[i]):
+            for s, n in zip(sparse, tensors.present):
+                t = tensors.tensors[i][n]
+                if not s:
+                    row.append(tf.convert_to_tensor(t))
+                    continue
+                before = [_dense_rows(tensors.tensors[j][n]) for j in group[:position]]
+                offset = tf.add_n(before) if before else tf.constant(0, tf.int64)
+                row += [t.values, tf.cast(t.indices, tf.int64) + offset]
+        out.append(row)
+    return out
+
+
+def _dense_rows(slices):
+    if slices.dense_shape is None:
+        raise ValueError("all_gather: an IndexedSlices without dense_shape has no row count "
+                         "to shift the next tower's indices by; give it a dense_shape")
+    return tf.cast(slices.dense_shape[0], tf.int64)
+
+
+def _as_slices(gathered, tensors, group, sparse):
+    # Each device's gathered entries back into tensors and IndexedSlices.
+    out = []
+    for i, row in zip(group, gathered):
+        entries, at = [], 0
+        with tf.device(tensors.devices[i]):
+            for s, n in zip(sparse, tensors.present):
+                if not s:
+                    entries.append(row[at])
+                    at += 1
+                    continue
+                column = [tensors.tensors[j][n] for j in group]
+                rows = tf.add_n([_dense_rows(t) for t in column])
+                shape = tf.concat([[rows], tf.cast(column[0].dense_shape[1:], tf.int64)], 0)
+                entries.append(tf.IndexedSlices(row[at], row[at + 1], shape))
+                at += 2
+        out.append(entries)
+    return out
+
+
+_BUILDERS = {"reduce_scatter": _build_reduce_scatter, "all_gather": _build_all_gather,
+             "broadcast": _build_broadcast, "reduce": _build_reduce,
+             "all_to_all": _build_all_to_all}
