@@ -121,6 +121,41 @@ def test_reduce_and_batch_reduce_to_against_numpy():
     assert all(v.numpy().tolist() == [1.0, 2.0] for v in copies.values)
 
 
+@pytest.mark.parametrize("algorithm", CPU_ALGORITHMS)
+def test_all_gather_and_gather_go_through_tfreduce(monkeypatch, algorithm):
+    calls = []
+    original = tfreduce.distribute.all_gather
+
+    def spy(tensors, devices, **kwargs):
+        out = original(tensors, devices, **kwargs)
+        calls.append((len(tensors), kwargs["reduction"].algorithm,
+                      [row[0].device.split("device:")[-1] for row in out]))
+        return out
+
+    monkeypatch.setattr(tfreduce.distribute, "all_gather", spy)
+    strategy = tf.distribute.MirroredStrategy(
+        CPU_DEVICES[:4], cross_device_ops=tfreduce.CrossDeviceOps(algorithm,
+                                                                  compression="fp16"))
+    blocks = np.arange(4 * 2 * 3, dtype=np.float32).reshape(4, 2, 3)
+
+    @tf.function
+    def step():
+        def replica_fn():
+            context = tf.distribute.get_replica_context()
+            x = tf.gather(blocks, context.replica_id_in_sync_group)
+            return context.all_gather(x, axis=1), x
+        gathered, x = strategy.run(replica_fn)
+        return gathered, strategy.gather(x, axis=0)
+
+    gathered, to_host = step()
+    for v in gathered.values:
+        np.testing.assert_array_equal(v.numpy(), np.concatenate(list(blocks), axis=1))
+    np.testing.assert_array_equal(to_host.numpy(), np.concatenate(list(blocks), axis=0))
+    # Both built by tfreduce, out[k] on replica k's device (fp16 not applied).
+    places = [f"CPU:{k}" for k in range(4)]
+    assert calls == [(4, algorithm, places), (4, algorithm, places)]
+
+
 def test_bytes_per_pack_of_communication_options_is_honoured(monkeypatch):
     seen = []
     original = tfreduce.Reduction.__call__

@@ -23,6 +23,7 @@ from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
 from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import values as tf_values
 
+from tfreduce.collectives import all_gather
 from tfreduce.reduction import as_reduction
 
 __all__ = ["CrossDeviceOps"]
@@ -53,6 +54,13 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
       also fall back.
     - ``broadcast_implementation``: one copy per destination device, each
       placed there.
+    - ``_gather_implementation`` (``ReplicaContext.all_gather``,
+      ``strategy.gather``): values on K distinct devices are all-gathered
+      with ``tfreduce.all_gather`` and this reduction's algorithm (the
+      gathered axis moved to the front and back); to other destinations
+      (``strategy.gather`` to the current device) the first replica's
+      result is copied there. TF's own ``NcclAllReduce`` and
+      ``HierarchicalCopyAllReduce`` gather on one device instead.
     - int32 values never reach it: MirroredStrategy reduces them with
       ``ReductionToOneDevice`` itself, whatever ``cross_device_ops`` is.
     - ``CommunicationOptions(bytes_per_pack=B)``, where the user passes it,
@@ -119,9 +127,32 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
         return distribute_utils.regroup(tuple(copies), wrap_class=tf_values.Mirrored)
 
     def _gather_implementation(self, per_replica_value, destinations, axis, options):
-        # strategy.gather: no gradient path uses it; TF's own ops gather on one device too.
-        return self._one_device._gather_implementation(  # pylint: disable=protected-access
-            per_replica_value, destinations, axis, options)
+        if not _devices_match(per_replica_value, per_replica_value):
+            return self._one_device._gather_implementation(  # pylint: disable=protected-access
+                per_replica_value, destinations, axis, options)
+        devices = list(tf_cross_device_ops.get_devices_from(per_replica_value))
+        rank = per_replica_value.values[0].shape.rank
+        # tfreduce gathers along axis 0: the gathered axis is moved there
+        # on each replica's device, and back after.
+        perm = None if axis == 0 else [axis] + [a for a in range(rank) if a != axis]
+        tensors = []
+        for value, device in zip(per_replica_value.values, devices):
+            with tf.device(device):
+                tensors.append([value if perm is None else tf.transpose(value, perm)])
+        # Compression and a topology choose how to all-reduce: not for a gather.
+        reduction = dataclasses.replace(self._reduction_for(options), compression=None,
+                                        topology=None)
+        gathered = all_gather(tensors, devices, reduction=reduction)
+        out = []
+        for row, device in zip(gathered, devices):
+            with tf.device(device):
+                out.append(row[0] if perm is None else tf.transpose(
+                    row[0], [perm.index(a) for a in range(rank)]))
+        if _devices_match(per_replica_value, destinations):
+            return distribute_utils.regroup(tuple(out), wrap_class=tf_values.Mirrored)
+        # Elsewhere (strategy.gather to the current device): the first
+        # replica's result, copied there.
+        return self.broadcast_implementation(out[0], destinations)
 
     def _reduction_for(self, options):
         """The reduction, with the call's bytes_per_pack and timeout when it sets them."""
