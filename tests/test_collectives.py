@@ -414,3 +414,32 @@ def test_average_of_integers_is_a_type_error():
     with pytest.raises(TypeError, match=r"reduce_scatter: tensor 0: average=True needs "
                                         r"floating tensors, got int32"):
         tfreduce.reduce_scatter(consts([2], [2], dtype=tf.int32), CPU_DEVICES[:2], average=True)
+
+
+# -- across workers: 2 workers x 2 towers equal 4 towers in one process --------
+
+@pytest.mark.slow
+def test_two_workers_of_two_towers_equal_four_towers(tmp_path):
+    from test_multiworker import launch_workers
+
+    from helpers import load_script
+    worker = load_script(str(__import__("pathlib").Path(__file__).parent / "workers" /
+                             "collectives_worker.py"), "collectives_worker")
+    code, _, err, _ = launch_workers("collectives_worker.py", "--timeout", 60,
+                                     "--out", tmp_path / "rank{}.npz")
+    assert code == 0, err[-3000:]
+    results = [np.load(tmp_path / f"rank{r}.npz") for r in range(2)]
+    for case, (collective, _, dtype, _, root, average) in worker.CASES.items():
+        arrays = [worker.tower_arrays(case, t) for t in range(4)]
+        want = expected(collective, arrays, [[0, 1, 2, 3]], root, average)
+        for rank, res in enumerate(results):
+            placed = __import__("json").loads(str(res[f"{case}/devices"]))
+            rows = want[:1] if collective == "reduce" else want[2 * rank:2 * rank + 2]
+            for r, row in enumerate(rows):
+                for n, w in enumerate(row):
+                    got = res[f"{case}/out/{r}/{n}"]
+                    if dtype == "bfloat16":
+                        got = got.view(ml_dtypes.bfloat16)
+                    np.testing.assert_array_equal(got, w, err_msg=f"{case} rank {rank} {r} {n}")
+                    tower = root % 2 if collective == "reduce" else r
+                    assert placed[r][n] == f"/job:worker/replica:0/task:{rank}/device:CPU:{tower}"

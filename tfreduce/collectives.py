@@ -49,8 +49,11 @@ import contextlib
 
 import tensorflow as tf
 
+from tfreduce.cluster import Cluster
 from tfreduce.collective import in_function
 from tfreduce.contract import check_flag, values_of
+from tfreduce.crossworker import CrossWorkerCollectives, cross_worker_options
+from tfreduce.localcluster import LocalCluster
 from tfreduce.primitives import check_average_dtype, copy_to, split_rows
 from tfreduce.reduction import as_reduction
 from tfreduce.shards import (check_list, check_root, check_splits, resolve_groups,
@@ -64,7 +67,7 @@ COLLECTIVES = ("reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_al
 
 
 def reduce_scatter(all_tensors, devices=None, average=False, algorithm="auto", *, groups=None,
-                   reduction=None, **options):
+                   reduction=None, cluster=None, **options):
     """Sums K x N tensors and leaves shard k of each sum on device k.
 
     ``out[k][n]`` is shard k, along axis 0, of the sum (or mean) over the
@@ -83,6 +86,10 @@ def reduce_scatter(all_tensors, devices=None, average=False, algorithm="auto", *
       groups: None, or lists of tower indices that partition 0..K-1: each
         group reduce-scatters over its own towers, in group order.
       reduction: a ``tfreduce.Reduction`` instead of ``algorithm`` and options.
+      cluster: None (this process), or the started ``tfreduce.Cluster`` of
+        this worker: every worker calls with its own K towers, tower k of
+        rank w is tower ``w * K + k`` of all T = W * K, and the result is
+        that of one process holding all T (no ``groups`` then).
       **options: the algorithm's options (``tfreduce.Reduction``'s fields).
 
     Returns:
@@ -96,11 +103,11 @@ def reduce_scatter(all_tensors, devices=None, average=False, algorithm="auto", *
     """
     check_flag(average, "average")
     return _run("reduce_scatter", all_tensors, devices, (algorithm, reduction, options), groups,
-                average=average)
+                average=average, cluster=cluster)
 
 
 def all_gather(all_tensors, devices=None, algorithm="auto", *, groups=None, reduction=None,
-               **options):
+               cluster=None, **options):
     """Concatenates the towers' tensors along axis 0, on every device.
 
     ``out[k][n]`` is ``all_tensors[0][n]``, ..., ``all_tensors[K-1][n]``
@@ -117,6 +124,8 @@ def all_gather(all_tensors, devices=None, algorithm="auto", *, groups=None, redu
       algorithm: a name in ``tfreduce.ALGORITHMS`` but "nccl".
       groups: None, or lists of tower indices that partition 0..K-1.
       reduction: a ``tfreduce.Reduction`` instead of ``algorithm`` and options.
+      cluster: as for ``reduce_scatter``: one worker's part of a collective over all
+        workers' towers (``root`` is then a tower index of all T).
       **options: the algorithm's options (``tfreduce.Reduction``'s fields).
 
     Returns:
@@ -127,11 +136,12 @@ def all_gather(all_tensors, devices=None, algorithm="auto", *, groups=None, redu
       ValueError: axes after the first that differ between towers (naming
         both shapes), dtypes that differ, a scalar, bad groups.
     """
-    return _run("all_gather", all_tensors, devices, (algorithm, reduction, options), groups)
+    return _run("all_gather", all_tensors, devices, (algorithm, reduction, options), groups,
+                cluster=cluster)
 
 
 def broadcast(all_tensors, devices=None, root=0, algorithm="auto", *, groups=None,
-              reduction=None, **options):
+              reduction=None, cluster=None, **options):
     """Copies the root tower's N tensors to every device.
 
     ``out[k][n]`` is ``all_tensors[root][n]``; only the root's row is read
@@ -145,6 +155,8 @@ def broadcast(all_tensors, devices=None, root=0, algorithm="auto", *, groups=Non
       algorithm: a name in ``tfreduce.ALGORITHMS``.
       groups: None, or lists of tower indices that partition 0..K-1.
       reduction: a ``tfreduce.Reduction`` instead of ``algorithm`` and options.
+      cluster: as for ``reduce_scatter``: one worker's part of a collective over all
+        workers' towers (``root`` is then a tower index of all T).
       **options: the algorithm's options (``tfreduce.Reduction``'s fields).
 
     Returns:
@@ -155,11 +167,11 @@ def broadcast(all_tensors, devices=None, root=0, algorithm="auto", *, groups=Non
       ValueError: a root outside a group, bad groups or devices.
     """
     return _run("broadcast", all_tensors, devices, (algorithm, reduction, options), groups,
-                root=root)
+                root=root, cluster=cluster)
 
 
 def reduce(all_tensors, devices=None, root=0, average=False, algorithm="auto", *, groups=None,
-           reduction=None, **options):
+           reduction=None, cluster=None, **options):
     """Sums K x N tensors on the root device.
 
     Args:
@@ -170,6 +182,8 @@ def reduce(all_tensors, devices=None, root=0, average=False, algorithm="auto", *
       algorithm: a name in ``tfreduce.ALGORITHMS``.
       groups: None, or lists of tower indices that partition 0..K-1.
       reduction: a ``tfreduce.Reduction`` instead of ``algorithm`` and options.
+      cluster: as for ``reduce_scatter``: one worker's part of a collective over all
+        workers' towers (``root`` is then a tower index of all T).
       **options: the algorithm's options (``tfreduce.Reduction``'s fields).
 
     Returns:
@@ -183,7 +197,7 @@ def reduce(all_tensors, devices=None, root=0, average=False, algorithm="auto", *
     """
     check_flag(average, "average")
     out = _run("reduce", all_tensors, devices, (algorithm, reduction, options), groups,
-               root=root, average=average)
+               root=root, average=average, cluster=cluster)
     return out[0] if groups is None else out
 
 
@@ -219,18 +233,36 @@ def all_to_all(all_tensors, devices=None, splits=None, algorithm="auto", *, grou
                 splits=splits)
 
 
-def _run(collective, all_tensors, devices, choice, groups, root=0, average=False, splits=None):
+def _run(collective, all_tensors, devices, choice, groups, root=0, average=False, splits=None,
+         cluster=None):
     # Checks the call once, then builds each group's collective with the
     # stage the reduction picks for the group's devices.
     reduction = as_reduction(*choice)
-    groups = resolve_groups(groups, check_list(all_tensors, collective), collective)
-    if collective in ("broadcast", "reduce"):
-        check_root(root, groups, collective)
-    tensors = validate_tensors(all_tensors, devices, collective, [g[root] for g in groups])
+    num_towers = check_list(all_tensors, collective)
+    across = _across_workers(cluster, collective, groups)
+    if across is not None:
+        everyone = [list(range(num_towers * across.num_workers))]
+        if collective in ("broadcast", "reduce"):
+            check_root(root, everyone, collective)
+        groups, local_root = [list(range(num_towers))], root % num_towers
+    else:
+        groups = resolve_groups(groups, num_towers, collective)
+        if collective in ("broadcast", "reduce"):
+            check_root(root, groups, collective)
+        local_root = root
+    tensors = validate_tensors(all_tensors, devices, collective, [g[local_root] for g in groups])
     if collective == "all_to_all" and splits is not None:
         splits = check_splits(splits, tensors, groups)
-    stages = [reduction.collective_stage(collective, [tensors.devices[i] for i in g])
-              for g in groups]
+    if across is not None:
+        # Full names keep the ops on this worker.
+        tensors.devices = across.devices(tensors.devices)
+        options, keys = cross_worker_options(across, "auto", None, None)
+        local = reduction.collective_stage(_LOCAL_STEP[collective], tensors.devices)
+        stages = [CrossWorkerCollectives(across, local, options, keys, root=root)]
+    else:
+        stages = [reduction.collective_stage(collective, [tensors.devices[i] for i in g])
+                  for g in groups]
+    root = local_root
     if collective in ("reduce_scatter", "reduce"):
         for n in tensors.present:
             dtype = values_of(tensors.tensors[0][n]).dtype
@@ -265,6 +297,29 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
                     for g, row in zip(groups, out)]
         out = [[copy_to(t, device) for t in row] for row, device in zip(out, tensors.devices)]
     return out
+
+
+# What the local stage builds of each collective across workers.
+_LOCAL_STEP = {"reduce_scatter": "reduce", "reduce": "reduce", "all_gather": "all_gather",
+               "broadcast": "broadcast"}
+
+
+def _across_workers(cluster, collective, groups):
+    # The cluster of a collective across workers, or None for one process.
+    if cluster is None:
+        return None
+    if not isinstance(cluster, (Cluster, LocalCluster)):
+        raise TypeError(f"{collective}: cluster must be a tfreduce.Cluster or None (this "
+                        f"process), got {type(cluster).__name__} {cluster!r}")
+    if cluster.is_local:
+        return None
+    if groups is not None:
+        raise ValueError(f"{collective}: groups= run inside one process; across workers the "
+                         f"collective spans every tower of every worker")
+    if collective not in _LOCAL_STEP:
+        raise ValueError(f"{collective} across workers is not built: TF's "
+                         f"CollectiveAllToAllV2 has no CPU kernel; gather with all_gather")
+    return cluster
 
 
 def _check_sum_dtype(stage, dtype, n, collective):
@@ -319,8 +374,9 @@ def _build_all_to_all(stage, tensors, group, ctx, splits):
 def _build_all_gather(stage, tensors, group, ctx, splits):
     # Dense tensors gather as they are; IndexedSlices (on every tower) gather
     # their values and their indices shifted by the rows before them.
+    # Across workers the rows before a tower are not known here: dense.
     sparse = [all(isinstance(tensors.tensors[i][n], tf.IndexedSlices) for i in group)
-              for n in tensors.present]
+              and not isinstance(stage, CrossWorkerCollectives) for n in tensors.present]
     gathered = stage.all_gather(_dense_unless(tensors, group, sparse), ctx)
     if not any(sparse):
         return gathered

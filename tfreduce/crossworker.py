@@ -13,11 +13,13 @@ from tfreduce.collective import CollectiveChain, CollectiveOptions, check_keys
 from tfreduce.compression import Compression
 from tfreduce.contract import nbytes
 from tfreduce.devices import local_name
-from tfreduce.stage import Stage
-from tfreduce.primitives import (RootBalancer, broadcast, finish_sum, mean_of_sum,
-                                 scale_by_reciprocal, sum_order)
+from tfreduce.stage import ReduceContext, Stage
+from tfreduce.primitives import (RootBalancer, accumulation_dtype, broadcast, concat_rows,
+                                 finish_sum, mean_of_sum, scale_by_reciprocal, split_rows,
+                                 sum_order, widen_half)
 
-__all__ = ["CrossWorkerStage", "cross_worker_options", "CROSS_WORKER_PACK_BYTES"]
+__all__ = ["CrossWorkerStage", "CrossWorkerCollectives", "cross_worker_options",
+           "CROSS_WORKER_PACK_BYTES"]
 
 #: Default buffer size for packing before the cross-worker all-reduce. Each
 #: collective between hosts pays a network round trip or more, so small
@@ -138,3 +140,132 @@ class CrossWorkerStage(Stage):
             for k, t in enumerate(broadcast(total, devices, name_fmt=f"entry{m}_dev{{}}_out")):
                 out[k][m] = t
         return out
+
+
+class CrossWorkerCollectives:
+    """The other collectives across workers: a local step, one device per worker across, a local step.
+
+    Every worker calls with its K towers; tower k of the worker of rank w is
+    global tower ``w * K + k`` of T = W * K, and the results equal those of
+    one process holding all T towers. Per collective:
+
+    - reduce_scatter: the local stage sums on device 0
+      (``reduce_to_root``), ``CollectiveReduceV2`` across workers, the one
+      scaling by 1/T, then device k keeps global shard ``w * K + k``;
+    - all_gather: the worker's rows joined on device 0, gathered across
+      workers (``CollectiveGatherV2``, padded to the longest, in rank
+      order), then copied to the worker's devices;
+    - broadcast: the root's worker sends from its tower ``root % K``
+      (``CollectiveBcastSendV2``), the same tower of every other worker
+      receives, then the local stage's broadcast from there;
+    - reduce: the local stage sums on tower ``root % K``, then
+      ``CollectiveReduceV2`` across workers: every worker holds the sum
+      there (TF has no reduce-to-one across hosts).
+
+    Args:
+      cluster: tfreduce.Cluster of this worker (started).
+      stage: stage.Stage, the local algorithm, bound to the K devices.
+      options: collective.CollectiveOptions, with a timeout.
+      keys: CollectiveKeys that hand out the same keys on every worker.
+      root: int, the global root tower of a broadcast.
+    """
+
+    name = "cross_worker"
+    needs_function = True
+
+    def __init__(self, cluster, stage, options, keys, root=0):
+        self.cluster = cluster
+        self.root = root
+        self.dtypes = stage.dtypes
+        self.stage = stage
+        self.keys = keys
+        self.chain = CollectiveChain(options)
+
+    def _across(self, device):
+        # The group key of this device across workers, its token made.
+        group_key = self.cluster.group_key([local_name(device)])
+        self.chain.token(device, f"tfreduce_cross_order_{group_key}", "cross_worker_order")
+        return group_key
+
+    def _local_sums(self, buffers, ctx, root):
+        # The worker's sums on devices[root], in the accumulation dtype.
+        acc = ReduceContext(ctx.devices, False, [accumulation_dtype(d) for d in ctx.dtypes],
+                            root=root)
+        return self.stage.reduce_to_root(buffers, acc)
+
+    def _sum_across(self, local, device, m):
+        group_key = self._across(device)
+        with self.chain.after_previous(device):
+            return self.chain.all_reduce(local, device, self.cluster.num_workers, group_key,
+                                         self.keys.instance_key(), name=f"entry{m}_cross_worker")
+
+    def reduce_scatter(self, buffers, ctx):
+        devices, rank = ctx.devices, self.cluster.rank
+        num_local = len(devices)
+        total_towers = num_local * self.cluster.num_workers
+        out = [[None] * len(buffers[0]) for _ in devices]  # K x M
+        for m, local in enumerate(self._local_sums(buffers, ctx, 0)):
+            total = finish_sum(self._sum_across(local, devices[0], m), ctx.dtypes[m],
+                               total_towers, ctx.average, devices[0], name=f"entry{m}_total")
+            with tf.device(devices[0]):
+                shards = split_rows(total, total_towers, name=f"entry{m}_split")
+            for k, device in enumerate(devices):
+                with tf.device(device):
+                    out[k][m] = tf.identity(shards[rank * num_local + k],
+                                            name=f"entry{m}_dev{k}_out")
+        return out
+
+    def reduce_to_root(self, buffers, ctx):
+        device = ctx.devices[ctx.root]
+        total_towers = len(ctx.devices) * self.cluster.num_workers
+        return [finish_sum(self._sum_across(local, device, m), ctx.dtypes[m], total_towers,
+                           ctx.average, device, name=f"entry{m}_out")
+                for m, local in enumerate(self._local_sums(buffers, ctx, ctx.root))]
+
+    def all_gather(self, buffers, ctx):
+        device, num_workers = ctx.devices[0], self.cluster.num_workers
+        group_key = self._across(device)
+        row = []
+        for m in range(len(buffers[0])):
+            with tf.device(device):
+                mine = concat_rows([tower[m] for tower in buffers], name=f"entry{m}_local")
+            with self.chain.after_previous(device):
+                if mine.shape[1:].num_elements() == 0:
+                    # Rows of no elements: only the row counts cross.
+                    rows = self.chain.all_gather(tf.shape(mine)[:1], device, num_workers,
+                                                 group_key, self.keys.instance_key(),
+                                                 name=f"entry{m}_cross_rows")
+                    whole = tf.zeros(tf.concat([[tf.reduce_sum(rows)], tf.shape(mine)[1:]], 0),
+                                     mine.dtype)
+                else:
+                    whole = tf.cast(self.chain.all_gather_rows(
+                        widen_half(mine), device, num_workers, group_key, self.keys,
+                        name=f"entry{m}_cross_worker"), mine.dtype)
+            row.append(whole)
+        # Copied to the worker's devices (the gathered rows are known only
+        # when the graph runs, which TF's collective broadcast cannot take).
+        copies = [broadcast(t, ctx.devices, name_fmt=f"entry{m}_dev{{}}_out")
+                  for m, t in enumerate(row)]  # M x K
+        return [list(tower) for tower in zip(*copies)]
+
+    def broadcast(self, row, ctx):
+        device, num_workers = ctx.devices[ctx.root], self.cluster.num_workers
+        sender = self.root // len(ctx.devices)
+        group_key = self._across(device)
+        received = []
+        for m, t in enumerate(row):
+            if not t.shape.is_fully_defined():
+                raise ValueError(f"broadcast: tensor {m}'s shape {t.shape} is not known when "
+                                 f"built; across workers every worker passes a tensor of the "
+                                 f"root's static shape at tower {ctx.root}")
+            if t.shape.num_elements() == 0:
+                received.append(t)
+                continue
+            with self.chain.after_previous(device):
+                got = self.chain.broadcast(
+                    widen_half(t) if self.cluster.rank == sender else None, device, num_workers,
+                    group_key, self.keys.instance_key(), name=f"entry{m}_cross_worker",
+                    shape=t.shape, dtype=widen_half(t).dtype)
+            received.append(tf.cast(got, t.dtype))
+        return self.stage.broadcast(received, ctx)
+

@@ -18,7 +18,8 @@ from tensorflow.python.ops import nccl_ops as _tf_nccl
 from tfreduce.collective import CollectiveChain, CollectiveKeys, CollectiveOptions, check_keys
 from tfreduce.devices import is_gpu
 from tfreduce.stage import Stage
-from tfreduce.primitives import accumulation_dtype, concat_rows, scale_by_reciprocal, split_rows
+from tfreduce.primitives import (accumulation_dtype, concat_rows, scale_by_reciprocal,
+                                 split_rows, widen_half)
 
 __all__ = ["NcclStage", "CollectiveStage"]
 
@@ -200,10 +201,10 @@ class CollectiveStage(Stage):
             instance_key = keys.instance_key()
             for k, d in enumerate(devices):
                 with chain.after_previous(d):
-                    sent = _to_wire(t) if k == root else None
+                    sent = widen_half(t) if k == root else None
                     got = chain.broadcast(sent, d, len(devices), group_key, instance_key,
                                           name=f"entry{m}_dev{k}_bcast", shape=t.shape,
-                                          dtype=_to_wire(t).dtype)
+                                          dtype=widen_half(t).dtype)
                     out[k][m] = tf.cast(got, t.dtype, name=f"entry{m}_dev{k}_out")
         return out
 
@@ -260,11 +261,6 @@ def _prescaled(t, num_towers, device):
         return scale_by_reciprocal(t, num_towers)
 
 
-def _to_wire(t):
-    # What crosses in TF's gather and broadcast: half types as float32 (exact).
-    return tf.cast(t, tf.float32) if t.dtype in (tf.float16, tf.bfloat16) else t
-
-
 def _gather_entry(chain, keys, group_key, column, ranks, devices, m):
     # The K towers' rows of one entry joined in tower order on every device:
     # row counts (gathered when not known), every x padded to the longest
@@ -297,7 +293,7 @@ def _gather_entry(chain, keys, group_key, column, ranks, devices, m):
             longest = max(max(counts), 1) if static else tf.maximum(tf.reduce_max(
                 tower_counts), 1)
             rows = counts[k] if static else tf.shape(t)[0]
-            padded = tf.pad(_to_wire(t), [[0, longest - rows]] + [[0, 0]] * (t.shape.rank - 1))
+            padded = tf.pad(widen_half(t), [[0, longest - rows]] + [[0, 0]] * (t.shape.rank - 1))
             whole = chain.all_gather(padded, d, num_towers, group_key, instance_key,
                                      name=f"entry{m}_dev{k}_gather")
             blocks = tf.gather(tf.reshape(whole, tf.concat([[num_towers, longest],

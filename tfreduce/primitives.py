@@ -42,6 +42,7 @@ __all__ = [
     "split_rows",
     "concat_rows",
     "copy_to",
+    "widen_half",
 ]
 
 _HALF = (tf.float16, tf.bfloat16)
@@ -341,6 +342,11 @@ def concat_rows(parts, name):
     if len(parts) == 1:
         return tf.identity(parts[0], name=name)
     return tf.concat(parts, axis=0, name=name)
+
+
+def widen_half(t):
+    """t with float16/bfloat16 cast to float32 (exact), for TF's gather and broadcast kernels."""
+    return tf.cast(t, tf.float32) if t.dtype in _HALF else t
 
 
 def copy_to(g, device):
