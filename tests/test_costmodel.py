@@ -52,6 +52,60 @@ def test_uniform_machine_gives_the_alpha_beta_formulas(num_devices, bandwidth, l
             size * 2 * (num_devices - 1) / num_devices / want, rel=1e-12)
 
 
+def build_collective(collective, algorithm, num_devices, size_bytes):
+    """One float32 tensor of size_bytes per device through a collective; on "/gpu:k", not run."""
+    graph = tf.Graph()
+    devices = GPU_DEVICES[:num_devices]
+    with graph.as_default():
+        tensors = []
+        for d in devices:
+            with tf.device(d):
+                tensors.append([tf.zeros([size_bytes // 4])])
+        kwargs = {"root": 0} if collective in ("broadcast", "reduce") else {}
+        out = getattr(tfreduce, collective)(tensors, devices, algorithm=algorithm, **kwargs)
+    return out, tensors
+
+
+@pytest.mark.parametrize("num_devices", [2, 4, 8])
+def test_collectives_on_a_uniform_machine_give_the_alpha_beta_formulas(num_devices):
+    size, bandwidth, latency = 4 * 2**20, 10 * GB, 2e-6
+    topology = Topology.fully_connected(num_devices, bandwidth, latency)
+    hop, steps = latency + size / bandwidth, num_devices - 1
+    chunk = latency + size / num_devices / bandwidth
+    formulas = {
+        # the ring's halves: K-1 steps of S/K (all-gather: of each device's S)
+        ("reduce_scatter", "ring"): steps * chunk,
+        ("all_gather", "ring"): steps * hop,
+        # a pipeline of K-1 whole hops along the ring
+        ("broadcast", "ring"): steps * hop,
+        ("reduce", "ring"): steps * hop,
+        # to the root, then the root's shards (reduce-scatter) or copies out
+        ("reduce_scatter", "flat"): hop + chunk,
+        ("broadcast", "flat"): hop,
+        ("reduce", "flat"): hop,
+        # NCCL's ring inside one op: G-1 steps of each member's S (after
+        # the gather of the towers' order, 4 bytes each), or S pipelined
+        # through G-1 hops
+        ("all_gather", "collective"): steps * (latency + 4 / bandwidth) + steps * hop,
+        ("broadcast", "collective"): steps * latency + size / bandwidth,
+    }
+    for (collective, algorithm), want in formulas.items():
+        out, tensors = build_collective(collective, algorithm, num_devices, size)
+        got = predict(out, topology, inputs=tensors)
+        if num_devices == 2 and collective == "reduce_scatter" and algorithm == "flat":
+            want = hop + chunk  # one device sends S, the root sends back S/2
+        assert got.seconds == pytest.approx(want, rel=1e-9), (collective, algorithm)
+
+
+def test_bus_bandwidth_uses_the_nccl_tests_factors():
+    assert tfreduce.bus_bandwidth("all_reduce", 8 * GB, 1.0, 8) == pytest.approx(14 * GB)
+    assert tfreduce.bus_bandwidth("all_gather", 8 * GB, 1.0, 8) == pytest.approx(7 * GB)
+    assert tfreduce.bus_bandwidth("reduce_scatter", 8 * GB, 2.0, 4) == pytest.approx(3 * GB)
+    assert tfreduce.bus_bandwidth("broadcast", 8 * GB, 2.0, 4) == pytest.approx(4 * GB)
+    with pytest.raises(ValueError, match=r"unknown collective 'gather'; choose one of "):
+        tfreduce.bus_bandwidth("gather", 1, 1.0, 2)
+
+
 def test_a_ring_moves_2_k_minus_1_over_k_of_s_per_device():
     size, bandwidth, num_devices = 8 * 2**20, 5 * GB, 8
     out, grads = build("ring", num_devices, size, pack_bytes=None)

@@ -43,6 +43,7 @@ _EXPORTS = {
     "Topology": "tfreduce.topology",
     "Traffic": "tfreduce.traffic",
     "analyze_traffic": "tfreduce.traffic",
+    "bus_bandwidth": "tfreduce.traffic",
     "plan_allreduce": "tfreduce.allreduce",
     "predict": "tfreduce.costmodel",
     "ReplicatedTrainer": "tfreduce.trainer",

@@ -17,12 +17,14 @@ simulates it, event by event:
   one transfer at a time, in the order they were asked for), holds them for
   bytes / the route's narrowest bandwidth, and arrives one latency sum later
   (the alpha-beta model of Thakur, Rabenseifner & Gropp, 2005);
-- collective ops (NcclAllReduce, CollectiveReduceV2), whose transfers are
-  inside one op, start when every member is ready and the links of their
-  ring are free, and take NCCL's ring time 2(G-1) (alpha + S / (G * B)),
-  B the narrowest route between ring neighbours, over the ring order with
-  the widest such B (NCCL searches its rings the same way; one ring, where
-  NCCL may run several side by side).
+- collective ops (NcclAllReduce, CollectiveReduceV2, CollectiveGatherV2,
+  CollectiveBcastSendV2/RecvV2), whose transfers are inside one op, start
+  when every member is ready and the links of their ring are free, and take
+  NCCL's ring time: 2(G-1) (alpha + S / (G * B)) for an all-reduce of S,
+  (G-1) (alpha + S / B) for an all-gather of S per member, (G-1) alpha +
+  S / B for a pipelined broadcast; B the narrowest route between ring
+  neighbours, over the ring order with the widest such B (NCCL searches its
+  rings the same way; one ring, where NCCL may run several side by side).
 
 The prediction is the time the last op ends; ``bus_bandwidth`` is
 S * 2(K-1)/K / t, the definition of nccl-tests, with S the bytes one device
@@ -47,7 +49,11 @@ FREE_OPS = frozenset({
     "NoOp", "Identity", "IdentityN", "Const", "Placeholder", "Reshape", "Squeeze", "ExpandDims",
     "VarHandleOp", "ReadVariableOp", "Shape", "ShapeN", "StopGradient", "Size", "Rank",
     "_Arg", "_Retval", "PlaceholderWithDefault"})
-COLLECTIVE_OPS = frozenset({"NcclAllReduce", "CollectiveReduceV2"})
+# Collective ops -> the ring collective NCCL runs for them (``_ring_time``).
+RING_KINDS = {"NcclAllReduce": "all_reduce", "CollectiveReduceV2": "all_reduce",
+              "CollectiveGatherV2": "all_gather", "CollectiveBcastSendV2": "broadcast",
+              "CollectiveBcastRecvV2": "broadcast"}
+COLLECTIVE_OPS = frozenset(RING_KINDS)
 # Split and SplitV into one piece forward their input; splits along the
 # first axis hand out slices of the input buffer without copying when every
 # piece starts and ends on a multiple of EIGEN_MAX_ALIGN_BYTES (64 in TF's
@@ -142,7 +148,8 @@ def _check_known_sizes(ops):
     # of unknown size would cost nothing and the prediction be too fast.
     members = set(ops)
     for op in ops:
-        moved = [op.inputs[0]] if op.type in COLLECTIVE_OPS and op.inputs else [
+        moved = [op.inputs[0]] if op.type in COLLECTIVE_OPS and op.inputs and (
+            op.type != "CollectiveBcastRecvV2") else [
             t for t in op.inputs if t.op in members and t.op.device and op.device
             and canonical_or_empty(t.op.device) != canonical_or_empty(op.device)]
         for t in moved:
@@ -214,8 +221,10 @@ class _Simulation:
         for op in ops:
             if op.type == "NcclAllReduce":
                 groups[("nccl", op.get_attr("shared_name"))].append(op)
-            elif op.type == "CollectiveReduceV2":
-                key = tf.get_static_value(op.inputs[3])
+            elif op.type in COLLECTIVE_OPS:
+                # The instance key: input 3, or 2 for a receive (no data input).
+                key = tf.get_static_value(op.inputs[2 if op.type == "CollectiveBcastRecvV2"
+                                                    else 3])
                 groups[("collective", None if key is None else int(key))].append(op)
         return {op: members for members in groups.values() for op in members}
 
@@ -302,14 +311,15 @@ class _Simulation:
     def _collective(self, members, now, push):
         ops = [op for op, _ in members]
         devices = {self.device[op] for op in ops if self.device[op] is not None}
-        size = max((static_bytes(op.inputs[0]) or 0) for op in ops)
+        size = max((static_bytes(op.outputs[0] if op.type == "CollectiveBcastRecvV2" else
+                                 op.inputs[0]) or 0) for op in ops)
         ring = _best_ring(self.topology, sorted(devices), self.rings)
         links = [link for a, b in zip(ring, ring[1:] + ring[:1])
                  for link in self.topology.route(a, b)]
         # The ring's links carry 2(G-1)/G of S each: collectives that share
         # links wait for each other, like transfers.
         start = max([now] + [self.link_free[link.name] for link in links])
-        seconds, hold = _ring_time(self.topology, ring, size)
+        seconds, hold = _ring_time(self.topology, ring, size, RING_KINDS[ops[0].type])
         for link in links:
             self.link_free[link.name] = start + hold
             self.link_busy[link.name] += hold
@@ -407,9 +417,11 @@ def _aliases(op):
     return all(start * itemsize % ALIGN_BYTES == 0 for start in itertools.accumulate([0] + sizes))
 
 
-def _ring_time(topology, ring, size):
-    # NCCL's ring all-reduce: 2(G-1) steps of S/G bytes between neighbours.
-    # Returns (seconds, seconds each ring link carries data).
+def _ring_time(topology, ring, size, kind="all_reduce"):
+    # NCCL's ring collectives: an all-reduce is 2(G-1) steps of S/G bytes
+    # between neighbours, an all-gather G-1 steps of each member's S, a
+    # broadcast S pipelined through G-1 hops. Returns (seconds, seconds
+    # each ring link carries data).
     count = len(ring)
     if count < 2:
         return 0.0, 0.0
@@ -417,8 +429,11 @@ def _ring_time(topology, ring, size):
     bandwidth = min([link.bandwidth for route in routes for link in route]
                     + [topology.collective_bandwidth])
     latency = max(sum(link.latency for link in route) for route in routes)
-    hold = 2 * (count - 1) * size / count / bandwidth
-    return 2 * (count - 1) * latency + hold, hold
+    steps, carried = {"all_reduce": (2 * (count - 1), 2 * (count - 1) * size / count),
+                      "all_gather": (count - 1, (count - 1) * size),
+                      "broadcast": (count - 1, size)}[kind]
+    hold = carried / bandwidth
+    return steps * latency + hold, hold
 
 
 def _best_ring(topology, devices, cache):

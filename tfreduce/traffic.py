@@ -14,9 +14,13 @@ length of the critical path) can be read off and tested:
   partner in the other group, nothing to the other three;
 - ring: 2(K-1)/K * S from each device to its successor and nothing else.
 
-Engines that move data inside one op (``NcclAllReduce``,
-``CollectiveReduceV2``) have no cross-device edges in the graph: their
-traffic is invisible here and reported as zero bytes.
+The other collectives (``tfreduce.collectives``) count the same way: a ring
+reduce-scatter or all-gather sends (K-1)/K S per device to its successor, a
+flat broadcast or reduce moves S over each link of the root. Engines that
+move data inside one op (``NcclAllReduce``, ``CollectiveReduceV2``,
+``CollectiveGatherV2``) have no cross-device edges in the graph: their
+traffic is invisible here and reported as zero bytes. ``bus_bandwidth``
+turns a time into nccl-tests' bus bandwidth.
 """
 
 import collections
@@ -24,7 +28,46 @@ import collections
 from tfreduce.devices import canonical_or_empty
 from tfreduce.graphwalk import as_graph, static_bytes, tensors, walk_back
 
-__all__ = ["Traffic", "analyze_traffic"]
+__all__ = ["Traffic", "analyze_traffic", "BUS_FACTORS", "bus_bandwidth"]
+
+#: nccl-tests' bus-bandwidth factors (its PERFORMANCE.md): bus bandwidth is
+#: the algorithm bandwidth S / t times this factor of the K ranks, so that it
+#: compares with the link speed whatever the collective. S is each rank's
+#: buffer: the input of an all-reduce, reduce-scatter (the whole tensor
+#: before the scatter), broadcast and reduce, the output of an all-gather,
+#: each rank's send buffer of an all-to-all.
+BUS_FACTORS = {
+    "all_reduce": lambda k: 2 * (k - 1) / k,
+    "reduce_scatter": lambda k: (k - 1) / k,
+    "all_gather": lambda k: (k - 1) / k,
+    "all_to_all": lambda k: (k - 1) / k,
+    "broadcast": lambda k: 1.0,
+    "reduce": lambda k: 1.0,
+}
+
+
+def bus_bandwidth(collective, size_bytes, seconds, num_ranks):
+    """The bus bandwidth of a collective as nccl-tests reports it.
+
+    Args:
+      collective: str, a key of ``BUS_FACTORS`` ("all_reduce", "reduce_scatter",
+        "all_gather", "all_to_all", "broadcast", "reduce").
+      size_bytes: int S, as ``BUS_FACTORS`` defines it.
+      seconds: float, the time of one collective.
+      num_ranks: int K.
+
+    Returns:
+      float bytes/s: S / seconds * the collective's factor of K.
+
+    Raises:
+      ValueError: an unknown collective, or seconds <= 0.
+    """
+    if collective not in BUS_FACTORS:
+        raise ValueError(f"unknown collective {collective!r}; choose one of "
+                         f"{sorted(BUS_FACTORS)}")
+    if not seconds > 0:
+        raise ValueError(f"seconds must be > 0, got {seconds!r}")
+    return size_bytes / seconds * BUS_FACTORS[collective](num_ranks)
 
 
 class Traffic:
