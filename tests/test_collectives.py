@@ -431,7 +431,8 @@ def test_two_workers_of_two_towers_equal_four_towers(tmp_path):
     results = [np.load(tmp_path / f"rank{r}.npz") for r in range(2)]
     for case, (collective, _, dtype, _, root, average) in worker.CASES.items():
         arrays = [worker.tower_arrays(case, t) for t in range(4)]
-        want = expected(collective, arrays, [[0, 1, 2, 3]], root, average)
+        want = expected(collective, arrays, [[0, 1, 2, 3]], root, average,
+                        worker.SPLITS.get(case))
         for rank, res in enumerate(results):
             placed = __import__("json").loads(str(res[f"{case}/devices"]))
             rows = want[:1] if collective == "reduce" else want[2 * rank:2 * rank + 2]

@@ -202,7 +202,7 @@ def reduce(all_tensors, devices=None, root=0, average=False, algorithm="auto", *
 
 
 def all_to_all(all_tensors, devices=None, splits=None, algorithm="auto", *, groups=None,
-               reduction=None, **options):
+               reduction=None, cluster=None, **options):
     """Sends piece k of every tower's tensors to tower k.
 
     Tower j splits ``all_tensors[j][n]`` along axis 0 into one piece per
@@ -215,10 +215,14 @@ def all_to_all(all_tensors, devices=None, splits=None, algorithm="auto", *, grou
       devices: list of K device strings, or None for the tensors' devices.
       splits: None, or a list of K lists: ``splits[j]`` holds the rows tower
         j sends to each tower of its group (ints >= 0 adding up to its rows
-        of every tensor), like Horovod's ``alltoall(splits=)``.
+        of every tensor; across workers, to each of all T towers), like
+        Horovod's ``alltoall(splits=)``.
       algorithm: a name in ``tfreduce.ALGORITHMS`` but "nccl".
       groups: None, or lists of tower indices that partition 0..K-1.
       reduction: a ``tfreduce.Reduction`` instead of ``algorithm`` and options.
+      cluster: as for ``reduce_scatter`` (the worker's rows and the pieces'
+        row counts are gathered across workers, and each tower cuts out its
+        pieces: W times the bytes of point to point).
       **options: the algorithm's options (``tfreduce.Reduction``'s fields).
 
     Returns:
@@ -230,7 +234,7 @@ def all_to_all(all_tensors, devices=None, splits=None, algorithm="auto", *, grou
         rows), axes after the first that differ, a scalar, bad groups.
     """
     return _run("all_to_all", all_tensors, devices, (algorithm, reduction, options), groups,
-                splits=splits)
+                splits=splits, cluster=cluster)
 
 
 def _run(collective, all_tensors, devices, choice, groups, root=0, average=False, splits=None,
@@ -252,16 +256,9 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
         local_root = root
     tensors = validate_tensors(all_tensors, devices, collective, [g[local_root] for g in groups])
     if collective == "all_to_all" and splits is not None:
-        splits = check_splits(splits, tensors, groups)
-    if across is not None:
-        # Full names keep the ops on this worker.
-        tensors.devices = across.devices(tensors.devices)
-        options, keys = cross_worker_options(across, "auto", None, None)
-        local = reduction.collective_stage(_LOCAL_STEP[collective], tensors.devices)
-        stages = [CrossWorkerCollectives(across, local, options, keys, root=root)]
-    else:
-        stages = [reduction.collective_stage(collective, [tensors.devices[i] for i in g])
-                  for g in groups]
+        splits = check_splits(splits, tensors, groups, None if across is None else
+                              num_towers * across.num_workers)
+    stages = _stages(collective, reduction, tensors, groups, across, root)
     root = local_root
     if collective in ("reduce_scatter", "reduce"):
         for n in tensors.present:
@@ -299,9 +296,21 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
     return out
 
 
+def _stages(collective, reduction, tensors, groups, across, root):
+    # The stage of each group; across workers one, around the local stage.
+    if across is None:
+        return [reduction.collective_stage(collective, [tensors.devices[i] for i in g])
+                for g in groups]
+    # Full names keep the ops on this worker.
+    tensors.devices = across.devices(tensors.devices)
+    options, keys = cross_worker_options(across, "auto", None, None)
+    local = reduction.collective_stage(_LOCAL_STEP[collective], tensors.devices)
+    return [CrossWorkerCollectives(across, local, options, keys, root=root)]
+
+
 # What the local stage builds of each collective across workers.
 _LOCAL_STEP = {"reduce_scatter": "reduce", "reduce": "reduce", "all_gather": "all_gather",
-               "broadcast": "broadcast"}
+               "broadcast": "broadcast", "all_to_all": "all_to_all"}
 
 
 def _across_workers(cluster, collective, groups):
@@ -316,9 +325,6 @@ def _across_workers(cluster, collective, groups):
     if groups is not None:
         raise ValueError(f"{collective}: groups= run inside one process; across workers the "
                          f"collective spans every tower of every worker")
-    if collective not in _LOCAL_STEP:
-        raise ValueError(f"{collective} across workers is not built: TF's "
-                         f"CollectiveAllToAllV2 has no CPU kernel; gather with all_gather")
     return cluster
 
 
@@ -362,10 +368,13 @@ def _build_reduce(stage, tensors, group, ctx, splits):
 
 
 def _build_all_to_all(stage, tensors, group, ctx, splits):
+    # One piece per tower of the group (across workers: of every worker).
+    parts = (len(group) * stage.cluster.num_workers if isinstance(stage, CrossWorkerCollectives)
+             else len(group))
     pieces = []
     for j, row in zip(group, _dense(tensors, group)):
         with tf.device(tensors.devices[j]):
-            pieces.append([split_rows(t, len(group), name=f"entry{m}_dev{j}_pieces",
+            pieces.append([split_rows(t, parts, name=f"entry{m}_dev{j}_pieces",
                                       sizes=None if splits is None else splits[j])
                            for m, t in enumerate(row)])
     return stage.all_to_all(pieces, ctx)

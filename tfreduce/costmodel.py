@@ -418,10 +418,8 @@ def _aliases(op):
 
 
 def _ring_time(topology, ring, size, kind="all_reduce"):
-    # NCCL's ring collectives: an all-reduce is 2(G-1) steps of S/G bytes
-    # between neighbours, an all-gather G-1 steps of each member's S, a
-    # broadcast S pipelined through G-1 hops. Returns (seconds, seconds
-    # each ring link carries data).
+    # NCCL's ring collectives (the module docstring). Returns (seconds,
+    # seconds each ring link carries data).
     count = len(ring)
     if count < 2:
         return 0.0, 0.0

@@ -160,7 +160,11 @@ class CrossWorkerCollectives:
       receives, then the local stage's broadcast from there;
     - reduce: the local stage sums on tower ``root % K``, then
       ``CollectiveReduceV2`` across workers: every worker holds the sum
-      there (TF has no reduce-to-one across hosts).
+      there (TF has no reduce-to-one across hosts);
+    - all_to_all: the worker's rows and the row counts of its pieces are
+      gathered across workers on device 0, which cuts out each local
+      tower's pieces: W times the bytes of point to point (TF's
+      ``CollectiveAllToAllV2`` has no CPU kernel).
 
     Args:
       cluster: tfreduce.Cluster of this worker (started).
@@ -268,4 +272,49 @@ class CrossWorkerCollectives:
                     shape=t.shape, dtype=widen_half(t).dtype)
             received.append(tf.cast(got, t.dtype))
         return self.stage.broadcast(received, ctx)
+
+    def all_to_all(self, pieces, ctx):
+        devices, num_workers = ctx.devices, self.cluster.num_workers
+        device, num_local = devices[0], len(devices)
+        total_towers = num_local * num_workers
+        group_key = self._across(device)
+        out = [[None] * len(pieces[0]) for _ in devices]  # K x M
+        for m in range(len(pieces[0])):
+            with tf.device(device):
+                rows = [concat_rows(row[m], name=f"entry{m}_dev{j}_rows")
+                        for j, row in enumerate(pieces)]
+                mine = concat_rows(rows, name=f"entry{m}_local")
+                counts = tf.reshape(tf.stack([tf.shape(p)[0] for row in pieces for p in row[m]]),
+                                    [-1])  # K*T: tower j's piece for each tower
+            with self.chain.after_previous(device):
+                counts = tf.reshape(self.chain.all_gather(
+                    counts, device, num_workers, group_key, self.keys.instance_key(),
+                    name=f"entry{m}_cross_counts"), [total_towers, total_towers])
+                if mine.shape[1:].num_elements() == 0:
+                    whole = tf.zeros(tf.concat([[tf.reduce_sum(counts)], tf.shape(mine)[1:]], 0),
+                                     mine.dtype)
+                else:
+                    whole = tf.cast(self.chain.all_gather_rows(
+                        widen_half(mine), device, num_workers, group_key, self.keys,
+                        name=f"entry{m}_cross_worker"), mine.dtype)
+            for k in range(num_local):
+                with tf.device(device):
+                    target = self.cluster.rank * num_local + k
+                    out[k][m] = _pieces_for(whole, counts, target, f"entry{m}_dev{k}")
+                with tf.device(devices[k]):
+                    out[k][m] = tf.identity(out[k][m], name=f"entry{m}_dev{k}_out")
+        return out
+
+
+def _pieces_for(whole, counts, target, name):
+    # Tower ``target``'s piece of every tower, cut from all towers' rows in
+    # tower order (counts[j][t]: the rows tower j sends to tower t).
+    starts = tf.cumsum(tf.reduce_sum(counts, axis=1), exclusive=True) + tf.cumsum(
+        counts, axis=1, exclusive=True)[:, target]
+    parts = []
+    for j in range(counts.shape[0]):
+        parts.append(tf.slice(whole, tf.concat([[starts[j]], tf.zeros_like(tf.shape(whole)[1:])],
+                                               0),
+                              tf.concat([[counts[j, target]], tf.shape(whole)[1:]], 0)))
+    return concat_rows(parts, name=f"{name}_gathered")
 

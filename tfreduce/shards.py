@@ -214,7 +214,7 @@ def check_root(root, groups, collective):
                          f"inside {where}, got {root!r}")
 
 
-def check_splits(splits, tensors, groups):
+def check_splits(splits, tensors, groups, parts=None):
     """Checks the ``splits`` of an all-to-all: K ints >= 0 per tower that add up to its rows.
 
     Args:
@@ -222,6 +222,8 @@ def check_splits(splits, tensors, groups):
         tower j's group: the rows tower j sends to each, in group order.
       tensors: Tensors.
       groups: list[list[int]], the resolved groups.
+      parts: int, the pieces per tower when not the group's size (T across
+        workers).
 
     Returns:
       list of K lists of ints.
@@ -231,7 +233,7 @@ def check_splits(splits, tensors, groups):
         or non-int count, or counts that do not add up to a tower's rows
         (naming the tower, the tensor, the splits and the rows).
     """
-    size = {k: len(g) for g in groups for k in g}
+    size = {k: parts or len(g) for g in groups for k in g}
     if not isinstance(splits, (list, tuple)) or len(splits) != tensors.num_towers:
         raise ValueError(f"all_to_all: splits must be a list of K={tensors.num_towers} lists "
                          f"(one per tower), got {splits!r:.80}")

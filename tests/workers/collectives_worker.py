@@ -30,7 +30,12 @@ CASES = {
     "all_gather_collective_f16": ("all_gather", "collective", "float16", False, 0, False),
     "broadcast_hierarchical_f64": ("broadcast", "hierarchical", "float64", True, 3, False),
     "reduce_collective_i32": ("reduce", "collective", "int32", True, 1, False),
+    "all_to_all_ring_f32": ("all_to_all", "ring", "float32", False, 0, False),
+    "all_to_all_flat_i64_splits": ("all_to_all", "flat", "int64", False, 0, False),
 }
+# Global splits of an all-to-all case: SPLITS[case][t], the rows tower t
+# sends to each of the 4 towers.
+SPLITS = {"all_to_all_flat_i64_splits": [[0, 2, 1, 0], [3, 0, 0, 1], [1, 1, 1, 1], [0, 0, 0, 2]]}
 
 
 def tower_arrays(case, tower):
@@ -41,6 +46,8 @@ def tower_arrays(case, tower):
     out = []
     for i, rest in enumerate([(3,), (2, 2), ()]):
         rows = 7 - i * 3 if same else (tower * 3 + i) % 5
+        if case in SPLITS:
+            rows = sum(SPLITS[case][tower])
         out.append(np.asarray(rng.integers(-8, 9, (rows,) + rest) / 4).astype(dtype)
                    if np.dtype(dtype).kind != "i" else rng.integers(-8, 9, (rows,) + rest)
                    .astype(dtype))
@@ -63,6 +70,8 @@ def run(case, cluster, devices):
             kwargs["average"] = average
         if collective in ("broadcast", "reduce"):
             kwargs["root"] = root
+        if case in SPLITS:
+            kwargs["splits"] = SPLITS[case][cluster.rank * TOWERS:(cluster.rank + 1) * TOWERS]
         out = getattr(tfreduce, collective)(tensors, devices, **kwargs)
         out = [out] if collective == "reduce" else out
         placed["devices"] = [[t.op.device for t in row] for row in out]
