@@ -175,6 +175,36 @@ def test_scaling_mode(tmp_path, capsys):
     assert "step us/KN" in capsys.readouterr().out
 
 
+def test_collective_mode_checks_every_contender_and_reports_bus_bandwidth(tmp_path, capsys):
+    result = run(tmp_path, "--collective", "reduce_scatter,all_gather,broadcast,reduce,all_to_all",
+                 "--devices", "3", "--total-bytes", "6KiB", "--steps", "2", "--warmup", "1",
+                 "--predict", "dgx-a100")
+    assert result["mode"] == "collective"
+    rows = {(r["collective"], r["name"]): r for r in result["results"]}
+    peers = {"all_gather", "broadcast", "reduce"}
+    for collective in ("reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all"):
+        names = {n for c, n in rows if c == collective}
+        want = {"flat", "hierarchical", "ring", "collective", "plain"}
+        assert names == want | ({"tf.distribute"} if collective in peers else set())
+        size = result["config"]["bytes"][collective]
+        for name in names:
+            r = rows[collective, name]
+            assert r["correct"], (collective, name)
+            # nccl-tests: algbw = S / t; busbw = algbw * the collective's factor of K.
+            factor = {"broadcast": 1.0, "reduce": 1.0}.get(collective, 2 / 3)
+            assert r["algbw_GB_per_s"] == pytest.approx(size / r["median_ms"] * 1e-6)
+            assert r["busbw_GB_per_s"] == pytest.approx(r["algbw_GB_per_s"] * factor)
+        predicted = result["predictions"][collective]["dgx-a100"]
+        # Built on GPU names: NCCL where TF has the op.
+        assert set(predicted) == {"flat", "hierarchical", "ring", "collective"} | (
+            {"nccl"} if collective in ("broadcast", "reduce") else set())
+        assert all(p["ms"] > 0 and p["busbw_GB_per_s"] > 0 for p in predicted.values())
+    # Each tower gathers S/K: 6 KiB of output is 2 KiB (2 rows of 256 floats) per tower.
+    assert result["config"]["bytes"]["all_gather"] == 6 * 1024
+    out = capsys.readouterr().out
+    assert "busbw" in out and "reduce_scatter: predicted ms (bus GB/s)" in out
+
+
 def test_train_mode(tmp_path):
     result = run(tmp_path, "--mode", "train", "--grid-devices", "2", "--steps", "2",
                  "--rounds", "1", "--warmup", "1", "--batch-size", "8", "--image-size", "8")
@@ -224,6 +254,10 @@ def test_format_bytes():
                                     "or powersgdR (R the rank, e.g. powersgd4)"),
     (["--device-type", "gpu", "--devices", "99"], "--device-type gpu: this machine has"),
     (["--model", "NoSuchNet"], "unknown Keras application 'NoSuchNet'"),
+    (["--collective", "gather"], "--collective: unknown ['gather']; choose from "
+                                 "['reduce_scatter', 'all_gather'"),
+    (["--collective", "reduce", "--mode", "train"],
+     "--collective runs the collective mode, not --mode train"),
 ])
 def test_bad_arguments_exit_with_a_usage_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

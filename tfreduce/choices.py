@@ -8,12 +8,16 @@ from here; ``allreduce`` checks at import that ``ALGORITHMS`` names its stages.
 
 import re
 
-__all__ = ["ALGORITHMS", "BENCH_FAMILIES", "DEFAULT_PACK_BYTES", "GPU_ONLY_ALGORITHMS",
-           "bench_compression"]
+__all__ = ["ALGORITHMS", "BENCH_FAMILIES", "COLLECTIVES", "DEFAULT_PACK_BYTES",
+           "GPU_ONLY_ALGORITHMS", "bench_compression"]
 
 #: Names ``allreduce_grads(algorithm=...)`` accepts: "auto" and one per Stage
 #: class (``allreduce.STAGES``, in the same order).
 ALGORITHMS = ("auto", "flat", "hierarchical", "ring", "nccl", "collective")
+
+#: The collectives besides all-reduce (``tfreduce.collectives``; all-reduce
+#: is ``tfreduce.allreduce_grads``).
+COLLECTIVES = ("reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
 
 #: Algorithms that run on GPUs only.
 GPU_ONLY_ALGORITHMS = ("nccl",)

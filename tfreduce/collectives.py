@@ -49,6 +49,7 @@ import contextlib
 
 import tensorflow as tf
 
+from tfreduce.choices import COLLECTIVES
 from tfreduce.cluster import Cluster
 from tfreduce.collective import in_function
 from tfreduce.contract import check_flag, values_of
@@ -62,8 +63,6 @@ from tfreduce.stage import ReduceContext
 
 __all__ = ["COLLECTIVES", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all"]
 
-#: The collectives this module builds (all-reduce is ``tfreduce.allreduce_grads``).
-COLLECTIVES = ("reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
 
 
 def reduce_scatter(all_tensors, devices=None, average=False, algorithm="auto", *, groups=None,

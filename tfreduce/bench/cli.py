@@ -12,14 +12,15 @@ import sys
 
 from tfreduce.bench.units import format_bytes, parse_bytes
 from tfreduce.bench.workloads import keras_application
-from tfreduce.choices import ALGORITHMS, BENCH_FAMILIES, DEFAULT_PACK_BYTES, bench_compression
+from tfreduce.choices import (ALGORITHMS, BENCH_FAMILIES, COLLECTIVES, DEFAULT_PACK_BYTES,
+                              bench_compression)
 from tfreduce.startup import ArgumentParser, import_tensorflow
 from tfreduce.topology import PRESETS
 
 __all__ = ["MODES", "main", "parse_args"]
 
 #: ``--mode`` values; mode M runs ``tfreduce.bench.M_mode`` (run, print_result).
-MODES = ("allreduce", "train", "scaling", "soak", "multiworker")
+MODES = ("allreduce", "train", "scaling", "soak", "multiworker", "collective")
 
 
 def _parse_list(text, convert, what):
@@ -63,7 +64,12 @@ def parse_args(argv):
                              "cost over a grid of K and N; soak: --soak-steps of fit, "
                              "watching retracing and memory; multiworker: --workers "
                              "processes on 127.0.0.1 through the launcher, the per-tensor "
-                             "collective against tfreduce, fp16 and PowerSGD")
+                             "collective against tfreduce, fp16 and PowerSGD; collective: "
+                             "the --collective list against tf.distribute and plain ops")
+    parser.add_argument("--collective", default=None, metavar="NAME[,NAME]",
+                        type=lambda s: _parse_list(s, str, "--collective"),
+                        help=f"collective mode (implied): any of {','.join(COLLECTIVES)}; "
+                             "S per rank is --total-bytes (default 4MiB)")
     parser.add_argument("--devices", type=_positive_int, default=None, metavar="K",
                         help="number of devices (towers); default 8, multiworker mode 2 "
                              "per worker")
@@ -145,6 +151,15 @@ def parse_args(argv):
     parser.add_argument("--verbose", action="store_true",
                         help="show TensorFlow's start-up and C++ log lines (hidden by default)")
     args = parser.parse_args(argv)
+    if args.collective is not None:
+        unknown = sorted(set(args.collective) - set(COLLECTIVES))
+        if unknown:
+            parser.error(f"--collective: unknown {unknown}; choose from {list(COLLECTIVES)}")
+        if args.mode not in ("allreduce", "collective"):
+            parser.error(f"--collective runs the collective mode, not --mode {args.mode}")
+        args.mode = "collective"
+    elif args.mode == "collective":
+        args.collective = list(COLLECTIVES)
     if args.devices is None:
         args.devices = 2 if args.mode == "multiworker" else 8
     if args.warmup < 0:
