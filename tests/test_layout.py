@@ -27,7 +27,7 @@ LAYERS = {
     "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5,
     "registry": 5, "costmodel": 5, "hostprobe": 5, "planner": 5, "powersgd": 5,
     "failures": 5, "cluster": 5, "localcluster": 5, "crossworker": 5, "consistency": 5,
-    "reduction": 6,
+    "reduction": 6, "collective_build": 6,
     "allreduce": 7, "multiworker": 7, "models": 7, "collectives": 7,
     "trainer": 8, "distribute": 8, "tensorflow": 8,
     "launch": 9, "bench": 9,

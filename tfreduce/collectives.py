@@ -52,10 +52,11 @@ import tensorflow as tf
 from tfreduce.choices import COLLECTIVES
 from tfreduce.cluster import Cluster
 from tfreduce.collective import in_function
+from tfreduce.collective_build import build_group, result_dtypes
 from tfreduce.contract import check_flag, values_of
 from tfreduce.crossworker import CrossWorkerCollectives, cross_worker_options
 from tfreduce.localcluster import LocalCluster
-from tfreduce.primitives import check_average_dtype, copy_to, split_rows
+from tfreduce.primitives import check_average_dtype, copy_to
 from tfreduce.reduction import as_reduction
 from tfreduce.shards import (check_list, check_root, check_splits, resolve_groups,
                              validate_tensors)
@@ -273,8 +274,8 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
                 scope = tf.name_scope(f"group{gi}") if len(groups) > 1 else contextlib.nullcontext()
                 with scope:
                     ctx = ReduceContext([tensors.devices[i] for i in group], average,
-                                        _dtypes(tensors, group[root]), root=root)
-                    results.append(_BUILDERS[collective](stage, tensors, group, ctx, splits))
+                                        result_dtypes(tensors, group[root]), root=root)
+                    results.append(build_group(collective, stage, tensors, group, ctx, splits))
             if collective == "reduce":
                 return results
             for group, rows in zip(groups, results):
@@ -332,110 +333,3 @@ def _check_sum_dtype(stage, dtype, n, collective):
         raise TypeError(f"{collective}: tensor {n}: algorithm {stage.name!r} cannot sum "
                         f"{dtype.name} (it takes "
                         f"{', '.join(sorted(d.name for d in stage.dtypes))})")
-
-
-def _dtypes(tensors, tower):
-    # The result dtype of each present tensor, in entry order.
-    return [values_of(tensors.tensors[tower][n]).dtype for n in tensors.present]
-
-
-def _dense(tensors, group):
-    # The group's present tensors, dense, on their towers: K_g x M.
-    rows = []
-    for i in group:
-        row = []
-        for n in tensors.present:
-            t = tensors.tensors[i][n]
-            if isinstance(t, tf.IndexedSlices):
-                with tf.device(tensors.devices[i]):
-                    t = tf.convert_to_tensor(t)
-            row.append(t)
-        rows.append(row)
-    return rows
-
-
-def _build_reduce_scatter(stage, tensors, group, ctx, splits):
-    return stage.reduce_scatter(_dense(tensors, group), ctx)
-
-
-def _build_broadcast(stage, tensors, group, ctx, splits):
-    return stage.broadcast(_dense(tensors, [group[ctx.root]])[0], ctx)
-
-
-def _build_reduce(stage, tensors, group, ctx, splits):
-    return stage.reduce_to_root(_dense(tensors, group), ctx)
-
-
-def _build_all_to_all(stage, tensors, group, ctx, splits):
-    # One piece per tower of the group (across workers: of every worker).
-    parts = (len(group) * stage.cluster.num_workers if isinstance(stage, CrossWorkerCollectives)
-             else len(group))
-    pieces = []
-    for j, row in zip(group, _dense(tensors, group)):
-        with tf.device(tensors.devices[j]):
-            pieces.append([split_rows(t, parts, name=f"entry{m}_dev{j}_pieces",
-                                      sizes=None if splits is None else splits[j])
-                           for m, t in enumerate(row)])
-    return stage.all_to_all(pieces, ctx)
-
-
-def _build_all_gather(stage, tensors, group, ctx, splits):
-    # Dense tensors gather as they are; IndexedSlices (on every tower) gather
-    # their values and their indices shifted by the rows before them.
-    # Across workers the rows before a tower are not known here: dense.
-    sparse = [all(isinstance(tensors.tensors[i][n], tf.IndexedSlices) for i in group)
-              and not isinstance(stage, CrossWorkerCollectives) for n in tensors.present]
-    gathered = stage.all_gather(_dense_unless(tensors, group, sparse), ctx)
-    if not any(sparse):
-        return gathered
-    return _as_slices(gathered, tensors, group, sparse)
-
-
-def _dense_unless(tensors, group, sparse):
-    # K_g x M': dense tensors, and for each sparse entry two: values, shifted indices.
-    out = []
-    for position, i in enumerate(group):
-        row = []
-        with tf.device(tensors.devices[i]):
-            for s, n in zip(sparse, tensors.present):
-                t = tensors.tensors[i][n]
-                if not s:
-                    row.append(tf.convert_to_tensor(t))
-                    continue
-                before = [_dense_rows(tensors.tensors[j][n]) for j in group[:position]]
-                offset = tf.add_n(before) if before else tf.constant(0, tf.int64)
-                row += [t.values, tf.cast(t.indices, tf.int64) + offset]
-        out.append(row)
-    return out
-
-
-def _dense_rows(slices):
-    if slices.dense_shape is None:
-        raise ValueError("all_gather: an IndexedSlices without dense_shape has no row count "
-                         "to shift the next tower's indices by; give it a dense_shape")
-    return tf.cast(slices.dense_shape[0], tf.int64)
-
-
-def _as_slices(gathered, tensors, group, sparse):
-    # Each device's gathered entries back into tensors and IndexedSlices.
-    out = []
-    for i, row in zip(group, gathered):
-        entries, at = [], 0
-        with tf.device(tensors.devices[i]):
-            for s, n in zip(sparse, tensors.present):
-                if not s:
-                    entries.append(row[at])
-                    at += 1
-                    continue
-                column = [tensors.tensors[j][n] for j in group]
-                rows = tf.add_n([_dense_rows(t) for t in column])
-                shape = tf.concat([[rows], tf.cast(column[0].dense_shape[1:], tf.int64)], 0)
-                entries.append(tf.IndexedSlices(row[at], row[at + 1], shape))
-                at += 2
-        out.append(entries)
-    return out
-
-
-_BUILDERS = {"reduce_scatter": _build_reduce_scatter, "all_gather": _build_all_gather,
-             "broadcast": _build_broadcast, "reduce": _build_reduce,
-             "all_to_all": _build_all_to_all}

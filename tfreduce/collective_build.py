@@ -1,0 +1,142 @@
+"""One group's collective, built by its stage (``tfreduce.collectives`` checks the call).
+
+The public collectives validate their input once and pick a stage per group;
+this module turns one group's present tensors into the stage's dense K x M
+input (the pieces of an all-to-all, the values and shifted indices of
+``tf.IndexedSlices`` to all-gather) and its output back into tensors.
+"""
+
+import tensorflow as tf
+
+from tfreduce.contract import values_of
+from tfreduce.crossworker import CrossWorkerCollectives
+from tfreduce.primitives import split_rows
+
+__all__ = ["build_group", "result_dtypes"]
+
+
+def result_dtypes(tensors, tower):
+    """The result dtype of each present tensor, in entry order, from one tower's row."""
+    return [values_of(tensors.tensors[tower][n]).dtype for n in tensors.present]
+
+
+def _dense(tensors, group):
+    # The group's present tensors, dense, on their towers: K_g x M.
+    rows = []
+    for i in group:
+        row = []
+        for n in tensors.present:
+            t = tensors.tensors[i][n]
+            if isinstance(t, tf.IndexedSlices):
+                with tf.device(tensors.devices[i]):
+                    t = tf.convert_to_tensor(t)
+            row.append(t)
+        rows.append(row)
+    return rows
+
+
+def _build_reduce_scatter(stage, tensors, group, ctx, splits):
+    return stage.reduce_scatter(_dense(tensors, group), ctx)
+
+
+def _build_broadcast(stage, tensors, group, ctx, splits):
+    return stage.broadcast(_dense(tensors, [group[ctx.root]])[0], ctx)
+
+
+def _build_reduce(stage, tensors, group, ctx, splits):
+    return stage.reduce_to_root(_dense(tensors, group), ctx)
+
+
+def _build_all_to_all(stage, tensors, group, ctx, splits):
+    # One piece per tower of the group (across workers: of every worker).
+    parts = (len(group) * stage.cluster.num_workers if isinstance(stage, CrossWorkerCollectives)
+             else len(group))
+    pieces = []
+    for j, row in zip(group, _dense(tensors, group)):
+        with tf.device(tensors.devices[j]):
+            pieces.append([split_rows(t, parts, name=f"entry{m}_dev{j}_pieces",
+                                      sizes=None if splits is None else splits[j])
+                           for m, t in enumerate(row)])
+    return stage.all_to_all(pieces, ctx)
+
+
+def _build_all_gather(stage, tensors, group, ctx, splits):
+    # Dense tensors gather as they are; IndexedSlices (on every tower) gather
+    # their values and their indices shifted by the rows before them.
+    # Across workers the rows before a tower are not known here: dense.
+    sparse = [all(isinstance(tensors.tensors[i][n], tf.IndexedSlices) for i in group)
+              and not isinstance(stage, CrossWorkerCollectives) for n in tensors.present]
+    gathered = stage.all_gather(_dense_unless(tensors, group, sparse), ctx)
+    if not any(sparse):
+        return gathered
+    return _as_slices(gathered, tensors, group, sparse)
+
+
+def _dense_unless(tensors, group, sparse):
+    # K_g x M': dense tensors, and for each sparse entry two: values, shifted indices.
+    out = []
+    for position, i in enumerate(group):
+        row = []
+        with tf.device(tensors.devices[i]):
+            for s, n in zip(sparse, tensors.present):
+                t = tensors.tensors[i][n]
+                if not s:
+                    row.append(tf.convert_to_tensor(t))
+                    continue
+                before = [_dense_rows(tensors.tensors[j][n]) for j in group[:position]]
+                offset = tf.add_n(before) if before else tf.constant(0, tf.int64)
+                row += [t.values, tf.cast(t.indices, tf.int64) + offset]
+        out.append(row)
+    return out
+
+
+def _dense_rows(slices):
+    if slices.dense_shape is None:
+        raise ValueError("all_gather: an IndexedSlices without dense_shape has no row count "
+                         "to shift the next tower's indices by; give it a dense_shape")
+    return tf.cast(slices.dense_shape[0], tf.int64)
+
+
+def _as_slices(gathered, tensors, group, sparse):
+    # Each device's gathered entries back into tensors and IndexedSlices.
+    out = []
+    for i, row in zip(group, gathered):
+        entries, at = [], 0
+        with tf.device(tensors.devices[i]):
+            for s, n in zip(sparse, tensors.present):
+                if not s:
+                    entries.append(row[at])
+                    at += 1
+                    continue
+                column = [tensors.tensors[j][n] for j in group]
+                rows = tf.add_n([_dense_rows(t) for t in column])
+                shape = tf.concat([[rows], tf.cast(column[0].dense_shape[1:], tf.int64)], 0)
+                entries.append(tf.IndexedSlices(row[at], row[at + 1], shape))
+                at += 2
+        out.append(entries)
+    return out
+
+
+_BUILDERS = {"reduce_scatter": _build_reduce_scatter, "all_gather": _build_all_gather,
+             "broadcast": _build_broadcast, "reduce": _build_reduce,
+             "all_to_all": _build_all_to_all}
+
+
+def build_group(collective, stage, tensors, group, ctx, splits=None):
+    """Builds one group's collective with its stage.
+
+    Args:
+      collective: str, a name in ``choices.COLLECTIVES``.
+      stage: stage.Stage bound to the group's devices, or a
+        crossworker.CrossWorkerCollectives.
+      tensors: shards.Tensors, the validated call.
+      group: list of the group's tower indices.
+      ctx: stage.ReduceContext of the group (its devices, average, result
+        dtypes, root position).
+      splits: the checked all-to-all splits, or None.
+
+    Returns:
+      list of len(group) rows of the present tensors' results (reduce: one
+      list, on the root).
+    """
+    return _BUILDERS[collective](stage, tensors, group, ctx, splits)
