@@ -355,6 +355,41 @@ def test_auto_is_ring_on_gpus_where_nccl_has_no_op_and_flat_on_cpus():
     assert any("reduce_scatter_flat" in op.name for op in graph.get_operations())
 
 
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather", "broadcast", "reduce",
+                                        "all_to_all"])
+@pytest.mark.parametrize("preset", ["dgx1-v100", "dgx-a100"])
+def test_auto_with_a_topology_takes_the_fastest_predicted(collective, preset):
+    size = 8 * 2**20
+    predicted = {}
+    for algorithm in ("flat", "hierarchical", "ring", "collective", "nccl"):
+        try:
+            _, tensors, out = build_on_gpus(collective, algorithm, 8, (size // 4 // 256, 256))
+        except ValueError:
+            continue  # NCCL has no such op
+        predicted[algorithm] = tfreduce.predict(out, preset, inputs=tensors).seconds
+    # The plan is made for this call's shapes.
+    graph = tf.Graph()
+    with graph.as_default():
+        tensors = placeholders(GPU_DEVICES[:8], [(size // 4 // 256, 256)])
+        reduction = tfreduce.Reduction(topology=preset)
+        kwargs = {"root": 1} if collective in ("broadcast", "reduce") else {}
+        getattr(tfreduce, collective)(tensors, GPU_DEVICES[:8], reduction=reduction, **kwargs)
+    best = min(predicted, key=predicted.get)
+    scopes = {op.name.split("/")[0] for op in graph.get_operations()}
+    assert f"{collective}_{best}" in scopes, (predicted, scopes)
+
+
+def test_a_planned_collective_gives_the_numpy_values():
+    devices = CPU_DEVICES[:4]
+    arrays = uneven_rows(4, [np.float32], seed=1)
+    tensors = [[tf.constant(a) for a in row] for row in arrays]
+    out = tfreduce.all_gather(tensors, devices, topology="dgx1-v100")
+    want = expected("all_gather", arrays, [[0, 1, 2, 3]])
+    for k in range(4):
+        for n, w in enumerate(want[k]):
+            np.testing.assert_array_equal(out[k][n].numpy(), w)
+
+
 # -- errors -------------------------------------------------------------------
 
 def consts(*shapes, dtype=tf.float32):
@@ -402,8 +437,8 @@ def consts(*shapes, dtype=tf.float32):
     (lambda: tfreduce.all_gather(consts([2], [2]), CPU_DEVICES[:2], compression="fp16"),
      r"all_gather: compression='fp16' applies to all-reduce; all_gather moves the tensors in "
      r"their own dtype"),
-    (lambda: tfreduce.all_gather(consts([2], [2]), CPU_DEVICES[:2], topology="dgx1-v100"),
-     r"all_gather: topology= plans an all-reduce; name the algorithm"),
+    (lambda: tfreduce.Reduction(topology="dgx-a100").collective_stage("reduce", CPU_DEVICES[:2]),
+     r"reduce: topology= is planned per call on the tensors' shapes"),
 ])
 def test_bad_input_names_the_tower_the_tensor_and_the_values(call_, message):
     with pytest.raises((ValueError, TypeError), match=message):

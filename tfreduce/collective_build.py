@@ -3,16 +3,21 @@
 The public collectives validate their input once and pick a stage per group;
 this module turns one group's present tensors into the stage's dense K x M
 input (the pieces of an all-to-all, the values and shifted indices of
-``tf.IndexedSlices`` to all-gather) and its output back into tensors.
+``tf.IndexedSlices`` to all-gather) and its output back into tensors, and,
+for "auto" with a topology, costs every algorithm's build of it.
 """
 
 import tensorflow as tf
 
-from tfreduce.contract import values_of
+from tfreduce.contract import dense_shape, values_of
+from tfreduce.costmodel import predict
 from tfreduce.crossworker import CrossWorkerCollectives
+from tfreduce.devices import is_gpu
 from tfreduce.primitives import split_rows
+from tfreduce.registry import STAGES, make_stage
+from tfreduce.shards import Tensors
 
-__all__ = ["build_group", "result_dtypes"]
+__all__ = ["build_group", "plan_algorithm", "result_dtypes"]
 
 
 def result_dtypes(tensors, tower):
@@ -140,3 +145,61 @@ def build_group(collective, stage, tensors, group, ctx, splits=None):
       list, on the root).
     """
     return _BUILDERS[collective](stage, tensors, group, ctx, splits)
+
+
+def plan_algorithm(collective, reduction, tensors, group, ctx, splits=None):
+    """The algorithm the cost model predicts fastest for one group's collective.
+
+    Every algorithm that builds the collective (NCCL only on GPU names) is
+    built in a scratch graph on tensors of the group's static shapes and
+    dtypes (nothing runs, the devices need not exist) and costed by
+    ``tfreduce.predict`` on ``topology``.
+
+    Args:
+      collective: str, a name in ``choices.COLLECTIVES``.
+      reduction: the tfreduce.Reduction with the topology; it keeps the
+        choice by collective, devices, root, average and shapes.
+      tensors: shards.Tensors, the validated call.
+      group: list of the group's tower indices.
+      ctx: stage.ReduceContext of the group.
+      splits: the checked all-to-all splits, or None.
+
+    Returns:
+      str, the algorithm's name.
+
+    Raises:
+      ValueError: a tensor whose shape is not fully known when built (named).
+    """
+    specs = []
+    for i in group:
+        row = []
+        for n in tensors.present:
+            shape = dense_shape(tensors.tensors[i][n])
+            if not shape.is_fully_defined():
+                raise ValueError(f"{collective}: topology= costs static shapes, but tensor {n} "
+                                 f"on tower {i} has shape {shape}; name the algorithm")
+            row.append((tuple(shape.as_list()), values_of(tensors.tensors[i][n]).dtype))
+        specs.append(row)
+    key = (collective, tuple(ctx.devices), ctx.root, ctx.average, str(specs), str(splits))
+    return reduction.planned(key, lambda: _fastest(collective, reduction.topology, specs, ctx,
+                                                   splits))
+
+
+def _fastest(collective, topology, specs, ctx, splits):
+    # Every candidate built in one scratch graph and costed.
+    candidates = [name for name, cls in STAGES.items() if collective in cls.collectives
+                  and (name != "nccl" or all(is_gpu(d) for d in ctx.devices))]
+    times = {}
+    with tf.Graph().as_default():
+        rows = []
+        for row, device in zip(specs, ctx.devices):
+            with tf.device(device):
+                rows.append([tf.zeros(shape, dtype) for shape, dtype in row])
+        scratch = Tensors(rows, list(ctx.devices), list(range(len(specs[0]))))
+        positions = list(range(len(specs)))
+        for name in candidates:
+            stage = make_stage(name, {}).bind(scratch.devices)
+            with tf.name_scope(name):
+                out = build_group(collective, stage, scratch, positions, ctx, splits)
+            times[name] = predict(out, topology, inputs=rows).seconds
+    return min(candidates, key=lambda name: times[name])

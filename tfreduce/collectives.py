@@ -52,7 +52,7 @@ import tensorflow as tf
 from tfreduce.choices import COLLECTIVES
 from tfreduce.cluster import Cluster
 from tfreduce.collective import in_function
-from tfreduce.collective_build import build_group, result_dtypes
+from tfreduce.collective_build import build_group, plan_algorithm, result_dtypes
 from tfreduce.contract import check_flag, values_of
 from tfreduce.crossworker import CrossWorkerCollectives, cross_worker_options
 from tfreduce.localcluster import LocalCluster
@@ -258,7 +258,7 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
     if collective == "all_to_all" and splits is not None:
         splits = check_splits(splits, tensors, groups, None if across is None else
                               num_towers * across.num_workers)
-    stages = _stages(collective, reduction, tensors, groups, across, root)
+    stages = _stages(collective, reduction, tensors, groups, across, root, average, splits)
     root = local_root
     if collective in ("reduce_scatter", "reduce"):
         for n in tensors.present:
@@ -296,16 +296,29 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
     return out
 
 
-def _stages(collective, reduction, tensors, groups, across, root):
+def _stages(collective, reduction, tensors, groups, across, root, average, splits):
     # The stage of each group; across workers one, around the local stage.
     if across is None:
-        return [reduction.collective_stage(collective, [tensors.devices[i] for i in g])
-                for g in groups]
+        return [reduction.collective_stage(collective, [tensors.devices[i] for i in g],
+                                           _plan(collective, reduction, tensors, g, root,
+                                                 average, splits)) for g in groups]
+    if reduction.topology is not None:
+        raise ValueError(f"{collective}: topology={reduction.topology!r} plans for the devices "
+                         f"of one process; across workers name the algorithm")
     # Full names keep the ops on this worker.
     tensors.devices = across.devices(tensors.devices)
     options, keys = cross_worker_options(across, "auto", None, None)
     local = reduction.collective_stage(_LOCAL_STEP[collective], tensors.devices)
     return [CrossWorkerCollectives(across, local, options, keys, root=root)]
+
+
+def _plan(collective, reduction, tensors, group, root, average, splits):
+    # "auto" with a topology: the algorithm the cost model picks, else None.
+    if reduction.topology is None or reduction.compression.compresses:
+        return None
+    ctx = ReduceContext([tensors.devices[i] for i in group], average,
+                        result_dtypes(tensors, group[root]), root=root)
+    return plan_algorithm(collective, reduction, tensors, group, ctx, splits)
 
 
 # What the local stage builds of each collective across workers.

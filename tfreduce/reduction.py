@@ -265,42 +265,59 @@ class Reduction:
         stage = self._stage or make_stage(choose_algorithm(devices), {})
         stage.bind(normalize_devices(devices))
 
-    def collective_stage(self, collective, devices):
+    def collective_stage(self, collective, devices, planned=None):
         """The stage that builds one of the other collectives on one group's devices.
 
         "auto" takes the registry's rule (``choose_algorithm``), or "ring"
         where that algorithm lacks the collective (NCCL's reduce-scatter,
-        all-gather and all-to-all). The collectives move each tensor as it
-        is: ``pack_bytes`` and ``sparse_as_dense`` apply to all-reduce only.
+        all-gather and all-to-all); with a topology, the algorithm the
+        door planned (``collective_build.plan_algorithm``). The collectives
+        move each tensor as it is: ``pack_bytes`` and ``sparse_as_dense``
+        apply to all-reduce only.
 
         Args:
-          collective: str, a name in ``tfreduce.collectives.COLLECTIVES``.
+          collective: str, a name in ``tfreduce.COLLECTIVES``.
           devices: list of the group's canonical device names.
+          planned: str, the algorithm a plan chose for "auto" with a
+            topology, or None.
 
         Returns:
           stage.Stage, bound to the devices.
 
         Raises:
-          ValueError: compression or a topology (they choose how to
-            all-reduce); an algorithm that does not build this collective
-            (naming those that do); devices the algorithm cannot use.
+          ValueError: compression (it is for all-reduce); a topology without
+            a plan; an algorithm that does not build this collective (naming
+            those that do); devices the algorithm cannot use.
         """
         if self.compression.compresses:
             raise ValueError(f"{collective}: compression={self.compression.name!r} applies to "
                              f"all-reduce; {collective} moves the tensors in their own dtype")
-        if self.topology is not None:
-            raise ValueError(f"{collective}: topology= plans an all-reduce; name the algorithm "
-                             f"(the cost model prices a built {collective} with "
-                             f"tfreduce.predict)")
+        if self.topology is not None and planned is None:
+            raise ValueError(f"{collective}: topology= is planned per call on the tensors' "
+                             f"shapes: call tfreduce.{collective}(..., reduction=...)")
         stage = self._stage
         if stage is None:
-            name = choose_algorithm(devices)
+            name = planned or choose_algorithm(devices)
             stage = make_stage(name if collective in STAGES[name].collectives else "ring", {})
         if collective not in stage.collectives:
             able = [name for name, cls in STAGES.items() if collective in cls.collectives]
             raise ValueError(f"algorithm {stage.name!r} does not build {collective} (TF has no "
                              f"such {stage.name} op); use algorithm= one of {able}")
         return stage.bind(devices)
+
+    def planned(self, key, make):
+        """A plan made once per key for this reduction: ``make()`` the first time.
+
+        Args:
+          key: hashable, what the plan depends on (collective, devices, shapes).
+          make: callable returning the plan.
+
+        Returns:
+          the plan.
+        """
+        if key not in self._plans:
+            self._plans[key] = make()
+        return self._plans[key]
 
     def plan(self, shapes, devices, dtype=tf.float32, average=True):
         """The candidate the cost model predicts fastest for these gradients on ``topology``.
