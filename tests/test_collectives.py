@@ -313,6 +313,16 @@ def test_flat_broadcast_sends_the_root_tensor_once_to_each_device():
     assert traffic.pair_bytes == {(GPU_DEVICES[1], GPU_DEVICES[k]): 64 for k in (0, 2, 3)}
 
 
+@pytest.mark.parametrize("collective", ["broadcast", "reduce"])
+def test_ring_broadcast_and_reduce_send_s_along_the_ring(collective):
+    # root 1: a broadcast runs 1 -> 2 -> 3 -> 0, a reduce 2 -> 3 -> 0 -> 1.
+    _, tensors, out = build_on_gpus(collective, "ring")
+    traffic = tfreduce.analyze_traffic(out, inputs=tensors)
+    first = 1 if collective == "broadcast" else 2
+    hops = [((first + i) % 4, (first + i + 1) % 4) for i in range(3)]
+    assert traffic.pair_bytes == {(GPU_DEVICES[a], GPU_DEVICES[b]): 64 for a, b in hops}
+
+
 def test_hierarchical_reduce_crosses_between_groups_once():
     graph = tf.Graph()
     with graph.as_default():
