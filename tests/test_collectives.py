@@ -271,12 +271,33 @@ def test_property_any_groups_and_rows(data):
         np.testing.assert_array_equal(out[k][0].numpy(), row[0])
 
 
-def test_none_on_every_tower_stays_none():
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_none_on_every_tower_stays_none(algorithm):
     devices = CPU_DEVICES[:2]
-    x = [[tf.constant([1.0, 2.0]), None], [tf.constant([3.0, 4.0]), None]]
-    out = tfreduce.reduce_scatter(x, devices)
-    assert out[0][1] is None and out[1][1] is None
-    np.testing.assert_array_equal(out[1][0].numpy(), [6.0])
+    x = [[None, tf.constant([1.0, 2.0]), None], [None, tf.constant([3.0, 4.0]), None]]
+    out = tfreduce.reduce_scatter(x, devices, algorithm=algorithm)
+    assert [out[k][n] is None for k in range(2) for n in (0, 2)] == [True] * 4
+    np.testing.assert_array_equal(out[1][1].numpy(), [6.0])
+    total = tfreduce.reduce(x, devices, root=1, algorithm=algorithm)
+    assert len(total) == 3 and total[0] is None and total[2] is None
+    np.testing.assert_array_equal(total[1].numpy(), [4.0, 6.0])
+    gathered = tfreduce.all_gather(x, devices, algorithm=algorithm)
+    assert gathered[0][0] is None and gathered[1][2] is None
+
+
+def test_the_reductions_own_groups_are_positions_inside_each_collective_group():
+    devices = CPU_DEVICES[:4]
+    x = [[tf.constant([float(k)] * 4)] for k in range(4)]
+    by_position = tfreduce.Reduction("hierarchical", groups=[[0], [1]])
+    out = tfreduce.all_gather(x, devices, groups=[[0, 1], [2, 3]], reduction=by_position)
+    np.testing.assert_array_equal(out[3][0].numpy(), [2.0] * 4 + [3.0] * 4)
+    with pytest.raises(ValueError, match=r"with groups=\[\[0, 1\], \[2, 3\]\] each collective "
+                                         r"group has its own towers: the Reduction's groups= "
+                                         r"arrange one group's towers by position \(0..1 for "
+                                         r"\[0, 1\]\)"):
+        tfreduce.all_gather(x, devices, groups=[[0, 1], [2, 3]],
+                            reduction=tfreduce.Reduction("hierarchical",
+                                                         groups=[[0, 1], [2, 3]]))
 
 
 # -- structure: built on GPU names, nothing runs -----------------------------
@@ -441,7 +462,10 @@ def consts(*shapes, dtype=tf.float32):
     (lambda: tfreduce.all_gather(tf.zeros([2]), CPU_DEVICES[:2]),
      r"all_gather: all_tensors must be a non-empty list of K lists of N tensors"),
     (lambda: tfreduce.all_gather([[np.zeros(2)], [np.zeros(2)]], CPU_DEVICES[:2]),
-     r"tower 0, tensor 0: expected a tf.Tensor, tf.IndexedSlices or None, got ndarray"),
+     r"tower 0, tensor 0: a tensor must be a tf.Tensor, tf.IndexedSlices or None, got "
+     r"ndarray"),
+    (lambda: tfreduce.reduce([[tf.constant([True])], [tf.constant([False])]], CPU_DEVICES[:2]),
+     r"reduce: tensor 0 has dtype bool; reduce sums floating-point and integer tensors"),
     (lambda: tfreduce.broadcast([None, [tf.zeros([2])]], None, root=1),
      r"broadcast: devices=None, but the tensors of tower 0 carry no device"),
     (lambda: tfreduce.all_gather(consts([2], [2]), CPU_DEVICES[:2], compression="fp16"),

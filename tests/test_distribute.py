@@ -156,6 +156,22 @@ def test_all_gather_and_gather_go_through_tfreduce(monkeypatch, algorithm):
     assert calls == [(4, algorithm, places), (4, algorithm, places)]
 
 
+def test_nccl_gathers_on_one_device_as_tfs_own_ops_do():
+    # TF has no NCCL all-gather: CrossDeviceOps("nccl") gathers as
+    # ReductionToOneDevice does (here on CPUs, where nothing else runs NCCL).
+    strategy = tf.distribute.MirroredStrategy(
+        CPU_DEVICES[:2], cross_device_ops=tfreduce.CrossDeviceOps("nccl"))
+
+    @tf.function
+    def step():
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_gather(
+            tf.fill([1, 2], tf.cast(
+                tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)), 0))
+
+    for v in step().values:
+        np.testing.assert_array_equal(v.numpy(), [[0.0, 0.0], [1.0, 1.0]])
+
+
 def test_bytes_per_pack_of_communication_options_is_honoured(monkeypatch):
     seen = []
     original = tfreduce.Reduction.__call__

@@ -11,7 +11,6 @@ import tensorflow as tf
 
 from tfreduce.contract import dense_shape, values_of
 from tfreduce.costmodel import predict
-from tfreduce.crossworker import CrossWorkerCollectives
 from tfreduce.devices import is_gpu
 from tfreduce.primitives import split_rows
 from tfreduce.registry import STAGES, make_stage
@@ -53,9 +52,7 @@ def _build_reduce(stage, tensors, group, ctx, splits):
 
 
 def _build_all_to_all(stage, tensors, group, ctx, splits):
-    # One piece per tower of the group (across workers: of every worker).
-    parts = (len(group) * stage.cluster.num_workers if isinstance(stage, CrossWorkerCollectives)
-             else len(group))
+    parts = stage.pieces_per_tower(len(group))
     pieces = []
     for j, row in zip(group, _dense(tensors, group)):
         with tf.device(tensors.devices[j]):
@@ -68,9 +65,11 @@ def _build_all_to_all(stage, tensors, group, ctx, splits):
 def _build_all_gather(stage, tensors, group, ctx, splits):
     # Dense tensors gather as they are; IndexedSlices (on every tower) gather
     # their values and their indices shifted by the rows before them.
-    # Across workers the rows before a tower are not known here: dense.
-    sparse = [all(isinstance(tensors.tensors[i][n], tf.IndexedSlices) for i in group)
-              and not isinstance(stage, CrossWorkerCollectives) for n in tensors.present]
+    sparse = [stage.gathers_slices and all(isinstance(tensors.tensors[i][n], tf.IndexedSlices)
+                                           for i in group) for n in tensors.present]
+    for s, n in zip(sparse, tensors.present):
+        for i in group if s else ():
+            _dense_rows(tensors.tensors[i][n], i, n)  # checked before any op is built
     gathered = stage.all_gather(_dense_unless(tensors, group, sparse), ctx)
     if not any(sparse):
         return gathered
@@ -88,17 +87,18 @@ def _dense_unless(tensors, group, sparse):
                 if not s:
                     row.append(tf.convert_to_tensor(t))
                     continue
-                before = [_dense_rows(tensors.tensors[j][n]) for j in group[:position]]
+                before = [_dense_rows(tensors.tensors[j][n], j, n) for j in group[:position]]
                 offset = tf.add_n(before) if before else tf.constant(0, tf.int64)
                 row += [t.values, tf.cast(t.indices, tf.int64) + offset]
         out.append(row)
     return out
 
 
-def _dense_rows(slices):
+def _dense_rows(slices, k, n):
     if slices.dense_shape is None:
-        raise ValueError("all_gather: an IndexedSlices without dense_shape has no row count "
-                         "to shift the next tower's indices by; give it a dense_shape")
+        raise ValueError(f"all_gather: tensor {n} on tower {k} is an IndexedSlices without "
+                         f"dense_shape: its rows are what the next towers' indices are shifted "
+                         f"by; give it a dense_shape")
     return tf.cast(slices.dense_shape[0], tf.int64)
 
 
@@ -114,7 +114,7 @@ def _as_slices(gathered, tensors, group, sparse):
                     at += 1
                     continue
                 column = [tensors.tensors[j][n] for j in group]
-                rows = tf.add_n([_dense_rows(t) for t in column])
+                rows = tf.add_n([_dense_rows(t, j, n) for j, t in zip(group, column)])
                 shape = tf.concat([[rows], tf.cast(column[0].dense_shape[1:], tf.int64)], 0)
                 entries.append(tf.IndexedSlices(row[at], row[at + 1], shape))
                 at += 2

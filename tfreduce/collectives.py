@@ -25,11 +25,13 @@ How each algorithm builds them (the algorithm's stage owns it):
 
 - flat: sums and joins on a root device per tensor (spread by bytes), then
   copies back (reduce-scatter sends each device its shard only);
-- hierarchical: inside each group of the reduction's ``groups`` on a root,
-  then across the roots (the DGX-1 scheme);
+- hierarchical: inside each of its own groups (``Reduction("hierarchical",
+  groups=...)``, by position within a collective group) on a root, then
+  across the roots (the DGX-1 scheme);
 - ring: reduce-scatter and all-gather are the two halves of the ring
-  all-reduce (Patarasuk & Yuan, JPDC 2009); broadcast and reduce run along
-  the ring (a pipeline, as NCCL's ring broadcast);
+  all-reduce (Patarasuk & Yuan, JPDC 2009); broadcast and reduce pass the
+  whole tensor hop by hop along the ring (NCCL's ring broadcast pipelines
+  it in chunks);
 - collective: TF's ``CollectiveReduceV2`` (reduce-scatter keeps each
   device's shard of the sum: TF's ``CollectiveReduceScatterV2`` has no CPU
   kernel), ``CollectiveGatherV2`` (all-gather; all-to-all gathers every
@@ -41,6 +43,9 @@ How each algorithm builds them (the algorithm's stage owns it):
 All-to-all is point to point for flat, hierarchical and ring: each piece is
 one copy from its tower to its destination (MPI's and NCCL's pairwise
 exchange). float16 and bfloat16 sums are formed in float32 and rounded once.
+As for the all-reduce, the K ops of a TF collective wait for each other: in
+a ``tf.compat.v1.Session`` run every output of a call with algorithm
+"collective" or ``cluster=``, never some of them.
 ``tf.IndexedSlices`` are gathered as rows by ``all_gather``; the other
 collectives convert them to dense tensors first.
 """
@@ -65,7 +70,6 @@ from tfreduce.stage import ReduceContext
 __all__ = ["COLLECTIVES", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all"]
 
 
-
 def reduce_scatter(all_tensors, devices=None, average=False, algorithm="auto", *, groups=None,
                    reduction=None, cluster=None, **options):
     """Sums K x N tensors and leaves shard k of each sum on device k.
@@ -84,7 +88,10 @@ def reduce_scatter(all_tensors, devices=None, average=False, algorithm="auto", *
       algorithm: a name in ``tfreduce.ALGORITHMS`` but "nccl"; "auto" is
         flat on CPUs, ring on GPUs.
       groups: None, or lists of tower indices that partition 0..K-1: each
-        group reduce-scatters over its own towers, in group order.
+        group reduce-scatters over its own towers, in group order (a
+        hierarchical algorithm's own groups are given as
+        ``reduction=Reduction("hierarchical", groups=...)``, by position
+        inside each of these groups).
       reduction: a ``tfreduce.Reduction`` instead of ``algorithm`` and options.
       cluster: None (this process), or the started ``tfreduce.Cluster`` of
         this worker: every worker calls with its own K towers, tower k of
@@ -124,8 +131,9 @@ def all_gather(all_tensors, devices=None, algorithm="auto", *, groups=None, redu
       algorithm: a name in ``tfreduce.ALGORITHMS`` but "nccl".
       groups: None, or lists of tower indices that partition 0..K-1.
       reduction: a ``tfreduce.Reduction`` instead of ``algorithm`` and options.
-      cluster: as for ``reduce_scatter``: one worker's part of a collective over all
-        workers' towers (``root`` is then a tower index of all T).
+      cluster: as for ``reduce_scatter`` (the worker's rows are joined on
+        its first device, gathered across workers and copied, whatever the
+        algorithm; IndexedSlices are made dense).
       **options: the algorithm's options (``tfreduce.Reduction``'s fields).
 
     Returns:
@@ -155,8 +163,10 @@ def broadcast(all_tensors, devices=None, root=0, algorithm="auto", *, groups=Non
       algorithm: a name in ``tfreduce.ALGORITHMS``.
       groups: None, or lists of tower indices that partition 0..K-1.
       reduction: a ``tfreduce.Reduction`` instead of ``algorithm`` and options.
-      cluster: as for ``reduce_scatter``: one worker's part of a collective over all
-        workers' towers (``root`` is then a tower index of all T).
+      cluster: as for ``reduce_scatter`` (``root`` is then a tower index of
+        all T, and every worker passes, at its tower ``root % K``, tensors
+        of the root's static shapes and dtypes: the root worker sends, the
+        others receive into them).
       **options: the algorithm's options (``tfreduce.Reduction``'s fields).
 
     Returns:
@@ -182,14 +192,15 @@ def reduce(all_tensors, devices=None, root=0, average=False, algorithm="auto", *
       algorithm: a name in ``tfreduce.ALGORITHMS``.
       groups: None, or lists of tower indices that partition 0..K-1.
       reduction: a ``tfreduce.Reduction`` instead of ``algorithm`` and options.
-      cluster: as for ``reduce_scatter``: one worker's part of a collective over all
-        workers' towers (``root`` is then a tower index of all T).
+      cluster: as for ``reduce_scatter`` (``root`` is then a tower index of
+        all T).
       **options: the algorithm's options (``tfreduce.Reduction``'s fields).
 
     Returns:
-      list of N tf.Tensor, the sums (means) placed on ``devices[root]``;
-      with ``groups``, one such list per group (its sums on
-      ``devices[groups[g][root]]``).
+      list of N tf.Tensor (None where a tensor is None on every tower), the
+      sums (means) placed on ``devices[root]``; with ``groups``, one such
+      list per group (its sums on ``devices[groups[g][root]]``); with
+      ``cluster``, every worker's list, on its tower ``root % K``.
 
     Raises:
       TypeError: not K lists of tensors; ``average`` on integer tensors.
@@ -258,13 +269,19 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
     if collective == "all_to_all" and splits is not None:
         splits = check_splits(splits, tensors, groups, None if across is None else
                               num_towers * across.num_workers)
-    stages = _stages(collective, reduction, tensors, groups, across, root, average, splits)
-    root = local_root
     if collective in ("reduce_scatter", "reduce"):
         for n in tensors.present:
-            dtype = values_of(tensors.tensors[0][n]).dtype
-            check_average_dtype(dtype, n, average, f"{collective}: tensor {{n}}", "tensors")
-            _check_sum_dtype(stages[0], dtype, n, collective)
+            check_average_dtype(values_of(tensors.tensors[0][n]).dtype, n, average,
+                                f"{collective}: tensor {{n}}", "tensors")
+    if across is not None:
+        # Full names keep the ops on this worker.
+        tensors.devices = across.devices(tensors.devices)
+    stages = _stages(collective, reduction, tensors, groups, across, root, average, splits)
+    if collective in ("reduce_scatter", "reduce"):
+        for n in tensors.present:
+            for stage in stages:
+                _check_sum_dtype(stage, values_of(tensors.tensors[0][n]).dtype, n, collective)
+    root = local_root
 
     def build():
         with tf.name_scope(f"{collective}_{stages[0].name}"):
@@ -277,7 +294,8 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
                                         result_dtypes(tensors, group[root]), root=root)
                     results.append(build_group(collective, stage, tensors, group, ctx, splits))
             if collective == "reduce":
-                return results
+                # N per group, None where a tensor is None on every tower.
+                return [_spread(row, tensors) for row in results]
             for group, rows in zip(groups, results):
                 for i, row in zip(group, rows):
                     for n, t in zip(tensors.present, row):
@@ -299,16 +317,26 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
 def _stages(collective, reduction, tensors, groups, across, root, average, splits):
     # The stage of each group; across workers one, around the local stage.
     if across is None:
-        return [reduction.collective_stage(collective, [tensors.devices[i] for i in g],
-                                           _plan(collective, reduction, tensors, g, root,
-                                                 average, splits)) for g in groups]
+        stages = []
+        for g in groups:
+            try:
+                stages.append(reduction.collective_stage(
+                    collective, [tensors.devices[i] for i in g],
+                    _plan(collective, reduction, tensors, g, root, average, splits)))
+            except (TypeError, ValueError) as error:
+                if reduction.groups is None or len(groups) == 1:
+                    raise
+                raise type(error)(
+                    f"{error}; with groups={groups} each collective group has its own "
+                    f"towers: the Reduction's groups= arrange one group's towers by "
+                    f"position (0..{len(g) - 1} for {g})") from None
+        return stages
     if reduction.topology is not None:
         raise ValueError(f"{collective}: topology={reduction.topology!r} plans for the devices "
                          f"of one process; across workers name the algorithm")
-    # Full names keep the ops on this worker.
-    tensors.devices = across.devices(tensors.devices)
     options, keys = cross_worker_options(across, "auto", None, None)
-    local = reduction.collective_stage(_LOCAL_STEP[collective], tensors.devices)
+    step = _LOCAL_STEP[collective]
+    local = step and reduction.collective_stage(step, tensors.devices)
     return [CrossWorkerCollectives(across, local, options, keys, root=root)]
 
 
@@ -321,9 +349,10 @@ def _plan(collective, reduction, tensors, group, root, average, splits):
     return plan_algorithm(collective, reduction, tensors, group, ctx, splits)
 
 
-# What the local stage builds of each collective across workers.
-_LOCAL_STEP = {"reduce_scatter": "reduce", "reduce": "reduce", "all_gather": "all_gather",
-               "broadcast": "broadcast", "all_to_all": "all_to_all"}
+# What the local stage builds of each collective across workers (None: the
+# worker's rows are joined on its first device, whatever the algorithm).
+_LOCAL_STEP = {"reduce_scatter": "reduce", "reduce": "reduce", "all_gather": None,
+               "broadcast": "broadcast", "all_to_all": None}
 
 
 def _across_workers(cluster, collective, groups):
@@ -339,6 +368,14 @@ def _across_workers(cluster, collective, groups):
         raise ValueError(f"{collective}: groups= run inside one process; across workers the "
                          f"collective spans every tower of every worker")
     return cluster
+
+
+def _spread(row, tensors):
+    # The present tensors' results at their places among N, None elsewhere.
+    out = [None] * tensors.num_vars
+    for n, t in zip(tensors.present, row):
+        out[n] = t
+    return out
 
 
 def _check_sum_dtype(stage, dtype, n, collective):

@@ -26,6 +26,8 @@ __all__ = [
     "check_flag",
     "dense_shape",
     "values_of",
+    "as_tensor",
+    "device_of",
 ]
 
 
@@ -170,13 +172,18 @@ class Gradients:
         return [[None] * self.num_vars for _ in range(self.num_towers)]
 
 
-def _as_gradient(g, k, n):
+def as_tensor(g, k, n, what="variable {n}", kind="gradient"):
+    """One element of a K x N list: a tf.Tensor, tf.IndexedSlices or None (a tf.Variable is read).
+
+    Raises:
+      TypeError: anything else, naming tower k and ``what`` (formatted with n).
+    """
     if g is None or isinstance(g, (tf.Tensor, tf.IndexedSlices)):
         return g
     if isinstance(g, tf.Variable):
         return tf.convert_to_tensor(g)
     raise TypeError(
-        f"tower {k}, variable {n}: a gradient must be a tf.Tensor, "
+        f"tower {k}, {what.format(n=n)}: a {kind} must be a tf.Tensor, "
         f"tf.IndexedSlices or None, got {type(g).__name__}")
 
 
@@ -185,14 +192,19 @@ def values_of(g):
     return g.values if isinstance(g, tf.IndexedSlices) else g
 
 
-def _device_of(tower, k):
+def device_of(tower, k, prefix="", kind="gradients"):
+    """Tower k's device: that of the first of its tensors that has one.
+
+    Raises:
+      ValueError: none of them has a device (``prefix`` starts the message).
+    """
     for g in tower:
         if g is not None:
             d = values_of(g).device
             if d:
                 return d
     raise ValueError(
-        f"devices=None, but the gradients of tower {k} carry no device: build "
+        f"{prefix}devices=None, but the {kind} of tower {k} carry no device: build "
         f"them under tf.device(...) or pass devices=[...]")
 
 
@@ -237,13 +249,13 @@ def validate_grads(all_grads, devices=None):
             raise ValueError(
                 f"tower {k} has {len(tower)} gradients, tower 0 has {num_vars}: "
                 f"every tower must list the gradients of the same N variables")
-    grads = [[_as_gradient(g, k, n) for n, g in enumerate(tower)]
+    grads = [[as_tensor(g, k, n) for n, g in enumerate(tower)]
              for k, tower in enumerate(all_grads)]
     for n in range(num_vars):
         _check_variable(grads, n)
     given = devices
     if devices is None:
-        devices = [_device_of(tower, k) for k, tower in enumerate(grads)]
+        devices = [device_of(tower, k) for k, tower in enumerate(grads)]
     devices = normalize_devices(devices, num_towers=len(grads))
     if tf.executing_eagerly() or tf.inside_function():
         # A v1 Graph may be built for another machine (structure tests,

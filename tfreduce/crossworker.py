@@ -142,7 +142,7 @@ class CrossWorkerStage(Stage):
         return out
 
 
-class CrossWorkerCollectives:
+class CrossWorkerCollectives(Stage):
     """The other collectives across workers: a local step, one device per worker across, a local step.
 
     Every worker calls with its K towers; tower k of the worker of rank w is
@@ -168,7 +168,9 @@ class CrossWorkerCollectives:
 
     Args:
       cluster: tfreduce.Cluster of this worker (started).
-      stage: stage.Stage, the local algorithm, bound to the K devices.
+      stage: stage.Stage, the local algorithm, bound to the K devices; None
+        for all_gather and all_to_all, which join the worker's rows on its
+        first device and copy them, whatever the algorithm.
       options: collective.CollectiveOptions, with a timeout.
       keys: CollectiveKeys that hand out the same keys on every worker.
       root: int, the global root tower of a broadcast.
@@ -176,14 +178,21 @@ class CrossWorkerCollectives:
 
     name = "cross_worker"
     needs_function = True
+    collectives = ("reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
+    # The rows of other workers' towers are not known here: dense.
+    gathers_slices = False
 
     def __init__(self, cluster, stage, options, keys, root=0):
         self.cluster = cluster
         self.root = root
-        self.dtypes = stage.dtypes
         self.stage = stage
+        self.dtypes = None if stage is None else stage.dtypes
         self.keys = keys
         self.chain = CollectiveChain(options)
+
+    def pieces_per_tower(self, group_size):
+        """One piece per tower of every worker."""
+        return group_size * self.cluster.num_workers
 
     def _across(self, device):
         # The group key of this device across workers, its token made.

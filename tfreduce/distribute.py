@@ -25,6 +25,7 @@ from tensorflow.python.distribute import values as tf_values
 
 from tfreduce.collectives import all_gather
 from tfreduce.reduction import as_reduction
+from tfreduce.registry import STAGES
 
 __all__ = ["CrossDeviceOps"]
 
@@ -60,7 +61,8 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
       gathered axis moved to the front and back); to other destinations
       (``strategy.gather`` to the current device) the first replica's
       result is copied there. TF's own ``NcclAllReduce`` and
-      ``HierarchicalCopyAllReduce`` gather on one device instead.
+      ``HierarchicalCopyAllReduce`` gather on one device instead, and so
+      does this one for "nccl" (TF has no NCCL all-gather op).
     - int32 values never reach it: MirroredStrategy reduces them with
       ``ReductionToOneDevice`` itself, whatever ``cross_device_ops`` is.
     - ``CommunicationOptions(bytes_per_pack=B)``, where the user passes it,
@@ -127,11 +129,15 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
         return distribute_utils.regroup(tuple(copies), wrap_class=tf_values.Mirrored)
 
     def _gather_implementation(self, per_replica_value, destinations, axis, options):
-        if not _devices_match(per_replica_value, per_replica_value):
+        rank = per_replica_value.values[0].shape.rank
+        algorithm = self.reduction.algorithm
+        if (not _on_distinct_devices(per_replica_value) or rank is None
+                or (algorithm != "auto" and "all_gather" not in STAGES[algorithm].collectives)):
+            # Values that share a device, an unknown rank, or NCCL (no
+            # all-gather op): gathered on one device, as TF's own ops do.
             return self._one_device._gather_implementation(  # pylint: disable=protected-access
                 per_replica_value, destinations, axis, options)
         devices = list(tf_cross_device_ops.get_devices_from(per_replica_value))
-        rank = per_replica_value.values[0].shape.rank
         # tfreduce gathers along axis 0: the gathered axis is moved there
         # on each replica's device, and back after.
         perm = None if axis == 0 else [axis] + [a for a in range(rank) if a != axis]
@@ -177,6 +183,11 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
         return [distribute_utils.regroup(tuple(out[k][n] for k in range(num_devices)),
                                          wrap_class=tf_values.Mirrored)
                 for n in range(len(values))]
+
+
+def _on_distinct_devices(value):
+    """True if a per-replica value lives on K distinct devices."""
+    return _devices_match(value, value)
 
 
 def _devices_match(value, destinations):

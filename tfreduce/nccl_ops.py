@@ -63,7 +63,11 @@ class NcclStage(Stage):
     def broadcast(self, row, ctx):
         out = [[None] * len(row) for _ in ctx.devices]  # K x M
         for m, t in enumerate(row):
-            sent = _tf_nccl.broadcast(t)  # on the root's GPU
+            if t.dtype not in self.dtypes:
+                raise TypeError(f"broadcast: tensor {m}: NCCL cannot send {t.dtype.name} (it "
+                                f"takes {', '.join(sorted(d.name for d in self.dtypes))})")
+            with tf.device(ctx.devices[ctx.root]):
+                sent = _tf_nccl.broadcast(tf.identity(t, name=f"entry{m}_in"))
             for k, d in enumerate(ctx.devices):
                 with tf.device(d):
                     out[k][m] = tf.identity(sent, name=f"entry{m}_dev{k}_out")
@@ -73,13 +77,18 @@ class NcclStage(Stage):
         device, num_towers = ctx.devices[ctx.root], len(ctx.devices)
         out = []
         for m in range(len(buffers[0])):
-            column = [row[m] for row in buffers]
-            if ctx.average:
-                # NCCL sums in the input dtype: prescale, as for all_sum.
-                column = [_prescaled(t, num_towers, d) for t, d in zip(column, ctx.devices)]
+            column = []
+            for k, d in enumerate(ctx.devices):
+                with tf.device(d):
+                    # Half types go up to float32 first: NCCL sums in the
+                    # input dtype, and the sum is scaled and rounded once.
+                    g = buffers[k][m]
+                    acc = accumulation_dtype(g.dtype)
+                    column.append(tf.cast(g, acc, name=f"entry{m}_dev{k}_in") if acc != g.dtype
+                                  else tf.identity(g, name=f"entry{m}_dev{k}_in"))
             with tf.device(device):
-                total = tf.identity(_tf_nccl.reduce_sum(column), name=f"entry{m}_out")
-            out.append(total)
+                total = _tf_nccl.reduce_sum(column)
+            out.append(ctx.finish(total, m, num_towers, device, name=f"entry{m}_out"))
         return out
 
 
@@ -234,6 +243,10 @@ class CollectiveStage(Stage):
         # each device keeping its pieces: K-1 times the bytes of point to
         # point, the price of having only TF's gather across devices.
         devices, num_towers = ctx.devices, len(ctx.devices)
+        for m in range(len(pieces[0])):
+            if any(p.shape[0] is None for row in pieces for p in row[m]):
+                raise ValueError(f"all_to_all: tensor {m}'s pieces have row counts not known "
+                                 f"when built; algorithm 'collective' needs them: use 'flat'")
         blocks = []
         for j, (row, d) in enumerate(zip(pieces, devices)):
             with tf.device(d):
@@ -243,9 +256,6 @@ class CollectiveStage(Stage):
         out = [[None] * len(pieces[0]) for _ in devices]  # K x M
         for m in range(len(pieces[0])):
             counts = [[p.shape[0] for p in row[m]] for row in pieces]  # K x K rows
-            if any(c is None for row in counts for c in row):
-                raise ValueError(f"all_to_all: tensor {m}'s pieces have row counts not known "
-                                 f"when built; algorithm 'collective' needs them: use 'flat'")
             for k, d in enumerate(devices):
                 starts = [sum(map(sum, counts[:j])) + sum(counts[j][:k])
                           for j in range(num_towers)]
@@ -254,11 +264,6 @@ class CollectiveStage(Stage):
                         [gathered[k][m][s:s + counts[j][k]] for j, s in enumerate(starts)],
                         name=f"entry{m}_dev{k}_out")
         return out
-
-
-def _prescaled(t, num_towers, device):
-    with tf.device(device):
-        return scale_by_reciprocal(t, num_towers)
 
 
 def _gather_entry(chain, keys, group_key, column, ranks, devices, m):

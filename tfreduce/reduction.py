@@ -360,9 +360,7 @@ class Reduction:
             key = (tuple(grads.devices), average, tuple(
                 (str(dense_shape(grads.grads[0][n])), values_of(grads.grads[0][n]).dtype.name,
                  isinstance(grads.grads[0][n], tf.IndexedSlices)) for n in grads.reduced))
-            if key not in self._plans:
-                self._plans[key] = plan_for(grads, self.topology, average, self)
-            plan = self._plans[key]
+            plan = self.planned(key, lambda: plan_for(grads, self.topology, average, self))
         if plan is None:
             return make_stage(choose_algorithm(grads.devices), {}), self.pack_bytes
         options = dict(plan.options)

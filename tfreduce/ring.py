@@ -40,7 +40,8 @@ class RingStage(Stage):
         return [list(row) for row in zip(*columns)]  # K x M
 
     # The other collectives: reduce-scatter and all-gather are the ring's
-    # halves; broadcast and reduce are pipelines along the ring.
+    # halves; broadcast and reduce pass the whole tensor hop by hop along
+    # the ring (NCCL pipelines it in chunks).
     collectives = ("reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
 
     def reduce_scatter(self, buffers, ctx):
@@ -69,6 +70,9 @@ class RingStage(Stage):
             totals = [t if c == ctx.root else None for c in range(num_devices)]
             for k, copies in enumerate(ring_all_gather(totals, devices, f"entry{m}")):
                 out[k][m] = copies[ctx.root]
+            # The root's own result too is an op on its device.
+            with tf.device(devices[ctx.root]):
+                out[ctx.root][m] = tf.identity(t, name=f"entry{m}_dev{ctx.root}_out")
         return out
 
     def reduce_to_root(self, buffers, ctx):

@@ -10,15 +10,15 @@ of a broadcast or reduce, and says which tower, tensor and values are wrong.
 
 import tensorflow as tf
 
-from tfreduce.contract import dense_shape, validate_groups, values_of
+from tfreduce.contract import as_tensor, dense_shape, device_of, validate_groups, values_of
 from tfreduce.devices import check_devices_exist, normalize_devices
 
 __all__ = ["Tensors", "check_list", "validate_tensors", "check_splits", "check_root",
            "resolve_groups"]
 
 # What each collective needs of the tensors' shapes: "same" (one shape on
-# every tower) or "rows" (the axes after the first agree), and whether a
-# scalar is refused.
+# every tower), "rows" (the axes after the first agree) or "root" (only the
+# roots' tensors are read), and whether a scalar is refused.
 _SHAPES = {"reduce_scatter": ("same", True), "all_gather": ("rows", True),
            "broadcast": ("root", False), "reduce": ("same", False),
            "all_to_all": ("rows", True)}
@@ -42,19 +42,6 @@ class Tensors:
         self.num_towers = len(tensors)
         self.num_vars = len(tensors[0]) if tensors else 0
         self.present = present
-
-    def column(self, n):
-        """The K tensors n, tower order."""
-        return [row[n] for row in self.tensors]
-
-
-def _as_tensor(t, k, n):
-    if t is None or isinstance(t, (tf.Tensor, tf.IndexedSlices)):
-        return t
-    if isinstance(t, tf.Variable):
-        return tf.convert_to_tensor(t)
-    raise TypeError(f"tower {k}, tensor {n}: expected a tf.Tensor, tf.IndexedSlices or None, "
-                    f"got {type(t).__name__}")
 
 
 def check_list(all_tensors, collective):
@@ -114,7 +101,8 @@ def validate_tensors(all_tensors, devices, collective, roots=(0,)):
         if len(row) != num_vars:
             raise ValueError(f"{collective}: tower {k} has {len(row)} tensors, tower 0 has "
                              f"{num_vars}: every tower lists the same N tensors")
-    tensors = [[_as_tensor(t, k, n) for n, t in enumerate(row)] for k, row in enumerate(rows)]
+    tensors = [[as_tensor(t, k, n, "tensor {n}", "tensor") for n, t in enumerate(row)]
+               for k, row in enumerate(rows)]
     shapes, refuse_scalar = _SHAPES[collective]
     present = []
     for n in range(num_vars):
@@ -130,7 +118,8 @@ def validate_tensors(all_tensors, devices, collective, roots=(0,)):
             present.append(n)
     given = devices
     if devices is None:
-        devices = [_device_of(row, k, collective) for k, row in enumerate(tensors)]
+        devices = [device_of(row, k, f"{collective}: ", "tensors")
+                   for k, row in enumerate(tensors)]
     devices = normalize_devices(devices, num_towers=len(tensors))
     if tf.executing_eagerly() or tf.inside_function():
         check_devices_exist(devices, given)
@@ -147,6 +136,9 @@ def _check_column(tensors, n, collective, shapes, refuse_scalar):
     if missing:
         return False
     ref, ref_shape = values_of(column[0]), dense_shape(column[0])
+    if shapes == "same" and not (ref.dtype.is_floating or ref.dtype.is_integer):
+        raise TypeError(f"{collective}: tensor {n} has dtype {ref.dtype.name}; {collective} "
+                        f"sums floating-point and integer tensors")
     for k, t in enumerate(column):
         shape = dense_shape(t)
         if refuse_scalar and shape.rank == 0:
@@ -164,14 +156,6 @@ def _check_column(tensors, n, collective, shapes, refuse_scalar):
                              f"has {ref_shape}; {collective} joins rows along axis 0, so the "
                              f"other axes must agree")
     return True
-
-
-def _device_of(row, k, collective):
-    for t in row:
-        if t is not None and values_of(t).device:
-            return values_of(t).device
-    raise ValueError(f"{collective}: devices=None, but the tensors of tower {k} carry no "
-                     f"device: build them under tf.device(...) or pass devices=[...]")
 
 
 def resolve_groups(groups, num_towers, collective):
@@ -198,12 +182,16 @@ def resolve_groups(groups, num_towers, collective):
 
 
 def check_root(root, groups, collective):
-    """Raises ValueError unless ``root`` is a position inside every group.
+    """Checks that ``root`` is a position inside every group.
 
     Args:
       root: the ``root=`` argument.
       groups: list[list[int]], the resolved groups.
       collective: str, for the message.
+
+    Raises:
+      ValueError: root is not an int in 0..(the smallest group's size - 1),
+        naming that group.
     """
     smallest = min(groups, key=len)
     if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < len(smallest):
@@ -229,8 +217,8 @@ def check_splits(splits, tensors, groups, parts=None):
       list of K lists of ints.
 
     Raises:
-      TypeError, ValueError: the wrong number of lists or ints, a negative
-        or non-int count, or counts that do not add up to a tower's rows
+      ValueError: not K lists, the wrong number of ints, a negative or
+        non-int count, or counts that do not add up to a tower's rows
         (naming the tower, the tensor, the splits and the rows).
     """
     size = {k: parts or len(g) for g in groups for k in g}

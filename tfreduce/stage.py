@@ -96,6 +96,14 @@ class Stage:
     #: ``tfreduce.collectives.COLLECTIVES``); a door refuses the others.
     collectives = ()
 
+    #: all_gather takes ``tf.IndexedSlices`` as rows (each tower's indices
+    #: shifted by the rows before it), which needs every tower's row count.
+    gathers_slices = True
+
+    def pieces_per_tower(self, group_size):
+        """The pieces each tower's rows are split into for an all-to-all: one per tower."""
+        return group_size
+
     def reduce_scatter(self, buffers, ctx):
         """Sums K x M tensors and leaves shard k of each sum on device k.
 

@@ -22,20 +22,21 @@ import tfreduce  # noqa: E402
 from tfreduce.cluster import Cluster  # noqa: E402
 
 TOWERS = 2  # per worker
-# name -> (collective, local algorithm, dtype, same rows on every tower, root, average)
+# name -> (collective, local algorithm, dtype, same rows on every tower, root, average);
+# all-gather and all-to-all join each worker's rows whatever the algorithm.
 CASES = {
     "reduce_scatter_flat_f32_mean": ("reduce_scatter", "flat", "float32", True, 0, True),
     "reduce_scatter_ring_bf16": ("reduce_scatter", "ring", "bfloat16", True, 0, False),
-    "all_gather_flat_i64": ("all_gather", "flat", "int64", False, 0, False),
-    "all_gather_collective_f16": ("all_gather", "collective", "float16", False, 0, False),
+    "all_gather_i64": ("all_gather", "flat", "int64", False, 0, False),
+    "all_gather_f16": ("all_gather", "collective", "float16", False, 0, False),
     "broadcast_hierarchical_f64": ("broadcast", "hierarchical", "float64", True, 3, False),
     "reduce_collective_i32": ("reduce", "collective", "int32", True, 1, False),
-    "all_to_all_ring_f32": ("all_to_all", "ring", "float32", False, 0, False),
-    "all_to_all_flat_i64_splits": ("all_to_all", "flat", "int64", False, 0, False),
+    "all_to_all_f32": ("all_to_all", "ring", "float32", False, 0, False),
+    "all_to_all_i64_splits": ("all_to_all", "flat", "int64", False, 0, False),
 }
 # Global splits of an all-to-all case: SPLITS[case][t], the rows tower t
 # sends to each of the 4 towers.
-SPLITS = {"all_to_all_flat_i64_splits": [[0, 2, 1, 0], [3, 0, 0, 1], [1, 1, 1, 1], [0, 0, 0, 2]]}
+SPLITS = {"all_to_all_i64_splits": [[0, 2, 1, 0], [3, 0, 0, 1], [1, 1, 1, 1], [0, 0, 0, 2]]}
 
 
 def tower_arrays(case, tower):
