@@ -64,19 +64,23 @@ def _tf_distribute(collective):
 
 
 def _plain(collective):
-    # Direct ops on each device: what a user writes without a library.
+    # Direct ops: each tower splits its own rows, each device adds or joins
+    # what it receives; what a user writes without a library.
     def build(tensors, devices):
         column = [row[0] for row in tensors]
+        pieces = []
+        for t, device in zip(column, devices):
+            with tf.device(device):
+                pieces.append(tf.split(t, _shards(t, len(devices))))
         out = []
         for k, device in enumerate(devices):
             with tf.device(device):
                 if collective == "reduce_scatter":
-                    out.append([tf.add_n([tf.split(t, _shards(t, len(devices)))[k]
-                                          for t in column])])
-                elif collective in ("all_gather", "all_to_all"):
-                    parts = column if collective == "all_gather" else [
-                        tf.split(t, _shards(t, len(devices)))[k] for t in column]
-                    out.append([tf.concat(parts, axis=0)])
+                    out.append([tf.add_n([p[k] for p in pieces])])
+                elif collective == "all_gather":
+                    out.append([tf.concat(column, axis=0)])
+                elif collective == "all_to_all":
+                    out.append([tf.concat([p[k] for p in pieces], axis=0)])
                 elif collective == "broadcast":
                     out.append([tf.identity(column[0])])
         if collective == "reduce":
