@@ -97,6 +97,19 @@ def test_collectives_on_a_uniform_machine_give_the_alpha_beta_formulas(num_devic
         assert got.seconds == pytest.approx(want, rel=1e-9), (collective, algorithm)
 
 
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_collective_is_priced_on_every_preset(preset):
+    size = 4 * 2**20
+    for collective in ("reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all"):
+        for algorithm in ("flat", "hierarchical", "ring", "collective"):
+            out, tensors = build_collective(collective, algorithm, 8, size)
+            got = predict(out, preset, inputs=tensors)
+            # Each sends at least S/8 from a device over a link no faster
+            # than the preset's fastest.
+            fastest = max(link.bandwidth for link in Topology.preset(preset).links)
+            assert size / 8 / fastest <= got.seconds < 1.0, (collective, algorithm, got)
+
+
 def test_bus_bandwidth_uses_the_nccl_tests_factors():
     assert tfreduce.bus_bandwidth("all_reduce", 8 * GB, 1.0, 8) == pytest.approx(14 * GB)
     assert tfreduce.bus_bandwidth("all_gather", 8 * GB, 1.0, 8) == pytest.approx(7 * GB)
