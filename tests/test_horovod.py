@@ -54,6 +54,17 @@ def test_collectives_equal_numpy(ranks):
         np.testing.assert_array_equal(got["grouped0"], x[0] + x[1])
         assert got["grouped1"].tolist() == [[1]] and got["grouped1"].dtype == np.int64
         np.testing.assert_array_equal(got["gather"], [[0, 0], [1, 1], [1, 1]])
+        # Means of [1, 2, 3] + 2r over 2 processes: rows 0-1 to rank 0, row 2 to rank 1.
+        np.testing.assert_array_equal(got["scatter"], [[[2.0], [3.0]], [[4.0]]][r])
+        # 16 bits on the wire: 1000.5 + 2001 = 3001.5 rounds to 3002 in
+        # float16; then x 0.5 (postscale).
+        assert got["scatter_fp16"].tolist() == [[[1501.0], [4.5]], [[10.5]]][r]
+        # Rank 0 sends [10] to itself and [20, 30] to rank 1; rank 1 sends
+        # nothing to rank 0 and [11] to itself.
+        assert got["alltoall"].tolist() == [[[10.0]], [[20.0], [30.0], [11.0]]][r]
+        assert got["received"].tolist() == [[1, 0], [2, 1]][r]
+        # 3 rows over 2 processes: 2 to rank 0, 1 to rank 1, from each.
+        assert got["alltoall_even"].tolist() == [[0, 1, 10, 11], [2, 12]][r]
         np.testing.assert_array_equal(got["bcast"], [20.0, 40.0])
         np.testing.assert_array_equal(got["bcast_var"], [1.0, 6.0])
         assert str(got["root_error"]) == ("broadcast: root_rank must be an int in 0..1 (the "

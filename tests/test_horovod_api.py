@@ -43,6 +43,14 @@ HOROVOD = {
                  "process_set=global_process_set)",
     "broadcast_variables": "(variables, root_rank, process_set=global_process_set, "
                            "inplace=False)",
+    "reducescatter": "(tensor, device_dense='', compression=Compression.none, op=Average, "
+                     "name=None, process_set=global_process_set, ignore_name_scope=False, "
+                     "prescale_factor=1.0, postscale_factor=1.0)",
+    "grouped_reducescatter": "(tensors, device_dense='', compression=Compression.none, "
+                             "op=Average, process_set=global_process_set, prescale_factor=1.0, "
+                             "postscale_factor=1.0)",
+    "alltoall": "(tensor, splits=None, name=None, ignore_name_scope=False, "
+                "process_set=global_process_set)",
     "DistributedGradientTape": "(gradtape, device_dense='', device_sparse='', "
                                "compression=Compression.none, sparse_as_dense=False, "
                                "op=Average, gradient_predivide_factor=1.0, num_groups=0, "
@@ -110,6 +118,11 @@ def test_one_process_is_rank_0_of_1_and_reduces_to_itself(one_process):
     np.testing.assert_array_equal(hvd.allgather(tf.ones([2, 3])), np.ones([2, 3]))
     np.testing.assert_array_equal(hvd.broadcast(x, 0), [1.5, -2.0])
     np.testing.assert_array_equal(hvdk.allreduce([4.0, 2.0], op=hvdk.Sum), [4.0, 2.0])
+    np.testing.assert_array_equal(hvd.reducescatter(tf.ones([3, 2]), op=hvd.Sum), np.ones([3, 2]))
+    out, received = hvd.alltoall(tf.ones([2, 3]), splits=[2])
+    np.testing.assert_array_equal(out, np.ones([2, 3]))
+    assert received.numpy().tolist() == [2]
+    np.testing.assert_array_equal(hvd.alltoall(tf.ones([2, 3])), np.ones([2, 3]))
 
 
 def test_the_error_before_init():
@@ -133,6 +146,14 @@ def test_the_error_before_init():
      "broadcast: root_rank must be an int in 0..0 (the ranks of the 1 processes), got 1"),
     (lambda: hvd.allreduce(tf.ones([2]), process_set="evens"), ValueError,
      "allreduce: process_set='evens': only global_process_set"),
+    (lambda: hvd.reducescatter(tf.constant(1.0)), ValueError,
+     "reduce_scatter: tensor 0 on tower 0 is a scalar (shape []): reduce_scatter works along "
+     "axis 0; reshape it to [1]"),
+    (lambda: hvd.alltoall(tf.ones([3]), splits=[1, 2]), ValueError,
+     "alltoall: splits must be 1 ints (the rows sent to each process, in rank order), got "
+     "[1, 2]"),
+    (lambda: hvd.alltoall(tf.ones([3]), splits=[2]), ValueError,
+     "alltoall: splits [2] add up to 2, but the tensor has 3 rows"),
     (lambda: hvd.DistributedGradientTape(object()), TypeError,
      "DistributedGradientTape needs a tf.GradientTape, got object"),
     (lambda: hvdk.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1)),
@@ -147,7 +168,8 @@ def test_the_error_before_init():
      "DistributedOptimizer: gradient_predivide_factor=2.0 needs op=Average"),
     (lambda: hvdk.broadcast_global_variables(0), RuntimeError,
      "broadcast_global_variables(0): TensorFlow 2 has no global variables"),
-], ids=["comm", "op", "op-and-average", "scalar-gather", "root", "process-set", "tape",
+], ids=["comm", "op", "op-and-average", "scalar-gather", "root", "process-set",
+        "scalar-reducescatter", "splits-length", "splits-sum", "tape",
         "keras2-optimizer", "passes", "groups", "predivide", "global-variables"])
 def test_errors_a_horovod_user_meets(one_process, call, error, message):
     with pytest.raises(error) as info:

@@ -108,6 +108,16 @@ def collectives(hvd, out):
     grouped = hvd.grouped_allreduce([x, tf.constant([[r]], tf.int64)], op=hvd.Sum)
     out["grouped0"], out["grouped1"] = grouped[0].numpy(), grouped[1].numpy()
     out["gather"] = hvd.allgather(tf.fill([r + 1, 2], r)).numpy()
+    rows = tf.constant([[1.0], [2.0], [3.0]]) + 2 * r
+    out["scatter"] = hvd.reducescatter(rows).numpy()
+    out["scatter_fp16"] = hvd.grouped_reducescatter(
+        [tf.constant([[1000.5], [3.0], [7.0]]) * (r + 1)], compression=hvd.Compression.fp16,
+        op=hvd.Sum, postscale_factor=0.5)[0].numpy()
+    splits = [[1, 2], [0, 1]][r]
+    exchanged, received = hvd.alltoall(tf.constant([[10.0], [20.0], [30.0]][:sum(splits)]) + r,
+                                       splits=splits)
+    out["alltoall"], out["received"] = exchanged.numpy(), received.numpy()
+    out["alltoall_even"] = hvd.alltoall(tf.range(3) + 10 * r).numpy()
     out["bcast"] = hvd.broadcast(tf.constant([10.0, 20.0]) * (r + 1), root_rank=1).numpy()
     v = tf.Variable([float(r), 5.0 + r])
     hvd.broadcast_variables([v], root_rank=1)

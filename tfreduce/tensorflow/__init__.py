@@ -16,11 +16,13 @@ from tfreduce.tensorflow.ops import (Average, Compression, ProcessSet, Sum, allg
                                      global_process_set, grouped_allgather, grouped_allreduce)
 from tfreduce.tensorflow.process import (cross_rank, cross_size, init, is_initialized,
                                          local_rank, local_size, rank, shutdown, size)
+from tfreduce.tensorflow.scatter import alltoall, grouped_reducescatter, reducescatter
 from tfreduce.tensorflow.sync_batch_norm import SyncBatchNormalization
 from tfreduce.tensorflow.tape import DistributedGradientTape
 
 __all__ = ["Average", "Compression", "DistributedGradientTape", "ProcessSet", "Sum",
            "SyncBatchNormalization",
-           "allgather", "allreduce", "broadcast", "broadcast_variables", "cross_rank",
-           "cross_size", "global_process_set", "grouped_allgather", "grouped_allreduce",
-           "init", "is_initialized", "local_rank", "local_size", "rank", "shutdown", "size"]
+           "allgather", "allreduce", "alltoall", "broadcast", "broadcast_variables",
+           "cross_rank", "cross_size", "global_process_set", "grouped_allgather",
+           "grouped_allreduce", "grouped_reducescatter", "init", "is_initialized",
+           "local_rank", "local_size", "rank", "reducescatter", "shutdown", "size"]

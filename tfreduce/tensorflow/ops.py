@@ -25,7 +25,7 @@ from tfreduce.tensorflow.process import cluster, device, eager_functions
 
 __all__ = ["Average", "Sum", "Compression", "ProcessSet", "global_process_set", "allreduce",
            "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
-           "broadcast_variables"]
+           "broadcast_variables", "check_op", "check_process_set", "run_cached", "scaled"]
 
 #: op= of a mean over the processes (Horovod's default).
 Average = "average"
@@ -138,7 +138,7 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
     def build(tensors):
         with tf.device(place):
             if prescale_factor != 1.0:
-                tensors = [_scaled(t, prescale_factor) for t in tensors]
+                tensors = [scaled(t, prescale_factor) for t in tensors]
             if found.is_local:
                 out = [t if isinstance(t, tf.IndexedSlices) else tf.identity(t)
                        for t in tensors]
@@ -146,15 +146,15 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
                 out = allreduce_grads_multiworker([tensors], [place], average=op == Average,
                                                   cluster=found, compression=compression)[0]
             if postscale_factor != 1.0:
-                out = [_scaled(t, postscale_factor) for t in out]
+                out = [scaled(t, postscale_factor) for t in out]
         return out
 
-    return _run(("allreduce", op, compression.name, prescale_factor, postscale_factor),
+    return run_cached(("allreduce", op, compression.name, prescale_factor, postscale_factor),
                 build, tensors)
 
 
-def _scaled(t, factor):
-    # IndexedSlices: their values (the rows they hold), as Horovod scales them.
+def scaled(t, factor):
+    """t times factor, in t's dtype; of IndexedSlices, their values (as Horovod scales them)."""
     if isinstance(t, tf.IndexedSlices):
         return tf.IndexedSlices(t.values * tf.cast(factor, t.values.dtype), t.indices,
                                 t.dense_shape)
@@ -229,7 +229,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
         return out
 
     # Row counts differ between processes: one trace for any count.
-    return _run(("allgather",), build, tensors, rows_vary=True)
+    return run_cached(("allgather",), build, tensors, rows_vary=True)
 
 
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -249,7 +249,7 @@ def _spec(t, rows_vary):
     return tf.TensorSpec(shape, t.dtype)
 
 
-def _run(key, build, tensors, rows_vary=False):
+def run_cached(key, build, tensors, rows_vary=False):
     """build(tensors): directly in a graph; eagerly, in a tf.function kept per key and signature.
 
     The collectives' instance keys are drawn as a function traces, the same
@@ -309,7 +309,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
             return [broadcast_recv(tensor.shape, tensor.dtype, found.num_workers, group_key,
                                    found.keys.instance_key(), options, name="hvd_recv")]
 
-    return _run(("broadcast", root_rank), build, [tensor])[0]
+    return run_cached(("broadcast", root_rank), build, [tensor])[0]
 
 
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
@@ -345,4 +345,4 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
             return [tf.constant(0)]
 
     # The same variables again (a later fit) reuse the function.
-    _run(("broadcast_variables", root_rank, tuple(id(v) for v in variables[0])), build, [])
+    run_cached(("broadcast_variables", root_rank, tuple(id(v) for v in variables[0])), build, [])

@@ -1,0 +1,169 @@
+"""Horovod's collectives that hand each process a part: reducescatter and alltoall.
+
+One tower per process, as in ``tfreduce.tensorflow.ops``: a process's
+tensor is one row of a size x 1 K x N list, and the collective is
+``tfreduce.reduce_scatter`` / ``tfreduce.all_to_all`` across the processes
+(``cluster=``). Rows are split by tfreduce's one shard rule, which is
+Horovod's too: of B rows over P processes, the first B % P ranks get one row
+more.
+
+Sources: Horovod's API (horovod.tensorflow: reducescatter and
+grouped_reducescatter with op, compression and scale factors, alltoall with
+uneven splits and the received splits).
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tfreduce.collectives import all_gather, all_to_all, reduce_scatter
+from tfreduce.compression import Compression, as_compressor
+from tfreduce.primitives import scale_by_reciprocal
+from tfreduce.tensorflow.ops import (Average, check_op, check_process_set,
+                                     global_process_set, run_cached, scaled)
+from tfreduce.tensorflow.process import cluster, device
+
+__all__ = ["reducescatter", "grouped_reducescatter", "alltoall"]
+
+
+def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0):
+    """Reduce-scatters each tensor over every process: this rank's rows of the mean (sum).
+
+    Example, 2 processes, op=Average (the default), 3 rows::
+
+        rank 0: [[1.], [2.], [3.]]  ->  [[2.], [3.]]    (rows 0-1 of the mean)
+        rank 1: [[3.], [4.], [5.]]  ->  [[4.]]          (row 2)
+
+    Args:
+      tensors: list of N tf.Tensor of rank >= 1, one shape per n on every
+        process.
+      device_dense: Horovod's device hint; the collective runs on this
+        process's device whatever it says.
+      compression: tfreduce.Compression.none, .fp16 or .bf16 (or their
+        names): float32/float64 tensors cross in 16 bits, prescaled by
+        1/size when averaging so that a mean that fits never overflows.
+      op: Average (default) or Sum.
+      process_set: global_process_set (the only one).
+      prescale_factor: float multiplied in before the reduction.
+      postscale_factor: float multiplied in after it.
+
+    Returns:
+      list of N tensors: shard ``rank()`` of each reduced tensor along
+      axis 0, on this process's device.
+
+    Raises:
+      RuntimeError: init() was not called.
+      ValueError: an unsupported op or process set, a scalar (named).
+    """
+    del device_dense
+    op = check_op(op, None, "reducescatter")
+    check_process_set(process_set, "reducescatter")
+    compression = as_compressor(compression)
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    found, place = cluster(), device()
+
+    def build(tensors):
+        with tf.device(place):
+            if prescale_factor != 1.0:
+                tensors = [scaled(t, prescale_factor) for t in tensors]
+            # Compressed, a mean is formed of means: each process scales by
+            # 1/size before the cast (Horovod's prescale), the wire only sums.
+            prescale = op == Average and compression.compresses
+            if prescale:
+                tensors = [scale_by_reciprocal(t, found.num_workers) for t in tensors]
+            wire, contexts = zip(*[compression.compress(t) for t in tensors])
+            out = reduce_scatter([list(wire)], [place], average=op == Average and not prescale,
+                                 cluster=found)[0]
+            out = [compression.decompress(t, ctx) for t, ctx in zip(out, contexts)]
+            if postscale_factor != 1.0:
+                out = [scaled(t, postscale_factor) for t in out]
+        return out
+
+    return run_cached(("reducescatter", op, compression.name, prescale_factor,
+                       postscale_factor), build, tensors)
+
+
+def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
+                  process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
+                  postscale_factor=1.0):
+    """Reduce-scatters one tensor: ``grouped_reducescatter([tensor], ...)[0]``.
+
+    Raises:
+      As grouped_reducescatter.
+    """
+    del name, ignore_name_scope
+    return grouped_reducescatter([tensor], device_dense, compression, op, process_set,
+                                 prescale_factor, postscale_factor)[0]
+
+
+def _static_splits(splits, size):
+    # Horovod's splits (a list, array or tensor of ints in rank order) as
+    # Python ints, which tfreduce's all-to-all takes.
+    if splits is None:
+        return None
+    value = tf.get_static_value(splits) if tf.is_tensor(splits) else np.asarray(splits)
+    if value is None:
+        raise ValueError("alltoall: splits must be known when the graph is built (a list or a "
+                         "constant), got a tensor whose value is known only when it runs")
+    value = np.asarray(value)
+    if value.shape != (size,) or value.dtype.kind not in "iu":
+        raise ValueError(f"alltoall: splits must be {size} ints (the rows sent to each "
+                         f"process, in rank order), got {value.tolist()!r}")
+    return [int(v) for v in value]
+
+
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
+             process_set=global_process_set):
+    """Sends rows of a tensor to every process and joins what each receives, in rank order.
+
+    Without ``splits`` the rows are split by the shard rule (the first
+    B % size ranks get one more). Example, 2 processes, ``splits`` [1, 2]
+    on rank 0 and [0, 1] on rank 1::
+
+        rank 0: [[a], [b], [c]]  ->  [[a]]               received splits [1, 0]
+        rank 1: [[d]]            ->  [[b], [c], [d]]     received splits [2, 1]
+
+    Args:
+      tensor: tf.Tensor of rank >= 1; processes may differ in axis 0.
+      splits: None, or ints (list, array or constant tensor) in rank order:
+        the rows this process sends to each, adding up to its rows.
+      name: accepted for Horovod's signature.
+      ignore_name_scope: accepted for Horovod's signature.
+      process_set: global_process_set (the only one).
+
+    Returns:
+      the received rows, on this process's device; with ``splits``, also
+      an int32 tensor of the rows received from each process (Horovod's
+      ``(output, received_splits)``).
+
+    Raises:
+      RuntimeError: init() was not called.
+      ValueError: splits of the wrong length, that do not add up to the
+        rows, or not known when built; a scalar; an unsupported process set.
+    """
+    del name, ignore_name_scope
+    check_process_set(process_set, "alltoall")
+    tensor = tf.convert_to_tensor(tensor)
+    found, place = cluster(), device()
+    counts = _static_splits(splits, found.num_workers)
+    rows = tensor.shape[0] if tensor.shape.rank else None
+    if counts is not None and rows is not None and sum(counts) != rows:
+        raise ValueError(f"alltoall: splits {counts} add up to {sum(counts)}, but the tensor "
+                         f"has {rows} rows")
+
+    def build(tensors):
+        with tf.device(place):
+            out = all_to_all([tensors], [place], splits=None if counts is None else [counts],
+                             cluster=found)[0]
+            if counts is None:
+                return out
+            sent = tf.constant([counts], tf.int32)
+            every = all_gather([[sent]], [place], cluster=found)[0][0]  # [size, size]
+            return out + [tf.identity(every[:, found.rank], name="received_splits")]
+
+    out = run_cached(("alltoall", None if counts is None else tuple(counts)), build, [tensor],
+                     rows_vary=True)
+    return out[0] if counts is None else (out[0], out[1])
