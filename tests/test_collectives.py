@@ -13,7 +13,8 @@ ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int32, np.int64]
 FLOATS = DTYPES[:4]
 HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
-KS = [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)]
+# K=3 and 8 in the full suite only: the quick tier keeps 1, 2 and 4.
+KS = [1, 2, pytest.param(3, marks=pytest.mark.slow), 4, pytest.param(8, marks=pytest.mark.slow)]
 
 
 def values(rng, shape, dtype):
@@ -151,8 +152,8 @@ def test_data_movement_equals_numpy_on_every_device(runner, algorithm, num_tower
 GROUPS = [
     [[0, 2], [1]],                       # K=3, unequal sizes
     [[3, 0], [1, 2]],                    # K=4, out of order
-    [[0], [1, 2, 3]],                    # K=4, a group of one
-    [[0, 1, 2, 3], [4, 5], [6], [7]],    # K=8
+    pytest.param([[0], [1, 2, 3]], marks=pytest.mark.slow),                 # a group of one
+    pytest.param([[0, 1, 2, 3], [4, 5], [6], [7]], marks=pytest.mark.slow),  # K=8
 ]
 
 
