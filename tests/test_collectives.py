@@ -488,6 +488,26 @@ def test_average_of_integers_is_a_type_error():
 
 # -- across workers: 2 workers x 2 towers equal 4 towers in one process --------
 
+@pytest.mark.parametrize("collective, kwargs, message", [
+    ("all_gather", {"compression": "fp16"},
+     r"all_gather: compression='fp16' applies to all-reduce"),
+    ("all_to_all", {"algorithm": "nccl"}, r"algorithm 'nccl' does not build all_to_all"),
+    ("reduce", {"groups": [[0], [1]]},
+     r"reduce: groups= run inside one process; across workers the collective spans every "
+     r"tower of every worker"),
+    ("broadcast", {"topology": "dgx-a100"},
+     r"broadcast: topology='dgx-a100' plans for the devices of one process"),
+    ("reduce", {"root": 4}, r"reduce: root must be an int position in 0..3 inside the 4 towers"),
+])
+def test_across_workers_bad_choices_are_refused_before_anything_runs(collective, kwargs,
+                                                                      message):
+    cluster = tfreduce.Cluster({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "worker", 1)
+    with tf.Graph().as_default():
+        tensors = placeholders(CPU_DEVICES[:2], [(4, 2)])
+        with pytest.raises(ValueError, match=message):
+            getattr(tfreduce, collective)(tensors, CPU_DEVICES[:2], cluster=cluster, **kwargs)
+
+
 @pytest.mark.slow
 def test_two_workers_of_two_towers_equal_four_towers(tmp_path):
     from test_multiworker import launch_workers

@@ -336,8 +336,10 @@ def _stages(collective, reduction, tensors, groups, across, root, average, split
                          f"of one process; across workers name the algorithm")
     options, keys = cross_worker_options(across, "auto", None, None)
     step = _LOCAL_STEP[collective]
-    local = step and reduction.collective_stage(step, tensors.devices)
-    return [CrossWorkerCollectives(across, local, options, keys, root=root)]
+    # Checked even where no local stage runs (compression, an algorithm
+    # without the collective), so that every worker refuses alike.
+    local = reduction.collective_stage(step or collective, tensors.devices)
+    return [CrossWorkerCollectives(across, local if step else None, options, keys, root=root)]
 
 
 def _plan(collective, reduction, tensors, group, root, average, splits):
