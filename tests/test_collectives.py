@@ -7,14 +7,17 @@ import tensorflow as tf
 from hypothesis import given, settings, strategies as st
 
 import tfreduce
-from helpers import CPU_DEVICES, GPU_DEVICES, placeholders
+from helpers import CPU_DEVICES, GPU_DEVICES, placeholders, run_in_function, run_in_session
 
 ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int32, np.int64]
 FLOATS = DTYPES[:4]
 HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
-# K=3 and 8 in the full suite only: the quick tier keeps 1, 2 and 4.
-KS = [1, 2, pytest.param(3, marks=pytest.mark.slow), 4, pytest.param(8, marks=pytest.mark.slow)]
+# (runner, K): every K in a tf.function (3 and 8 in the full suite only), K = 1
+# and 4 in a TF1-style graph too.
+RUNS = ([pytest.param(run_in_function, k, id=f"function-K{k}",
+                      marks=[pytest.mark.slow] if k in (3, 8) else []) for k in (1, 2, 3, 4, 8)]
+        + [pytest.param(run_in_session, k, id=f"session-K{k}") for k in (1, 4)])
 
 
 def values(rng, shape, dtype):
@@ -121,7 +124,7 @@ def placement(collective, devices, groups, root):
 
 @pytest.mark.parametrize("average", [False, True])
 @pytest.mark.parametrize("collective", ["reduce_scatter", "reduce"])
-@pytest.mark.parametrize("num_towers", KS)
+@pytest.mark.parametrize("runner, num_towers", RUNS)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_sums_equal_numpy_on_every_device(runner, algorithm, num_towers, collective, average):
     devices = CPU_DEVICES[:num_towers]
@@ -134,7 +137,7 @@ def test_sums_equal_numpy_on_every_device(runner, algorithm, num_towers, collect
 
 
 @pytest.mark.parametrize("collective", ["all_gather", "broadcast", "all_to_all"])
-@pytest.mark.parametrize("num_towers", KS)
+@pytest.mark.parametrize("runner, num_towers", RUNS)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_data_movement_equals_numpy_on_every_device(runner, algorithm, num_towers, collective):
     devices = CPU_DEVICES[:num_towers]
@@ -161,7 +164,8 @@ GROUPS = [
                                         "all_to_all"])
 @pytest.mark.parametrize("groups", GROUPS, ids=str)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_groups_run_their_own_collective(runner, algorithm, groups, collective):
+def test_groups_run_their_own_collective(algorithm, groups, collective):
+    runner = run_in_function  # the TF1-style graph: in the grids above
     num_towers = sum(map(len, groups))
     devices = CPU_DEVICES[:num_towers]
     if collective in ("reduce_scatter", "reduce"):
@@ -248,7 +252,7 @@ def test_all_gather_of_indexed_slices_gathers_rows(runner, algorithm):
         np.testing.assert_array_equal(got[k][0].dense(), np.concatenate(dense))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(data=st.data())
 def test_property_any_groups_and_rows(data):
     num_towers = data.draw(st.integers(1, 5), label="K")
