@@ -428,6 +428,51 @@ def test_a_planned_collective_gives_the_numpy_values():
 
 # -- errors -------------------------------------------------------------------
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("average", [False, True])
+def test_compressed_sums_equal_the_compressed_all_reduces_shard(algorithm, average):
+    # A mean above 65504 on one tower still fits once prescaled by 1/K.
+    rng = np.random.default_rng(5)
+    arrays = [[rng.normal(size=[7, 3]).astype(np.float32) * (7e4 if k == 2 else 1.0)]
+              for k in range(4)]
+    devices = CPU_DEVICES[:4]
+    reduction = tfreduce.Reduction(algorithm, compression="fp16")
+
+    def build(grads):
+        return (tfreduce.reduce_scatter(grads, devices, average, reduction=reduction)
+                + reduction(grads, devices, average)
+                + [tfreduce.reduce(grads, devices, 1, average, reduction=reduction)])
+
+    out, placed = run_in_function(build, arrays, devices)
+    shards, full, reduced = out[:4], out[4:8], out[8]
+    rows = [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 7)]
+    want = [[full[k][0][rows[k]]] for k in range(4)]
+    if algorithm == "ring":
+        # The all-reduce's ring starts each chunk's hops elsewhere: its
+        # 16-bit partial sums round in another order.
+        for k in range(4):
+            np.testing.assert_allclose(shards[k][0], want[k][0], rtol=2 ** -10)
+        want = shards
+    check(shards, placed[:4], want, devices)
+    assert shards[0][0].dtype == np.float32 and np.isfinite(shards[2][0]).all() == average
+    if algorithm == "ring":
+        np.testing.assert_allclose(reduced[0], full[1][0], rtol=2 ** -10)
+    else:
+        np.testing.assert_array_equal(reduced[0], full[1][0])
+    assert placed[8][0].endswith(devices[1])
+
+
+def test_a_compressed_ring_reduce_scatter_sends_16_bits():
+    sent = {}
+    for compression in ("none", "bf16"):
+        with tf.Graph().as_default():
+            tensors = placeholders(GPU_DEVICES[:4], [(8, 2)])
+            out = tfreduce.reduce_scatter(tensors, GPU_DEVICES[:4], True, "ring",
+                                          compression=compression)
+            sent[compression] = tfreduce.analyze_traffic(out, inputs=tensors).pair_bytes
+    assert sent["bf16"] == {pair: size // 2 for pair, size in sent["none"].items()}
+
+
 def consts(*shapes, dtype=tf.float32):
     return [[tf.zeros(s, dtype)] for s in shapes]
 
@@ -474,7 +519,8 @@ def consts(*shapes, dtype=tf.float32):
     (lambda: tfreduce.broadcast([None, [tf.zeros([2])]], None, root=1),
      r"broadcast: devices=None, but the tensors of tower 0 carry no device"),
     (lambda: tfreduce.all_gather(consts([2], [2]), CPU_DEVICES[:2], compression="fp16"),
-     r"all_gather: compression='fp16' applies to all-reduce; all_gather moves the tensors in "
+     r"all_gather: compression='fp16' applies to the sums \(all-reduce, reduce_scatter, "
+     r"reduce\); all_gather moves the tensors in "
      r"their own dtype"),
     (lambda: tfreduce.Reduction(topology="dgx-a100").collective_stage("reduce", CPU_DEVICES[:2]),
      r"reduce: topology= is planned per call on the tensors' shapes"),
@@ -494,7 +540,10 @@ def test_average_of_integers_is_a_type_error():
 
 @pytest.mark.parametrize("collective, kwargs, message", [
     ("all_gather", {"compression": "fp16"},
-     r"all_gather: compression='fp16' applies to all-reduce"),
+     r"all_gather: compression='fp16' applies to the sums"),
+    ("reduce_scatter", {"compression": "bf16"},
+     r"reduce_scatter: compression='bf16' compresses the sums of one process; across "
+     r"workers reduce_scatter moves the tensors in their own dtype"),
     ("all_to_all", {"algorithm": "nccl"}, r"algorithm 'nccl' does not build all_to_all"),
     ("reduce", {"groups": [[0], [1]]},
      r"reduce: groups= run inside one process; across workers the collective spans every "

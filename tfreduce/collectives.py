@@ -43,6 +43,10 @@ How each algorithm builds them (the algorithm's stage owns it):
 All-to-all is point to point for flat, hierarchical and ring: each piece is
 one copy from its tower to its destination (MPI's and NCCL's pairwise
 exchange). float16 and bfloat16 sums are formed in float32 and rounded once.
+Reduce-scatter and reduce take the all-reduce's ``compression=`` ("fp16",
+"bf16"; in one process): float32 and float64 tensors cross devices in 16
+bits, prescaled by 1/K when averaging, partial sums included, and come
+back in their dtype.
 As for the all-reduce, the K ops of a TF collective wait for each other: in
 a ``tf.compat.v1.Session`` run every output of a call with algorithm
 "collective" or ``cluster=``, never some of them.
@@ -51,6 +55,7 @@ collectives convert them to dense tensors first.
 """
 
 import contextlib
+import dataclasses
 
 import tensorflow as tf
 
@@ -58,10 +63,11 @@ from tfreduce.choices import COLLECTIVES
 from tfreduce.cluster import Cluster
 from tfreduce.collective import in_function
 from tfreduce.collective_build import build_group, plan_algorithm, result_dtypes
+from tfreduce.compression import Compression
 from tfreduce.contract import check_flag, values_of
 from tfreduce.crossworker import CrossWorkerCollectives, cross_worker_options
 from tfreduce.localcluster import LocalCluster
-from tfreduce.primitives import check_average_dtype, copy_to
+from tfreduce.primitives import check_average_dtype, copy_to, scale_by_reciprocal
 from tfreduce.reduction import as_reduction
 from tfreduce.shards import (check_list, check_root, check_splits, resolve_groups,
                              validate_tensors)
@@ -106,7 +112,8 @@ def reduce_scatter(all_tensors, devices=None, average=False, algorithm="auto", *
       TypeError: not K lists of tensors; ``average`` on integer tensors.
       ValueError: shapes or dtypes that differ between towers, a scalar,
         groups that are no partition, an algorithm without reduce-scatter
-        (naming the tower, the tensor and the values).
+        (naming the tower, the tensor and the values), compression across
+        workers.
     """
     check_flag(average, "average")
     return _run("reduce_scatter", all_tensors, devices, (algorithm, reduction, options), groups,
@@ -204,7 +211,8 @@ def reduce(all_tensors, devices=None, root=0, average=False, algorithm="auto", *
 
     Raises:
       TypeError: not K lists of tensors; ``average`` on integer tensors.
-      ValueError: shapes or dtypes that differ, a root outside a group.
+      ValueError: shapes or dtypes that differ, a root outside a group,
+        compression across workers.
     """
     check_flag(average, "average")
     out = _run("reduce", all_tensors, devices, (algorithm, reduction, options), groups,
@@ -255,6 +263,7 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
     reduction = as_reduction(*choice)
     num_towers = check_list(all_tensors, collective)
     across = _across_workers(cluster, collective, groups)
+    wire, reduction = _wire(collective, reduction, across)
     if across is not None:
         everyone = [list(range(num_towers * across.num_workers))]
         if collective in ("broadcast", "reduce"):
@@ -277,10 +286,10 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
         # Full names keep the ops on this worker.
         tensors.devices = across.devices(tensors.devices)
     stages = _stages(collective, reduction, tensors, groups, across, root, average, splits)
-    if collective in ("reduce_scatter", "reduce"):
-        for n in tensors.present:
-            for stage in stages:
-                _check_sum_dtype(stage, values_of(tensors.tensors[0][n]).dtype, n, collective)
+    for n in tensors.present if collective in ("reduce_scatter", "reduce") else ():
+        for stage in stages:
+            _check_sum_dtype(stage, wire.wire_dtype(values_of(tensors.tensors[0][n]).dtype),
+                             n, collective)
     root = local_root
 
     def build():
@@ -290,9 +299,8 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
             for gi, (group, stage) in enumerate(zip(groups, stages)):
                 scope = tf.name_scope(f"group{gi}") if len(groups) > 1 else contextlib.nullcontext()
                 with scope:
-                    ctx = ReduceContext([tensors.devices[i] for i in group], average,
-                                        result_dtypes(tensors, group[root]), root=root)
-                    results.append(build_group(collective, stage, tensors, group, ctx, splits))
+                    results.append(_build_one(collective, stage, tensors, group, root, average,
+                                              wire, splits))
             if collective == "reduce":
                 # N per group, None where a tensor is None on every tower.
                 return [_spread(row, tensors) for row in results]
@@ -312,6 +320,29 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
                     for g, row in zip(groups, out)]
         out = [[copy_to(t, device) for t in row] for row, device in zip(out, tensors.devices)]
     return out
+
+
+def _wire(collective, reduction, across):
+    # (the compression of the sums, the reduction that chooses the stage).
+    # Reduce-scatter and reduce compress as the all-reduce does; the other
+    # collectives refuse compression when they choose their stage.
+    if collective not in ("reduce_scatter", "reduce"):
+        return Compression.none, reduction
+    if across is not None and reduction.compression.compresses:
+        raise ValueError(f"{collective}: compression={reduction.compression.name!r} compresses "
+                         f"the sums of one process; across workers {collective} moves the "
+                         f"tensors in their own dtype")
+    return reduction.compression, dataclasses.replace(reduction, compression="none")
+
+
+def _build_one(collective, stage, tensors, group, root, average, wire, splits):
+    # One group's collective: compressed, built by its stage, decompressed.
+    restore = _compress(tensors, group, wire, average)
+    ctx = ReduceContext([tensors.devices[i] for i in group], average and not wire.compresses,
+                        result_dtypes(tensors, group[root]), root=root,
+                        wire_sum=wire.compresses)
+    rows = build_group(collective, stage, tensors, group, ctx, splits)
+    return _decompress(rows, collective, tensors, group, root, wire, restore)
 
 
 def _stages(collective, reduction, tensors, groups, across, root, average, splits):
@@ -370,6 +401,42 @@ def _across_workers(cluster, collective, groups):
         raise ValueError(f"{collective}: groups= run inside one process; across workers the "
                          f"collective spans every tower of every worker")
     return cluster
+
+
+def _compress(tensors, group, wire, average):
+    # Each tower of the group casts its tensors to the wire dtype on its
+    # device, prescaled by 1/K_g when averaging (Horovod's prescale: no
+    # partial sum of a mean overflows); {n: [ctx of each group tower]}.
+    restore = {}
+    if not wire.compresses:
+        return restore
+    for n in tensors.present:
+        contexts = []
+        for i in group:
+            with tf.device(tensors.devices[i]), tf.name_scope(f"tensor{n}_dev{i}_compress"):
+                t = tf.convert_to_tensor(tensors.tensors[i][n])
+                if average and wire.wire_dtype(t.dtype) != t.dtype:
+                    t = scale_by_reciprocal(t, len(group))
+                tensors.tensors[i][n], ctx = wire.compress(t)
+            contexts.append(ctx)
+        restore[n] = contexts
+    return restore
+
+
+def _decompress(rows, collective, tensors, group, root, wire, restore):
+    # The results back in their dtypes, on their devices.
+    if not restore:
+        return rows
+    if collective == "reduce":
+        rows, owners = [rows], [group[root]]
+    else:
+        owners = group
+    out = []
+    for i, row in zip(owners, rows):
+        with tf.device(tensors.devices[i]):
+            out.append([wire.decompress(t, restore[n][group.index(i)])
+                        for n, t in zip(tensors.present, row)])
+    return out[0] if collective == "reduce" else out
 
 
 def _spread(row, tensors):

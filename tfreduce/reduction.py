@@ -285,13 +285,15 @@ class Reduction:
           stage.Stage, bound to the devices.
 
         Raises:
-          ValueError: compression (it is for all-reduce); a topology without
+          ValueError: compression (the doors of the sums take it off before
+            choosing a stage); a topology without
             a plan; an algorithm that does not build this collective (naming
             those that do); devices the algorithm cannot use.
         """
         if self.compression.compresses:
             raise ValueError(f"{collective}: compression={self.compression.name!r} applies to "
-                             f"all-reduce; {collective} moves the tensors in their own dtype")
+                             f"the sums (all-reduce, reduce_scatter, reduce); {collective} "
+                             f"moves the tensors in their own dtype")
         if self.topology is not None and planned is None:
             raise ValueError(f"{collective}: topology= is planned per call on the tensors' "
                              f"shapes: call tfreduce.{collective}(..., reduction=...)")

@@ -98,7 +98,11 @@ def _scatter_entry(column, ctx, m):
     sizes = shard_sizes(rows, num_devices) if rows is not None else [None] * num_devices
     # Shards with no rows (known when built) travel nowhere.
     pieces = [[None if sizes[c] == 0 else own[c] for c in range(num_devices)] for own in shards]
-    totals = ring_reduce_scatter(pieces, devices, name)
+    # Compressed (ctx.wire_sum): partial sums cross in 16 bits, as the
+    # all-reduce's do.
+    dtype = column[0].dtype
+    wire = dtype if ctx.wire_sum and dtype.is_floating and dtype.size == 2 else None
+    totals = ring_reduce_scatter(pieces, devices, name, wire)
     out = []
     for c, d in enumerate(devices):
         if totals[c] is None:
