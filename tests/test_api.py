@@ -52,7 +52,7 @@ EXPORTS = {
     'PowerSGD.matrix_rank': '(self, shape)',
     'PowerSGD.name': 'property',
     'PowerSGD.payload_elements': '(self, shapes)',
-    'ReplicatedTrainer': "(model_fn, loss, optimizer_fn, devices=None, algorithm='auto', average=True, *, bcast_period=0, cluster='auto', accumulate_steps=1, on_nonfinite='raise', reduction=None, powersgd=None, **allreduce_options)",
+    'ReplicatedTrainer': "(model_fn, loss, optimizer_fn, devices=None, algorithm='auto', average=True, *, bcast_period=0, cluster='auto', accumulate_steps=1, on_nonfinite='raise', reduction=None, powersgd=None, zero_stage=0, **allreduce_options)",
     'Reduction': "(algorithm: str = 'auto', *, groups: collections.abc.Sequence[collections.abc.Sequence[int]] | None = None, communication: str = 'auto', keys: tfreduce.collective.CollectiveKeys | None = None, timeout: float | None = None, pack_bytes: int | str | None = 'auto', sparse_as_dense: bool = False, compression: tfreduce.compression.Compressor | str | None = None, topology: tfreduce.topology.Topology | str | None = None) -> None",
     'Reduction.check_devices': '(self, devices, cluster=None)',
     'Reduction.collective_stage': '(self, collective, devices, planned=None)',
@@ -75,6 +75,7 @@ EXPORTS = {
     'ReplicatedTrainer.predict': '(self, x, batch_size=256)',
     'ReplicatedTrainer.restore': '(self, path)',
     'ReplicatedTrainer.save': '(self, path)',
+    'ReplicatedTrainer.state_bytes': '(self)',
     'ReplicatedTrainer.step': 'property',
     'ReplicatedTrainer.tracing_counts': '(self)',
     'ReplicatedTrainer.train_step': '(self, x, y)',
@@ -124,7 +125,7 @@ MODULE_NAMES = {
     'tfreduce.launch.main': '(argv=None)',
     'tfreduce.launch.free_ports': "(count, host='127.0.0.1')",
     'tfreduce.launch.tf_config': '(addresses, index)',
-    'tfreduce.trainer.ReplicatedTrainer': "(model_fn, loss, optimizer_fn, devices=None, algorithm='auto', average=True, *, bcast_period=0, cluster='auto', accumulate_steps=1, on_nonfinite='raise', reduction=None, powersgd=None, **allreduce_options)",
+    'tfreduce.trainer.ReplicatedTrainer': "(model_fn, loss, optimizer_fn, devices=None, algorithm='auto', average=True, *, bcast_period=0, cluster='auto', accumulate_steps=1, on_nonfinite='raise', reduction=None, powersgd=None, zero_stage=0, **allreduce_options)",
 }
 
 

@@ -1,7 +1,9 @@
-"""Checkpoints of a replicated run: tower 0's state and the step counter.
+"""Checkpoints of a replicated run: tower 0's model, the optimizers' state, the step counter.
 
-Tower 0's model and optimizer describe the whole run, since the replicas are
-equal; the step counter tells `fit` where to continue. A checkpoint is never
+Tower 0's model describes the whole run, since the replicas are equal; the
+optimizers' state is written in a layout of its own that any number of
+towers and any ZeRO stage read back; the step counter tells `fit` where to
+continue. A checkpoint is never
 half-written, never non-finite and never trusted unread:
 
 - saves never overwrite the files the index names, so a crash during a save
@@ -21,41 +23,62 @@ import sys
 
 import tensorflow as tf
 
+from tfreduce.trainer.optimizer_state import OptimizerState
+
 _CHECKPOINT_NAME = "ckpt"
 _CHECKPOINTS_KEPT = 3
 
 
 class TrainerCheckpoint:
-    """The checkpoint of tower 0's model and optimizer and the step counter.
+    """The checkpoint of tower 0's model, the optimizers' state and the counters.
+
+    The optimizers' state is written in a layout that depends on neither the
+    number of towers nor the ZeRO stage (trainer.optimizer_state), with the
+    run's layout (towers of all workers, zero_stage) beside it: a restore at
+    another K or stage says what changed on stderr.
 
     Args:
-      model: keras.Model, tower 0's replica, built.
-      optimizer: tower 0's Keras optimizer, built.
+      towers: step's Towers, built (with their ZeRO pieces, if any).
       step: the int64 step counter tf.Variable.
       epoch_totals: the float64 [3] tf.Variable of the epoch's running totals.
       tower_state: the trainer's update.TowerState, whose per-tower
         variables (accumulated gradients, PowerSGD's Q and error feedback)
         are saved for every tower, or None.
+      total_towers: int T, the towers of all workers.
+      zero_stage: int, the trainer's zero_stage.
     """
 
-    def __init__(self, model, optimizer, step, epoch_totals, tower_state=None):
+    def __init__(self, towers, step, epoch_totals, tower_state=None, total_towers=1,
+                 zero_stage=0):
+        model, zero = towers.models[0], towers.zero
+        if zero is None:
+            sizes = [int(v.shape.num_elements()) for v in towers.trainable[0]]
+            optimizer_state = OptimizerState(towers.optimizers[:1], towers.trainable[:1],
+                                             [[(0, size) for size in sizes]], towers.trainable[0])
+        else:
+            optimizer_state = OptimizerState(towers.optimizers, zero.pieces, zero.layout.pieces,
+                                             towers.trainable[0])
+        self._run = (total_towers, zero_stage)
+        with tf.device("/device:CPU:0"):
+            self._run_layout = tf.Variable(self._run, dtype=tf.int64, trainable=False,
+                                           name="run_layout")
         # The explicit variable list adds what Keras does not track for
         # checkpoints (the random state of Dropout layers), which an exact
         # resume needs.
-        parts = dict(model=model, optimizer=optimizer, model_variables=list(model.variables),
-                     step=step)
-        if tower_state is not None:
-            parts.update(tower_state.checkpointed())
-        self._checkpoint = tf.train.Checkpoint(**parts, epoch_totals=epoch_totals)
+        self._parts = dict(model=model, optimizer_state=optimizer_state,
+                           model_variables=list(model.variables), step=step,
+                           epoch_totals=epoch_totals, run_layout=self._run_layout)
+        self._own_parts = tower_state.checkpointed() if tower_state is not None else {}
+        self._checkpoint = tf.train.Checkpoint(**self._parts, **self._own_parts)
+        self._legacy_optimizer = towers.optimizers[0] if zero is None else None
         self._tower_state = tower_state
-        # Checkpoints written before epoch_totals existed restore without it.
-        self._without_totals = tf.train.Checkpoint(**parts)
         self._epoch_totals = epoch_totals
         # Every variable a checkpoint holds is checked before a save.
         own = [v for k in range(len(tower_state.devices)) for v in tower_state.tower_variables(k)
                ] if tower_state is not None else []
-        self._variables = (list(model.variables) + list(optimizer.variables) + own
-                           + [step, epoch_totals])
+        pieces = [v for k in range(len(towers.devices)) for v in zero.variables(k)] if zero else []
+        self._variables = (list(model.variables) + optimizer_state.variables_held() + pieces
+                           + own + [step, epoch_totals])
 
     def save(self, path):
         """Writes checkpoint `ckpt-<n>` under `path` with a fresh n; returns its prefix.
@@ -96,26 +119,73 @@ class TrainerCheckpoint:
         return manager.save(checkpoint_number=max(used, default=0) + 1)
 
     def restore(self, prefix):
-        """Reads checkpoint `prefix` into the model, optimizer and step counter.
+        """Reads checkpoint `prefix` into the model, optimizers and step counter.
+
+        A checkpoint of another number of towers or zero_stage is read into
+        this run's layout, and a line on stderr says what changed. The
+        towers' own state (accumulated gradients, PowerSGD's) is kept only
+        at the same number of towers; at another, the run restarts it.
 
         Raises:
-          ValueError: the checkpoint does not match the objects (another model).
+          ValueError: the checkpoint does not match the objects (another
+            model or optimizer); it was saved midway through an
+            accumulation cycle at another number of towers; it predates the
+            layout and this run shards its optimizer state.
         """
-        names = [name for name, _ in tf.train.list_variables(prefix)]
-        if any(name.startswith("epoch_totals/") for name in names):
-            status = self._checkpoint.restore(prefix)
-        else:
+        reader = tf.train.load_checkpoint(prefix)
+        names = reader.get_variable_to_shape_map()
+        saved = _saved_run(reader, names)
+        parts = {name: part for name, part in self._parts.items()
+                 if name != "epoch_totals" or any(n.startswith("epoch_totals/") for n in names)}
+        if "epoch_totals" not in parts:
             self._epoch_totals.assign(tf.zeros([3], tf.float64))
-            status = self._without_totals.restore(prefix)
+        optimizer_state = parts.pop("optimizer_state")
+        if not any(n.startswith("optimizer_state/") for n in names):
+            optimizer_state = None
+            if self._legacy_optimizer is None:
+                raise ValueError(f"restore: checkpoint {prefix!r} keeps the optimizer in Keras' "
+                                 f"layout; resume it with zero_stage=0 and save once")
+            parts["optimizer"] = self._legacy_optimizer
+        if "run_layout" not in {n.split("/")[0] for n in names}:
+            parts.pop("run_layout")
+        same_towers = saved is None or saved[0] == self._run[0]
+        if same_towers:
+            parts.update(self._own_parts)
+        elif self._own_parts:
+            _check_cycle_boundary(reader, names, prefix, saved[0])
+            self._tower_state.reset()
         try:
-            status.assert_existing_objects_matched()
-        except AssertionError as error:
+            tf.train.Checkpoint(**parts).restore(prefix).assert_existing_objects_matched()
+            if optimizer_state is not None:
+                optimizer_state.read(prefix)
+        except (AssertionError, tf.errors.NotFoundError) as error:
             raise ValueError(
                 f"restore: checkpoint {prefix!r} does not match this trainer's model: {error}"
             ) from None
+        self._run_layout.assign(self._run)
+        if saved is not None and tuple(saved) != self._run:
+            print(f"restore: {prefix} was saved at {saved[0]} towers with zero_stage "
+                  f"{saved[1]}; resuming at {self._run[0]} towers with zero_stage {self._run[1]}",
+                  file=sys.stderr)
         if self._tower_state is not None:
             # A skip of the resumed cycle goes back to the restored state.
             self._tower_state.save_forward(always=True)
+
+
+def _saved_run(reader, names):
+    """(towers, zero_stage) a checkpoint was saved with, or None (saved before it was kept)."""
+    key = "run_layout/.ATTRIBUTES/VARIABLE_VALUE"
+    return tuple(int(v) for v in reader.get_tensor(key)) if key in names else None
+
+
+def _check_cycle_boundary(reader, names, prefix, towers):
+    """Raises ValueError if the checkpoint holds gradients accumulated at `towers` towers."""
+    key = "accumulated_examples/.ATTRIBUTES/VARIABLE_VALUE"
+    if key in names and float(reader.get_tensor(key)) != 0.0:
+        raise ValueError(
+            f"restore: {prefix} was saved midway through an accumulation cycle at {towers} "
+            f"towers, whose sums are per tower; resume it at {towers} towers, or from a "
+            f"checkpoint saved when the cycle ended")
 
 
 def _first_non_finite(variables):

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from tfreduce.powersgd import PowerSGD
 from tfreduce.reduction import as_reduction
 from tfreduce.trainer.update import check_update_options
+from tfreduce.trainer.zero import check_zero_stage
 
 
 def trainer_reduction(algorithm, reduction, powersgd, options):
@@ -51,7 +52,8 @@ def _check_powersgd(powersgd, keyword):
     return powersgd
 
 
-def check_trainer_options(average, bcast_period, accumulate_steps, on_nonfinite):
+def check_trainer_options(average, bcast_period, accumulate_steps, on_nonfinite, zero_stage=0,
+                          powersgd=None):
     """Checks the ReplicatedTrainer's arguments that need neither a cluster nor devices.
 
     Raises:
@@ -62,6 +64,7 @@ def check_trainer_options(average, bcast_period, accumulate_steps, on_nonfinite)
             f"bcast_period must be an int >= 0 (0: never re-broadcast), got {bcast_period!r}"
         )
     check_update_options(average, accumulate_steps, on_nonfinite)
+    check_zero_stage(zero_stage, powersgd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +84,9 @@ class StepOptions:
       on_nonfinite: "raise" or "skip", what a step with NaN or Inf
         gradients does.
       powersgd: a tfreduce.PowerSGD compressing the all-reduce, or None.
+      zero_stage: int, 0 (every tower holds all optimizer state), 1 (the
+        optimizer state is sharded) or 2 (the accumulation buffers too);
+        see trainer.zero.
     """
 
     loss_fn: Callable
@@ -93,6 +99,7 @@ class StepOptions:
     accumulate_steps: int = 1
     on_nonfinite: str = "raise"
     powersgd: object = None
+    zero_stage: int = 0
 
     @property
     def multiworker(self):
@@ -103,7 +110,7 @@ class StepOptions:
         """The settings that shape the collectives, as text the workers compare."""
         return (f"reduction=({self.reduction.describe()}), average={self.average}, "
                 f"accumulate_steps={self.accumulate_steps}, on_nonfinite={self.on_nonfinite}, "
-                f"powersgd={self.powersgd!r}")
+                f"powersgd={self.powersgd!r}, zero_stage={self.zero_stage}")
 
     def check(self):
         """Checks the reduction against the devices now, as the first step would build it.
@@ -127,7 +134,8 @@ class StepOptions:
         return self.reduction(all_grads, self.devices, average, cluster=self.cluster)
 
     @functools.cached_property
-    def _exact_reduction(self):
+    def exact_reduction(self):
+        """The reduction without wire compression (statistics, metrics, ZeRO's all-gather)."""
         return dataclasses.replace(self.reduction, compression="none")
 
     def allreduce_exact(self, all_grads, average):
@@ -137,4 +145,4 @@ class StepOptions:
         float16 would lose its exactness (or overflow), and a moving
         variance its precision.
         """
-        return self._exact_reduction(all_grads, self.devices, average, cluster=self.cluster)
+        return self.exact_reduction(all_grads, self.devices, average, cluster=self.cluster)

@@ -22,42 +22,32 @@ class ReplicatedTrainer:
     all their variables on `devices[k]`. One step on a global batch of B
     examples:
 
-    1. splits the batch into K contiguous shards; when K does not divide B
-       the first B % K towers take one example more (B=10, K=4 gives 3, 3, 2,
-       2), so no example is dropped or repeated;
+    1. splits the batch into K contiguous shards, the first B % K one
+       example larger (B=10, K=4 gives 3, 3, 2, 2): none dropped or repeated;
     2. runs forward and backward on every tower; tower k's loss is the sum of
        its per-example losses times K/B when `average=True` (the all-reduce
-       then divides the sum by K), or times 1/B when `average=False` (the
-       all-reduce sums): the reduced gradient is exactly the gradient of the
-       mean loss over the B examples, even for uneven shards;
+       then divides the sum by K), or times 1/B when `average=False`: the
+       reduced gradient is the gradient of the mean loss over the B examples;
     3. all-reduces the K x N gradients once (its `reduction`, or PowerSGD
-       around it), checks once that the result is finite, and
-       applies it with each tower's optimizer: every tower applies the same
-       update to the same values, or none does (`on_nonfinite`);
-    4. replaces the moving mean and variance of every trainable
-       BatchNormalization layer with their average over towers weighted by
-       shard size (one more all-reduce). For a moving mean this is exactly
-       the update one device makes from the global batch; a moving variance
-       becomes the weighted mean of shard variances, leaving out the spread
-       between shard means (normalisation inside a step uses each shard's
-       own statistics, as in any BatchNorm that is not cross-replica).
+       around it; with `zero_stage`, a reduce-scatter and an all-gather
+       around each tower's update of its shard), checks once that the
+       result is finite, and applies it: every tower applies the same update
+       to the same values, or none does (`on_nonfinite`);
+    4. replaces the moving statistics of every trainable BatchNormalization
+       layer with their average over towers weighted by shard size (one more
+       all-reduce): a moving mean as one device updates it from the global
+       batch; a moving variance leaves out the spread between shard means.
 
     At start, and after `restore`, tower 0's variables (model and optimizer)
-    are broadcast to every tower; `bcast_period=n` repeats that every n steps
-    to wipe out any drift. Random layers such as Dropout keep their random
-    state in model variables, so after a broadcast every tower draws the same
-    random numbers, each on its own shard of the batch.
+    are broadcast to every tower; `bcast_period=n` repeats that every n steps.
+    Dropout's random state is a model variable: after a broadcast every tower
+    draws the same random numbers, each on its own shard of the batch.
 
     A model whose variables are created on first call (a Sequential without
     an Input) is built on the first batch the trainer sees.
 
-    Several workers: see the package docstring (`tfreduce.trainer`).
-
-    Example (docs/training.md has more)::
-
-        trainer = tfreduce.ReplicatedTrainer(make_model, "mse",          # tfreduce:
-                                             lambda: keras.optimizers.Adam(1e-3))
-        trainer.fit(x_train, y_train, epochs=5, batch_size=128, checkpoint_dir="ckpt")
+    Several workers: the package docstring (`tfreduce.trainer`). Examples:
+    docs/training.md.
 
     Attributes:
       models: list of K `keras.Model`, the tower replicas; models[0] is tower 0.
@@ -74,7 +64,7 @@ class ReplicatedTrainer:
 
     def __init__(self, model_fn, loss, optimizer_fn, devices=None, algorithm="auto", average=True,
                  *, bcast_period=0, cluster="auto", accumulate_steps=1, on_nonfinite="raise",
-                 reduction=None, powersgd=None, **allreduce_options):
+                 reduction=None, powersgd=None, zero_stage=0, **allreduce_options):
         """Builds one model replica and one optimizer per device.
 
         Args:
@@ -93,56 +83,61 @@ class ReplicatedTrainer:
             ``tfreduce.Reduction``).
           average: bool, the all-reduce's mean (True) or sum; the loss
             scaling adapts so the global-batch mean is optimised either way.
-          bcast_period: int >= 0; when positive, tower 0's variables are
-            broadcast to all towers every `bcast_period` steps (MegEngine's
-            bcast_period). 0 broadcasts only at start and after restore.
+          bcast_period: int >= 0; tower 0's variables are broadcast to all
+            towers every `bcast_period` steps (MegEngine's); 0: only at
+            start and after restore.
           cluster: "auto", None or a tfreduce.Cluster. "auto": when the
             TF_CONFIG environment variable is set, `Cluster.from_tf_config()`;
             otherwise a single process. The cluster is started here, before
             any variable exists, so configure logical devices first. `devices`
             are then this worker's own devices.
-          accumulate_steps: int M >= 1; each step (train_step, or a step of
-            fit) takes one micro-batch, and every M-th reduces the gradients
-            summed on each tower since the last update and applies them: the
-            update for the M micro-batches taken as one batch. The other
-            steps reduce no gradients (only BatchNorm statistics, if any).
+          accumulate_steps: int M >= 1; each step takes one micro-batch, and
+            every M-th reduces the gradients summed on each tower since the
+            last update and applies them: the update of the M micro-batches
+            as one batch.
           on_nonfinite: "raise" (default) or "skip": a step whose gradients
             hold NaN or Inf on any tower raises FloatingPointError naming
             the step, tower and variable, with no update applied; or skips
             the update on every tower, counted in fit's logs ("skipped_steps").
-            With a LossScaleOptimizer (mixed_float16), gradients that
-            overflow while every loss is finite are skipped by it (its scale
-            halves) and counted; a NaN or Inf loss on any tower is skipped
-            leaving the scale as it was; "raise" raises only for the latter.
+            A LossScaleOptimizer (mixed_float16) skips gradients that
+            overflow (its scale halves; counted); a NaN or Inf loss is
+            skipped leaving the scale, and is what "raise" raises for.
           reduction: a ``tfreduce.Reduction``, every all-reduce's algorithm
             and options, instead of ``algorithm`` and ``**allreduce_options``.
           powersgd: a ``tfreduce.PowerSGD``: each update's all-reduce is
             compressed with PowerSGD around the reduction (its state, per
             tower, is checkpointed); None: no PowerSGD.
+          zero_stage: 0 (default: every tower holds the whole optimizer
+            state), 1 (each of the T towers holds the optimizer state of
+            1/T of the weights: a reduce-scatter, its own update and an
+            all-gather replace the all-reduce; ZeRO, Rajbhandari et al.
+            2020) or 2 (the accumulation buffers too). docs/zero.md.
           **allreduce_options: the options of ``tfreduce.Reduction``, such
             as groups=[[0, 1], [2, 3]] for "hierarchical", pack_bytes=,
             compression="fp16", or topology="dgx-a100" (with algorithm
             "auto": the reduction the cost model predicts fastest there).
-            In a cluster the reduction is followed by the cross-worker hop
-            (4 MiB packs by default, compression on that hop only; no
-            topology). compression=tfreduce.PowerSGD(...) is the deprecated
-            spelling of powersgd=.
+            In a cluster the cross-worker hop follows (4 MiB packs,
+            compression on that hop only; no topology).
 
         Raises:
           TypeError: model_fn or optimizer_fn is not callable or returns the
             wrong type; loss is not a loss; cluster is not "auto", None or a
             Cluster; average not a bool; an option the algorithm lacks;
             reduction= with algorithm or options, or not a Reduction;
-            powersgd not a PowerSGD instance, or given twice.
+            powersgd not a PowerSGD instance, or given twice; zero_stage
+            not an int.
           ValueError: unknown algorithm, bad or missing devices, a negative
             bcast_period or accumulate_steps < 1, a bad option value (a
-            topology with a named algorithm), or replicas that differ.
+            topology with a named algorithm), replicas that differ, or a
+            zero_stage other than 0, 1, 2 or with an optimizer (or option,
+            PowerSGD) that cannot update a shard.
         """
         check_factories(model_fn, optimizer_fn)
         # The checks that need no cluster come first.
         self.reduction, powersgd = trainer_reduction(algorithm, reduction, powersgd,
                                                      allreduce_options)
-        check_trainer_options(average, bcast_period, accumulate_steps, on_nonfinite)
+        check_trainer_options(average, bcast_period, accumulate_steps, on_nonfinite,
+                              zero_stage, powersgd)
         self._cluster = resolve_cluster(cluster)
         self.devices = tower_devices(devices)
         self._options = StepOptions(
@@ -150,10 +145,12 @@ class ReplicatedTrainer:
             average=bool(average), devices=self.devices, reduction=self.reduction,
             # T, the towers of all workers, among which each global batch is split.
             total_towers=self._cluster.num_workers * len(self.devices), cluster=self._cluster,
-            accumulate_steps=accumulate_steps, on_nonfinite=on_nonfinite, powersgd=powersgd)
+            accumulate_steps=accumulate_steps, on_nonfinite=on_nonfinite, powersgd=powersgd,
+            zero_stage=zero_stage)
         self._options.check()  # devices it cannot use fail here, not at the first step
         self._bcast_period = bcast_period
-        self.models, self.optimizers = create_replicas(model_fn, optimizer_fn, self.devices)
+        self.models, self.optimizers = create_replicas(model_fn, optimizer_fn, self.devices,
+                                                       zero_stage)
         self._step, self._epoch_totals = make_counters()
         self._steps = None  # StepFunctions, once the models are built
         self._checkpoint = None
@@ -179,11 +176,12 @@ class ReplicatedTrainer:
         return self._cluster.is_chief
 
     def _build(self, x):
-        """Builds the towers (x: a batch for unbuilt models, or None), checkpoint and steps."""
+        """Builds towers, checkpoint and StepFunctions (returned); x builds unbuilt models."""
         self._steps, self._checkpoint = build_run(
             self.models, self.optimizers, self._options, (self._step, self._epoch_totals),
             x, f"bcast_period={self._bcast_period}", self._pending_restore)
         self._pending_restore = None
+        return self._steps
 
     def _built(self, what):
         """The StepFunctions; ValueError naming ``what`` if no batch has built the models."""
@@ -193,9 +191,7 @@ class ReplicatedTrainer:
 
     def _built_steps(self, x):
         """The StepFunctions; batch x builds the models first if they are not built."""
-        if self._steps is None:
-            self._build(x)
-        return self._steps
+        return self._steps or self._build(x)
 
     def _run_train_step(self, x, y):
         """Runs one step; returns (mean loss float, correct count int or None, stopping bool)."""
@@ -237,7 +233,7 @@ class ReplicatedTrainer:
         """How many times each step function was traced: 1 each, unless inputs vary.
 
         Returns:
-          dict {"train", "evaluate", "predict"} (and "accumulate" with
+          dict {"train", "evaluate", "predict"} ("accumulate" too with
           accumulate_steps > 1) -> int; 0: not run yet; above 1: retraced.
 
         Raises:
@@ -248,11 +244,9 @@ class ReplicatedTrainer:
     def check_replicas(self):
         """Largest absolute difference between any tower's variable and tower 0's.
 
-        Compares every model and optimizer variable. After a step it is 0 for
-        floating-point models on devices of one kind.
-
         Returns:
-          float, max over towers k, variables n and elements of
+          float, max over towers k, model and optimizer variables n (with
+          ZeRO, model variables only) and elements of
           |models[k] variable n - models[0] variable n|.
 
         Raises:
@@ -282,9 +276,8 @@ class ReplicatedTrainer:
         generator seeded with (seed, epoch); a last batch with fewer examples
         than towers is skipped in that epoch (its examples land in other
         batches in other epochs when shuffling). A dataset is iterated as
-        given: it must be finite and yield (x, y) global batches of at least K
-        examples each, and a resume is exact only if it yields the same
-        batches in every pass.
+        given: finite, (x, y) global batches of at least K examples, the same
+        batches in every pass for an exact resume.
 
         Ctrl-C (KeyboardInterrupt) during fit writes a checkpoint to
         `checkpoint_dir`, when given, and then re-raises. SIGTERM does the
@@ -292,11 +285,9 @@ class ReplicatedTrainer:
         (a KeyboardInterrupt); in a cluster all workers stop at one step.
 
         In a cluster every worker calls fit with the same data and
-        arguments; batches are global (split over the T = W * K towers of all
-        workers), only rank 0 writes summaries and checkpoints and shows
-        progress (the others ignore logdir, checkpoint_dir and verbose), and
-        a successful fit ends with `Cluster.finish()`, which waits for every
-        worker.
+        arguments; batches are global (split over all T = W * K towers), only
+        rank 0 writes summaries and checkpoints and shows progress, and a
+        successful fit ends with `Cluster.finish()` (waits for every worker).
 
         Args:
           x: np.ndarray [examples, ...] of inputs, or a tf.data.Dataset of
@@ -376,15 +367,31 @@ class ReplicatedTrainer:
         """
         return predict_loop(input_batches(x, batch_size), self._built_steps)
 
+    def state_bytes(self):
+        """The bytes of state each tower's device holds.
+
+        Returns:
+          list of K dicts of ints: tower k's "weights" (the model's variables,
+          and the copy of its forward state a skipped step restores),
+          "optimizer" (with ZeRO, also its pieces of the weights),
+          "accumulation", "compression" (PowerSGD's) and "total".
+
+        Raises:
+          ValueError: the models are not built yet (no batch seen).
+        """
+        return self._built("state_bytes").state_bytes()
+
     def save(self, path):
-        """Writes a checkpoint of tower 0's model and optimizer, the counters and tower state.
+        """Writes a checkpoint of tower 0's model, the optimizers' state, the counters.
 
         `path` is a directory. Each save writes a new checkpoint `ckpt-<n>`
         and only then, atomically, the index file that names the latest
         (tf.train.CheckpointManager), so a crash during a save leaves the
-        previous checkpoint as the latest. The three newest are kept. Each
-        tower's own state (accumulated gradients, PowerSGD's error feedback)
-        is saved per tower. In a cluster only rank 0 writes.
+        previous one as the latest. The three newest are kept. The
+        optimizers' state is kept in a layout that any number of towers and
+        any zero_stage resume from (docs/zero.md); each tower's own state
+        (accumulated gradients, PowerSGD's) per tower. In a cluster only
+        rank 0 writes.
 
         Args:
           path: str, checkpoint directory (created if missing).
@@ -406,10 +413,9 @@ class ReplicatedTrainer:
     def restore(self, path):
         """Restores a checkpoint written by `save` and broadcasts it to all towers.
 
-        Afterwards `fit` with the same data and arguments continues the run
-        exactly where the checkpoint was written. In a cluster, call it on
-        every worker: rank 0 reads the checkpoint and broadcasts it, so only
-        rank 0 needs to see `path`.
+        `fit` with the same data and arguments then continues the run
+        exactly. In a cluster, call it on every worker: rank 0 reads the
+        checkpoint and broadcasts it.
 
         Args:
           path: str, a checkpoint directory (its newest intact checkpoint is

@@ -25,7 +25,7 @@ from tfreduce.contract import shard_sizes
 from tfreduce.trainer.checkpoints import TrainerCheckpoint
 from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
 from tfreduce.trainer.statistics import sum_metrics, sync_moving
-from tfreduce.trainer.towers import build_towers, sync_functions
+from tfreduce.trainer.towers import build_towers, state_bytes, sync_functions
 from tfreduce.trainer.update import (
     TowerState,
     all_finite,
@@ -159,8 +159,8 @@ def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
       batch: int32 scalar B, the size of the global batch.
       stop: float64 scalar, 1 when this worker was asked to stop (SIGTERM).
       update: bool, reduce and apply (False: only accumulate; the only
-        cross-device reductions are then BatchNorm's moving statistics and,
-        in a cluster, the step's metrics).
+        cross-device reductions are then BatchNorm's moving statistics, in a
+        cluster the step's metrics, and at ZeRO stage 2 the reduce-scatter).
 
     Returns:
       (float64 scalar, the mean loss over the global batch plus
@@ -193,11 +193,17 @@ def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
             losses_finite = tf.math.is_finite(loss_sums[0])
     losses_finite = state.cycle_losses_finite(losses_finite, update)
     pending = None
-    if update:
+    if update and towers.zero is not None:
+        finite, pending, report, after = towers.zero.update(
+            towers, options, state, all_grads, batch, losses_finite, after, HOST)
+    elif update:
         finite, pending, report, after = _update(
             towers, options, state, all_grads, batch, losses_finite, after)
     else:
-        state.accumulate(all_grads, batch)
+        if towers.zero is not None:
+            after = towers.zero.accumulate(state, all_grads, batch, options, after)
+        else:
+            state.accumulate(all_grads, batch)
         with tf.device(HOST):
             finite = tf.constant(True)
             report = tf.zeros([num_towers + 1, len(all_grads[0])], tf.int32)
@@ -300,6 +306,10 @@ class StepFunctions:
         """Copies tower 0's variables (rank 0's in a cluster) to every tower."""
         with self._options.cluster.detect_lost_workers():
             self._broadcast_fn()
+
+    def state_bytes(self):
+        """Bytes of state per tower and kind (towers.state_bytes)."""
+        return state_bytes(self._towers, self._state)
 
     def reset_state(self):
         """Restarts the per-tower state: no accumulated gradients, PowerSGD from its seed."""
@@ -404,13 +414,19 @@ def build_run(models, optimizers, options, counters, x, describe, restore=None):
       ValueError: the towers differ, the workers differ, or the checkpoint
         does not match.
     """
-    built = build_towers(models, optimizers, options.devices, x)
+    zero = None
+    if options.zero_stage:
+        num_towers = len(options.devices)
+        zero = (options.zero_stage, options.total_towers, options.cluster.rank * num_towers)
+    built = build_towers(models, optimizers, options.devices, x, zero)
     # Before the first collective: a worker that differs fails now, on all.
     check_workers_agree(options.cluster, len(options.devices),
                         f"{options.describe()}, {describe}",
                         describe_variables(built.variables[0]))
-    state = TowerState(built, options.accumulate_steps, options.powersgd, HOST)
-    checkpoint = TrainerCheckpoint(models[0], optimizers[0], *counters, state)
+    state = TowerState(built, options.accumulate_steps, options.powersgd, HOST,
+                       built.zero.sum_specs() if options.zero_stage == 2 else None)
+    checkpoint = TrainerCheckpoint(built, *counters, state, options.total_towers,
+                                   options.zero_stage)
     if restore is not None:
         # Before the step functions exist: if it fails, the next call builds again.
         checkpoint.restore(restore)

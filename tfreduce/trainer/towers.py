@@ -19,6 +19,7 @@ from tfreduce.localcluster import LocalCluster
 from tfreduce.multiworker import broadcast_variables_multiworker
 from tfreduce.replicated import max_replica_difference
 from tfreduce.trainer.update import scales_loss
+from tfreduce.trainer.zero import ZeroState, check_optimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +36,9 @@ class Towers:
       forward: K x F list of what a training forward pass changes: the
         moving statistics and the seed state of random layers (Dropout).
       variables: K x V list of every model and optimizer variable, the ones a
-        broadcast copies and a replica check compares.
+        broadcast copies and a replica check compares (with ZeRO, the
+        model's only: each optimizer holds its own shard).
+      zero: trainer.zero.ZeroState, the towers' pieces, or None (zero_stage 0).
     """
 
     models: list
@@ -45,6 +48,7 @@ class Towers:
     moving: list
     forward: list
     variables: list
+    zero: object = None
 
 
 def resolve_cluster(given):
@@ -87,7 +91,7 @@ def check_factories(model_fn, optimizer_fn):
         )
 
 
-def create_replicas(model_fn, optimizer_fn, devices):
+def create_replicas(model_fn, optimizer_fn, devices, zero_stage=0):
     """Calls model_fn and optimizer_fn once per tower under that tower's device.
 
     A model under Keras' mixed_float16 policy gets its optimizer wrapped in
@@ -98,6 +102,8 @@ def create_replicas(model_fn, optimizer_fn, devices):
 
     Raises:
       TypeError: model_fn or optimizer_fn returned the wrong type.
+      ValueError: with zero_stage > 0, an optimizer that cannot update a
+        shard (trainer.zero.check_optimizer).
     """
     models, optimizers = [], []
     for k, device in enumerate(devices):
@@ -118,6 +124,8 @@ def create_replicas(model_fn, optimizer_fn, devices):
             # As Keras' compile does: float16 gradients underflow without
             # loss scaling.
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        if zero_stage:
+            check_optimizer(optimizer, k)
         models.append(model)
         optimizers.append(optimizer)
     return models, optimizers
@@ -152,7 +160,7 @@ def forward_state(model):
     return moving_statistics(model) + seeds
 
 
-def build_towers(models, optimizers, devices, x):
+def build_towers(models, optimizers, devices, x, zero=None):
     """Creates every variable on its tower and checks that the towers match.
 
     Args:
@@ -160,6 +168,8 @@ def build_towers(models, optimizers, devices, x):
         and device.
       x: a batch [batch, ...] to build unbuilt models with, or None when all
         are built.
+      zero: None, or (stage, total towers T, this worker's first tower):
+        the optimizers are built on the towers' pieces (trainer.zero).
 
     Returns:
       Towers.
@@ -167,21 +177,28 @@ def build_towers(models, optimizers, devices, x):
     Raises:
       ValueError: the towers differ in their variables.
     """
-    for model, optimizer, device in zip(models, optimizers, devices):
+    for model, device in zip(models, devices):
         with tf.device(device):
             if not model.built:
                 # One example is enough to create the variables; the
                 # inference call leaves BatchNorm statistics untouched.
                 model(x[:1], training=False)
-            optimizer.build(model.trainable_variables)
+    trainable = [list(m.trainable_variables) for m in models]
+    state = None if zero is None else ZeroState(zero[0], trainable, devices, *zero[1:])
+    for k, (optimizer, device) in enumerate(zip(optimizers, devices)):
+        with tf.device(device):
+            optimizer.build(trainable[k] if state is None else state.pieces[k])
+    # Sharded optimizers differ per tower: neither broadcast nor compared.
+    shared = [list(o.variables) if state is None else [] for o in optimizers]
     towers = Towers(
         models=models,
         optimizers=optimizers,
         devices=devices,
-        trainable=[list(m.trainable_variables) for m in models],
+        trainable=trainable,
         moving=[moving_statistics(m) for m in models],
         forward=[forward_state(m) for m in models],
-        variables=[list(m.variables) + list(o.variables) for m, o in zip(models, optimizers)],
+        variables=[list(m.variables) + own for m, own in zip(models, shared)],
+        zero=state,
     )
     _check_match(towers.variables)
     return towers
@@ -218,7 +235,8 @@ def sync_functions(towers, cluster, counters):
 
     Returns:
       (broadcast, difference): broadcast() copies tower 0's variables (rank
-      0's in a cluster) to every tower; difference() returns the float
+      0's in a cluster) to every tower (with ZeRO, then sets each piece from
+      them); difference() returns the float
       largest absolute difference between any tower's variable and tower 0's.
     """
     # The raw tf.Variables, which the core reductions read and assign.
@@ -234,8 +252,40 @@ def sync_functions(towers, cluster, counters):
         with tf.control_dependencies(ops):
             ops = broadcast_variables_multiworker([list(counters)], cluster)
         with tf.control_dependencies(ops):
+            if towers.zero is not None:
+                # Each piece takes its range of the weights just broadcast.
+                towers.zero.load_pieces(towers.trainable)
             return tf.constant(0)
 
     broadcast_fn = tf.function(broadcast, autograph=False)
     difference_fn = tf.function(lambda: max_replica_difference(raw), autograph=False)
     return broadcast_fn, difference_fn
+
+
+def _nbytes(variables):
+    return sum(int(v.shape.num_elements()) * tf.as_dtype(v.dtype).size for v in variables)
+
+
+def state_bytes(towers, state):
+    """The bytes of state on each tower's device, by kind (ReplicatedTrainer.state_bytes).
+
+    Args:
+      towers: Towers, built.
+      state: update.TowerState.
+
+    Returns:
+      list of K dicts of ints: "weights", "optimizer", "accumulation",
+      "compression", "total".
+    """
+    out = []
+    for k, (model, optimizer) in enumerate(zip(towers.models, towers.optimizers)):
+        pieces = towers.zero.variables(k) if towers.zero is not None else []
+        row = {
+            "weights": _nbytes(model.variables) + _nbytes(state.saved[k]),
+            "optimizer": _nbytes(optimizer.variables) + _nbytes(pieces),
+            "accumulation": _nbytes(state.sums[k]) if state.sums else 0,
+            "compression": _nbytes(state.powersgd.tower_variables(k)) if state.powersgd else 0,
+        }
+        row["total"] = sum(row.values())
+        out.append(row)
+    return out

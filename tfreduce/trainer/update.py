@@ -65,28 +65,33 @@ class TowerState:
       accumulate_steps: int M >= 1.
       powersgd: a tfreduce.PowerSGD, or None (no PowerSGD state).
       host: the device of the count of accumulated examples.
+      sum_specs: K lists of (shape, dtype) of tower k's sums; None: the
+        shapes of its trainable variables (ZeRO stage 2 sums its shards).
 
     Attributes:
       sums: K x N list of tf.Variables (None where M = 1), tower k's sum of
-        the gradients since the last update, on devices[k].
+        the gradients (or of its reduced shards) since the last update, on
+        devices[k].
       examples: float64 scalar tf.Variable, the examples those sums cover.
       powersgd: PowerSGDState, or None.
       saved: K x F list of tf.Variables, tower k's forward state (moving
         statistics, seed states) as the current update cycle began.
     """
 
-    def __init__(self, towers, accumulate_steps, powersgd, host):
+    def __init__(self, towers, accumulate_steps, powersgd, host, sum_specs=None):
         self.devices = towers.devices
         self.accumulate_steps = accumulate_steps
         self.sums = None
         self.examples = None
+        if sum_specs is None:
+            sum_specs = [[(v.shape, v.dtype) for v in row] for row in towers.trainable]
         if accumulate_steps > 1:
             self.sums = []
             for k, device in enumerate(towers.devices):
                 with tf.device(device), tf.name_scope(f"accumulated_tower{k}"):
-                    self.sums.append([tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                    self.sums.append([tf.Variable(tf.zeros(shape, dtype), trainable=False,
                                                   name=f"sum{n}")
-                                      for n, v in enumerate(towers.trainable[k])])
+                                      for n, (shape, dtype) in enumerate(sum_specs[k])])
             with tf.device(host):
                 self.examples = tf.Variable(0.0, dtype=tf.float64, trainable=False,
                                             name="accumulated_examples")
@@ -253,8 +258,8 @@ def locate_nonfinite(finite, all_grads, reduced, devices, host):
     """int32 [K + 1, N]: 1 where a gradient holds NaN or Inf, computed only if not `finite`.
 
     Row k is tower k's gradient (before the all-reduce), row K the reduced
-    gradient on tower 0; all zeros when `finite` (a branch not taken costs
-    nothing).
+    gradient on tower 0 (with ZeRO, a list of the towers' pieces of it); all
+    zeros when `finite` (a branch not taken costs nothing).
     """
     num_towers, num_vars = len(all_grads), len(reduced)
 
@@ -262,9 +267,7 @@ def locate_nonfinite(finite, all_grads, reduced, devices, host):
         rows = []
         for k, grads in enumerate(list(all_grads) + [reduced]):
             with tf.device(devices[k] if k < num_towers else devices[0]):
-                rows.append([tf.logical_not(tf.reduce_all(tf.math.is_finite(values_of(g))))
-                             if g is not None and g.dtype.is_floating else tf.constant(False)
-                             for g in grads])
+                rows.append([_nonfinite(g) for g in grads])
         with tf.device(host):
             return tf.cast(tf.stack([tf.stack(row) for row in rows]), tf.int32)
 
@@ -273,6 +276,16 @@ def locate_nonfinite(finite, all_grads, reduced, devices, host):
     if not num_vars:
         return zeros
     return tf.cond(finite, lambda: zeros, find)
+
+
+def _nonfinite(g):
+    # bool scalar: g (or any of a list of pieces) holds NaN or Inf.
+    parts = [p for p in (g if isinstance(g, list) else [g])
+             if p is not None and p.dtype.is_floating]
+    if not parts:
+        return tf.constant(False)
+    return tf.logical_not(tf.reduce_all([tf.reduce_all(tf.math.is_finite(values_of(p)))
+                                         for p in parts]))
 
 
 def apply_gradients(towers, reduced, finite, losses_finite):

@@ -1,0 +1,339 @@
+"""ZeRO stages 1 and 2 in ReplicatedTrainer: equal updates, 1/T state, resharding checkpoints."""
+
+import gc
+import os
+import re
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfreduce
+from helpers import CPU_DEVICES
+
+LOSS = "sparse_categorical_crossentropy"
+HERE = os.path.dirname(__file__)
+
+
+def model_fn(dtype="float32", batchnorm=False):
+    # Variables of 15, 3 (fewer than K = 4 and 8), 6, 2, 2 and 1 elements.
+    def make():
+        keras.utils.set_random_seed(7)
+        layers = [keras.Input((5,), dtype=dtype), keras.layers.Dense(3, activation="tanh",
+                                                                    dtype=dtype)]
+        if batchnorm:
+            layers.append(keras.layers.BatchNormalization(dtype=dtype))
+        layers += [keras.layers.Dense(2, dtype=dtype), keras.layers.Dense(2, dtype=dtype)]
+        return keras.Sequential(layers)
+    return make
+
+
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+}
+
+
+def data(n=48, dtype="float32", seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 5)).astype(dtype), rng.integers(0, 2, n)
+
+
+def trainer(num_towers, zero_stage, optimizer="adam", dtype="float32", **kwargs):
+    make = kwargs.pop("model", None) or model_fn(dtype)
+    return tfreduce.ReplicatedTrainer(make, LOSS, OPTIMIZERS[optimizer],
+                                      devices=CPU_DEVICES[:num_towers], zero_stage=zero_stage,
+                                      **kwargs)
+
+
+def train(t, steps, dtype="float32", n=48):
+    x, y = data(n, dtype)
+    for s in range(steps):
+        i = (s * 16) % n
+        t.train_step(x[i:i + 16], y[i:i + 16])
+    return [v.numpy() for v in t.models[0].trainable_variables]
+
+
+def hierarchical(num_towers):
+    half = num_towers // 2
+    return tfreduce.Reduction("hierarchical", groups=[list(range(half)),
+                                                      list(range(half, num_towers))])
+
+
+def reduction(name, num_towers):
+    return hierarchical(num_towers) if name == "hierarchical" else tfreduce.Reduction(name)
+
+
+# Adam on every K and algorithm; the other optimizers once per K, each
+# algorithm once among them.
+GRID = ([("adam", k, a) for k in (2, 4, 8) for a in ("flat", "ring", "hierarchical")]
+        + [("sgd_momentum", 2, "ring"), ("rmsprop", 4, "hierarchical"), ("adagrad", 8, "flat")])
+
+
+def float64_weights(optimizer, num_towers, algorithm, stage, accumulate_steps=1):
+    t = trainer(num_towers, stage, optimizer, "float64", accumulate_steps=accumulate_steps,
+                reduction=reduction(algorithm, num_towers))
+    weights = train(t, 50, "float64")
+    assert t.check_replicas() == 0.0
+    return weights
+
+
+@pytest.mark.parametrize("optimizer,num_towers,algorithm", GRID)
+def test_stage_1_trains_as_unsharded_in_float64(optimizer, num_towers, algorithm):
+    got = float64_weights(optimizer, num_towers, algorithm, 1)
+    want = float64_weights(optimizer, num_towers, algorithm, 0)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("num_towers,algorithm", [(2, "hierarchical"), (4, "ring"), (8, "flat")])
+def test_stage_2_accumulates_shards_as_unsharded_sums_in_float64(num_towers, algorithm):
+    # Stage 2 adds reduced shards where stage 0 reduces added gradients: the
+    # same sums in another order, which Adam's 50 steps amplify to ~1e-12.
+    got = float64_weights("adam", num_towers, algorithm, 2, accumulate_steps=2)
+    want = float64_weights("adam", num_towers, algorithm, 0, accumulate_steps=2)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=5e-12, atol=1e-14)
+
+
+def test_sharded_adam_is_identical_in_float32_where_the_sums_keep_their_order():
+    # The ring sums each element in the same order whether it all-reduces
+    # or reduce-scatters (flat too); hierarchical's all-reduce does not
+    # (Grappler regroups its additions inside the step function).
+    got = train(trainer(4, 1, reduction=tfreduce.Reduction("ring")), 50)
+    want = train(trainer(4, 0, reduction=tfreduce.Reduction("ring")), 50)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_batchnorm_bcast_period_and_compression_train_as_unsharded():
+    kwargs = dict(model=model_fn(batchnorm=True), bcast_period=3, compression="fp16",
+                  algorithm="ring")
+    got_t, want_t = trainer(4, 1, **kwargs), trainer(4, 0, **kwargs)
+    got, want = train(got_t, 12), train(want_t, 12)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    moving = [v.numpy() for v in got_t.models[3].non_trainable_variables]
+    for a, b in zip(moving, [v.numpy() for v in want_t.models[3].non_trainable_variables]):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert got_t.check_replicas() == 0.0
+
+
+def test_an_embedding_gradient_is_densified_into_the_shard():
+    def make():
+        keras.utils.set_random_seed(3)
+        return keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(10, 3),
+                                 keras.layers.Flatten(), keras.layers.Dense(2)])
+    rng = np.random.default_rng(1)
+    x, y = rng.integers(0, 10, (32, 4)).astype("int32"), rng.integers(0, 2, 32)
+    runs = []
+    for stage in (0, 1):
+        # Densified as sparse_as_dense does: Keras' update of an
+        # IndexedSlices gradient moves the slots of its rows only.
+        t = trainer(4, stage, model=make, sparse_as_dense=True)
+        for _ in range(5):
+            t.train_step(x, y)
+        runs.append([v.numpy() for v in t.models[0].trainable_variables])
+    for a, b in zip(*runs):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def tower_bytes(variables):
+    return sum(int(v.shape.num_elements()) * tf.as_dtype(v.dtype).size for v in variables)
+
+
+def live_variables_by_device(before):
+    # Every tf.Variable made since `before`, found by the garbage collector
+    # (not through the trainer): bytes per device.
+    out = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, tf.Variable) and id(obj) not in before:
+            device = tf.DeviceSpec.from_string(obj.device).device_index
+            out[device] = out.get(device, 0) + tower_bytes([obj])
+    return out
+
+
+def test_stage_1_holds_a_tower_share_of_the_slots_and_under_0_6_of_the_state():
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((64,)), keras.layers.Dense(96), keras.layers.Dense(33),
+                                 keras.layers.Dense(10)])
+    x, y = np.ones((8, 64), "float32"), np.zeros(8, "int64")
+    found, reported, slots = {}, {}, {}
+    for stage in (0, 1):
+        gc.collect()
+        before = {id(o) for o in gc.get_objects() if isinstance(o, tf.Variable)}
+        t = trainer(4, stage, model=make)
+        t.train_step(x, y)
+        found[stage] = live_variables_by_device(before)
+        reported[stage] = t.state_bytes()
+        slots[stage] = [tower_bytes([v for v in o.variables if v.shape.rank])
+                        for o in t.optimizers]
+        largest = max(tower_bytes([v]) for v in t.models[0].trainable_variables)
+        del t
+    assert max(slots[1]) <= slots[0][0] / 4 + largest, (slots, largest)
+    for stage in (0, 1):
+        # The trainer's count agrees with the variables found on each device;
+        # device 0 also holds the run's counters and layout (host variables).
+        for k in (1, 2, 3):
+            assert reported[stage][k]["total"] == found[stage][k]
+        assert 0 < found[stage][0] - reported[stage][0]["total"] <= 64
+    total = {s: sum(found[s].values()) for s in (0, 1)}
+    assert total[1] <= 0.6 * total[0], total
+    assert reported[1][0]["weights"] == reported[0][0]["weights"]
+
+
+def gathered_slots(t):
+    """{key: full flat slot} from every tower's pieces (or tower 0 unsharded)."""
+    state = t._checkpoint._parts["optimizer_state"]
+    out = {}
+    for key, pieces in state._slots.items():
+        full = np.full(state._sizes[pieces[0][0]], np.nan, np.float64)
+        for _, v, start in pieces:
+            full[start:start + int(v.shape.num_elements())] = v.numpy().ravel()
+        out[key] = full
+    return out
+
+
+@pytest.mark.parametrize("saved,resumed", [((4, 1), (2, 1)), ((4, 1), (8, 0)),
+                                           ((2, 0), (4, 1))])
+def test_a_checkpoint_resumes_at_another_k_and_stage(saved, resumed, tmp_path, capsys):
+    t = trainer(*saved)
+    train(t, 6)
+    t.save(str(tmp_path))
+    slots = gathered_slots(t)
+    assert len(slots) == 2 * len(t.models[0].trainable_variables)
+    u, reference = trainer(*resumed), trainer(resumed[0], 0)
+    for r in (u, reference):
+        r.restore(str(tmp_path))
+        r.train_step(*data(16))  # builds, restores, trains
+    assert re.search(rf"saved at {saved[0]} towers with zero_stage {saved[1]}; resuming at "
+                     rf"{resumed[0]} towers with zero_stage {resumed[1]}", capsys.readouterr().err)
+    # A fresh run restored: every slot, gathered, equals the saved bit for bit.
+    fresh = trainer(*resumed)
+    fresh.restore(str(tmp_path))
+    fresh._built_steps(data(16)[0])
+    got = gathered_slots(fresh)
+    assert got.keys() == slots.keys()
+    for key in slots:
+        np.testing.assert_array_equal(got[key], slots[key])
+    assert all(int(o.iterations.numpy()) == 6 for o in fresh.optimizers)
+    for a, b in zip(train(u, 5), train(reference, 5)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_checkpoint_midway_through_accumulation_resumes_only_at_its_k(tmp_path):
+    t = trainer(4, 2, accumulate_steps=2)
+    train(t, 3)
+    t.save(str(tmp_path))
+    u = trainer(2, 2, accumulate_steps=2)
+    with pytest.raises(ValueError, match=r"saved midway through an accumulation cycle at 4 "
+                                         r"towers.*resume it at 4 towers"):
+        u.restore(str(tmp_path))
+
+
+def test_kill_9_during_a_sharded_save_keeps_the_previous_checkpoint(tmp_path):
+    script = os.path.join(HERE, "workers", "zero_save_worker.py")
+    run = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True,
+                         text=True, timeout=240)
+    assert run.returncode == -9, run.stderr[-2000:]
+    assert os.path.exists(tmp_path / "ckpt-2.index")  # written, then killed before the index
+    saved = np.load(tmp_path / "ckpt-1.npz")
+    t = trainer(4, 1)
+    assert t.restore(str(tmp_path)).endswith("ckpt-1")
+    t._built_steps(data(16)[0])
+    for key, full in gathered_slots(t).items():
+        np.testing.assert_array_equal(full, saved[key])
+    assert t.step == 3
+
+
+def test_skipped_steps_leave_every_piece_and_slot_untouched():
+    t = trainer(4, 1, on_nonfinite="skip")
+    train(t, 3)
+    before = gathered_slots(t)
+    pieces = [[p.numpy() for p in row] for row in t._steps._towers.zero.pieces]
+    x, y = data(16)
+    x[5, 2] = np.nan  # tower 1's shard
+    t.train_step(x, y)
+    assert t.skipped_steps == 1
+    for key, full in gathered_slots(t).items():
+        np.testing.assert_array_equal(full, before[key])
+    for row, saved in zip(t._steps._towers.zero.pieces, pieces):
+        for p, s in zip(row, saved):
+            np.testing.assert_array_equal(p.numpy(), s)
+    assert all(int(o.iterations.numpy()) == 3 for o in t.optimizers)
+
+
+def test_a_nonfinite_gradient_raises_naming_the_tower_and_variable():
+    t = trainer(4, 1)
+    x, y = data(16)
+    x[13, 0] = np.inf  # tower 3's shard
+    with pytest.raises(FloatingPointError, match=r"step 1: tower 3 \(/device:CPU:3\) computed "
+                                                 r"NaN or Inf in the gradient of variable "
+                                                 r"'sequential_\d+/dense_\d+/kernel'"):
+        t.train_step(x, y)
+
+
+def test_mixed_float16_skips_an_overflow_in_some_shards_on_every_tower(mixed_float16):
+    def linear():
+        keras.utils.set_random_seed(2)
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
+    t = trainer(4, 1, model=linear, on_nonfinite="skip")
+    x, y = data(16)
+    t.train_step(x, y)
+    # The loss stays finite; the scaled float16 gradient of the kernel's
+    # second row overflows. That row lies in towers 0 and 1's shards, and
+    # every tower's loss scale must halve with them.
+    x[5, 1] = 3000.0
+    t.train_step(x, y)
+    assert t.skipped_steps == 1 and t.check_replicas() == 0.0
+    assert {float(o.dynamic_scale.numpy()) for o in t.optimizers} == {2.0 ** 14}
+    assert {int(o.iterations.numpy()) for o in t.optimizers} == {1}
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(zero_stage=3), ValueError, r"zero_stage must be 0 \(no sharding\), 1 .* or 2 .*got 3"),
+    (dict(zero_stage=True), TypeError, r"zero_stage must be an int in \(0, 1, 2\), got True"),
+    (dict(zero_stage=1, powersgd=tfreduce.PowerSGD(rank=1)), ValueError,
+     r"zero_stage=1 cannot be combined with powersgd"),
+])
+def test_bad_zero_stages_are_refused(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        tfreduce.ReplicatedTrainer(model_fn(), LOSS, OPTIMIZERS["adam"],
+                                   devices=CPU_DEVICES[:2], **kwargs)
+
+
+@pytest.mark.parametrize("optimizer,message", [
+    (lambda: keras.optimizers.Adafactor(), r"tower 0's optimizer Adafactor is not one whose "
+                                           r"update is elementwise \(SGD, Adam, .*Ftrl\)"),
+    (lambda: keras.optimizers.Lamb(), r"optimizer Lamb is not one"),
+    (lambda: keras.optimizers.Adam(clipnorm=1.0), r"tower 0's optimizer has clipnorm=1.0, "
+                                                  r"which clips each variable's gradient"),
+    (lambda: keras.optimizers.SGD(global_clipnorm=2.0), r"global_clipnorm=2.0"),
+    (lambda: keras.optimizers.SGD(use_ema=True), r"use_ema=True"),
+])
+def test_optimizers_that_need_whole_variables_are_refused(optimizer, message):
+    with pytest.raises(ValueError, match=message):
+        tfreduce.ReplicatedTrainer(model_fn(), LOSS, optimizer, devices=CPU_DEVICES[:2],
+                                   zero_stage=1)
+
+
+def test_the_shard_layout_balances_each_dtype_to_one_element():
+    from tfreduce.trainer.zero import ShardLayout
+    variables = [tf.Variable(tf.zeros(s, d)) for s, d in
+                 [([3, 5], tf.float32), ([3], tf.float32), ([2], tf.float64), ([1], tf.float32)]]
+    layout = ShardLayout.build(variables, 8, 4, 4)  # towers 4..7 of 8
+    assert layout.dtypes == [tf.float32, tf.float64] and layout.members == [[0, 1, 3], [2]]
+    # 19 float32 elements over 8 towers: 3, 3, 3, 2, 2, 2, 2, 2; towers 4..7
+    # own elements 11..18: the kernel's last 4, the bias, the last variable;
+    # the 2 float64 elements belong to towers 0 and 1.
+    assert layout.shard_lengths == [[2, 0], [2, 0], [2, 0], [2, 0]]
+    assert layout.pieces == [[(11, 2), (0, 0), (0, 0), (0, 0)],
+                             [(13, 2), (0, 0), (0, 0), (0, 0)],
+                             [(0, 0), (0, 2), (0, 0), (0, 0)],
+                             [(0, 0), (2, 1), (0, 0), (0, 1)]]
