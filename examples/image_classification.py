@@ -137,6 +137,9 @@ def parse_args(argv):
                         help="rank of --compression powersgd")
     parser.add_argument("--accumulate-steps", type=int, default=1, metavar="M",
                         help="micro-batches of --batch-size per update (gradient accumulation)")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2), default=0,
+                        help="ZeRO: 1 shards Adam's state over the towers, 2 the accumulation "
+                        "buffers too; a checkpoint resumes at any --devices and stage")
     parser.add_argument("--on-nonfinite", choices=("raise", "skip"), default="raise",
                         help="a step with NaN or Inf gradients stops the run, or is skipped")
     parser.add_argument(
@@ -546,6 +549,7 @@ def fit_replicated(parser, args, devices, cluster, restarted, data, towers):
         on_nonfinite=args.on_nonfinite,
         compression=compression,  # tfreduce: "fp16"/"bf16": 16 bits cross devices
         powersgd=powersgd,
+        zero_stage=args.zero_stage,  # tfreduce: 1: each tower holds 1/T of Adam's state
     )
     algorithm = args.algorithm
     if algorithm == "auto":
@@ -562,6 +566,7 @@ def fit_replicated(parser, args, devices, cluster, restarted, data, towers):
         + (f" x {args.accumulate_steps} micro-batches per update"
            if args.accumulate_steps > 1 else "")
         + (f", {args.mixed_precision}" if args.mixed_precision else "")
+        + (f", zero_stage {args.zero_stage}" if args.zero_stage else "")
     )
 
     checkpoint_dir = os.path.join(args.logdir, "checkpoints")

@@ -475,6 +475,27 @@ def test_accumulation_and_powersgd_on_two_workers_match_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_zero_stage_2_on_two_workers_matches_one_unsharded_process(tmp_path):
+    # Each of the 4 towers of both workers holds a quarter of the momentum
+    # and of the accumulated shards: every micro-batch is reduce-scattered
+    # across the workers, every update all-gathered.
+    options = ["--accumulate-steps", 2, "--zero-stage", 2]
+    code, _, err, _ = launch_workers("trainer_worker.py", "--out", tmp_path, *options)
+    assert code == 0, err[-3000:]
+    want = trainer_worker.fit_reference(
+        CPU_DEVICES[:4], **trainer_worker.update_options(accumulate_steps=2))
+    for r in range(2):
+        got = np.load(tmp_path / f"rank{r}.npz")
+        sharded = [key for key in got.files if "/optimizer/" in key]
+        # 227 weights over 4 towers: 57, 57, 57, 56; tower 1 of rank 0 holds
+        # elements 57..113 (of the first kernel), tower 1 of rank 1 none of it.
+        assert got["1/optimizer/2"].shape == ((57,), (0,))[r]
+        np.savez(tmp_path / f"model{r}.npz", **{k: got[k] for k in got.files
+                                                if k not in sharded})
+        assert_matches(np.load(tmp_path / f"model{r}.npz"), want, r)
+
+
+@pytest.mark.slow
 def test_a_nan_on_one_worker_is_skipped_by_both_like_the_run_without_its_batch(tmp_path):
     # 53 rows in batches of 10, not shuffled: row 28 is in batch 2, on a
     # tower of rank 1 only (shards 3, 3 | 2, 2). Rank 0's losses are

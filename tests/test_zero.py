@@ -188,6 +188,28 @@ def test_stage_1_holds_a_tower_share_of_the_slots_and_under_0_6_of_the_state():
     assert reported[1][0]["weights"] == reported[0][0]["weights"]
 
 
+def test_a_stage_1_step_sends_the_bytes_of_a_ring_all_reduce():
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((64,)), keras.layers.Dense(96),
+                                 keras.layers.Dense(33), keras.layers.Dense(10)])
+    x, y = np.ones((8, 64), "float32"), np.zeros(8, "int64")
+    sent = {}
+    for stage in (0, 1):
+        t = trainer(4, stage, model=make, algorithm="ring")
+        t.train_step(x, y)
+        graph = t._steps._train_fns[True].get_concrete_function()
+        sent[stage] = sum(tfreduce.analyze_traffic(graph).pair_bytes.values())
+    size = tower_bytes(t.models[0].trainable_variables)  # S, float32
+    ring = 4 * 2 * 3 / 4 * size  # 2 (K-1)/K S from each of the K towers
+    losses = 3 * 4  # towers 1..3 send their float32 loss sums to the host
+    # Besides: zero_stage 0 sends the finiteness flag (a bool) to towers
+    # 1..3; stage 1 all-reduces each tower's count of non-finite elements
+    # (one float32 along the ring, 2 (K-1) hops).
+    assert sent[0] == ring + losses + 3 * 1
+    assert sent[1] == ring + losses + 2 * 3 * 4
+
+
 def gathered_slots(t):
     """{key: full flat slot} from every tower's pieces (or tower 0 unsharded)."""
     state = t._checkpoint._parts["optimizer_state"]
@@ -337,3 +359,14 @@ def test_the_shard_layout_balances_each_dtype_to_one_element():
                              [(13, 2), (0, 0), (0, 0), (0, 0)],
                              [(0, 0), (0, 2), (0, 0), (0, 0)],
                              [(0, 0), (2, 1), (0, 0), (0, 1)]]
+
+
+def test_checkpoints_of_zero_across_workers_are_refused_before_training():
+    from tfreduce.trainer.options import StepOptions
+    cluster = tfreduce.Cluster({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "worker", 0)
+    options = StepOptions(loss_fn=None, class_indices=True, average=True, total_towers=4,
+                          devices=CPU_DEVICES[:2], reduction=tfreduce.Reduction(),
+                          cluster=cluster, zero_stage=1)
+    with pytest.raises(ValueError, match=r"fit\(checkpoint_dir=...\): with zero_stage=1 across "
+                                         r"workers each worker holds its own shards"):
+        options.check_checkpoints("fit(checkpoint_dir=...)")

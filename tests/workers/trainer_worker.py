@@ -13,7 +13,8 @@ fit in one process with 4 towers, what the cluster must reproduce.
 checkpoints (only rank 0 may write there); ``--resume`` restores rank 0's
 latest checkpoint before fitting up to ``--epochs``. ``--nan-row R`` and
 ``--drop-rows A:B`` change the data fitted on (a NaN in row R; rows A..B-1
-left out), not the data evaluated and predicted on.
+left out), not the data evaluated and predicted on. ``--zero-stage S``
+shards the optimizer state over the 4 towers of both workers.
 """
 
 import argparse
@@ -143,6 +144,7 @@ def main(argv=None):
     parser.add_argument("--powersgd-rank", type=int, default=0, help="0: no PowerSGD")
     parser.add_argument("--on-nonfinite", default="raise")
     parser.add_argument("--compression", default="none")
+    parser.add_argument("--zero-stage", type=int, default=0)
     parser.add_argument("--mixed", action="store_true", help="Keras' mixed_float16 policy")
     parser.add_argument("--no-shuffle", action="store_true")
     parser.add_argument("--nan-row", type=int, default=None)
@@ -166,6 +168,7 @@ def main(argv=None):
         keras.mixed_precision.set_global_policy("mixed_float16")
     # Every rank starts from other weights: only the broadcast makes them agree.
     trainer = make_trainer(devices, rank, "auto", hidden=hidden, algorithm="flat",
+                           zero_stage=args.zero_stage,
                            **update_options(args.accumulate_steps, args.powersgd_rank,
                                             args.on_nonfinite, args.compression))
     assert trainer.cluster.rank == rank and trainer.is_chief == (rank == 0)

@@ -202,8 +202,7 @@ class ReplicatedTrainer:
         self.skipped_steps += int(skipped)
         if self._bcast_period and self.step % self._bcast_period == 0:
             self._steps.broadcast()
-        # A negative count: accuracy is not defined for the model's outputs.
-        correct = int(correct)
+        correct = int(correct)  # negative: accuracy is not defined for the model's outputs
         # Across workers the requests summed over the workers (the flags sent
         # into the step): all stop after the same step. One process also
         # stops for a request that came during the step.
@@ -323,8 +322,9 @@ class ReplicatedTrainer:
             infinite dataset, or verbose not 0, 1 or 2.
           KeyboardInterrupt: re-raised after the checkpoint is written.
         """
-        hooks = FitHooks(
-            # Looked up at every step, so that a replaced method is the one that runs.
+        if checkpoint_dir is not None:
+            self._options.check_checkpoints("fit(checkpoint_dir=...)")
+        hooks = FitHooks(  # run_step looks the method up at every step (it may be replaced)
             run_step=lambda x_batch, y_batch: self._run_train_step(x_batch, y_batch),
             stop=self._stop, epoch_totals=self._epoch_totals,
             reports_skipped=self._options.on_nonfinite == "skip", finish=self._cluster.finish)
@@ -401,11 +401,12 @@ class ReplicatedTrainer:
           of a cluster.
 
         Raises:
-          ValueError: the models are not built yet (no batch seen).
-          FloatingPointError: a variable holds NaN or Inf: nothing is written,
-            so a diverged run cannot rotate the good checkpoints out.
+          ValueError: the models are not built yet (no batch seen); ZeRO
+            across workers.
+          FloatingPointError: a variable holds NaN or Inf: nothing is written.
         """
         self._built("save")
+        self._options.check_checkpoints("save")
         if not self.is_chief:
             return None
         return self._checkpoint.save(path)
@@ -427,16 +428,15 @@ class ReplicatedTrainer:
 
         Raises:
           FileNotFoundError: there is no checkpoint at path (rank 0).
-          ValueError: every checkpoint at path is damaged (each named), or
-            the checkpoint does not match this trainer's model.
+          ValueError: every checkpoint at path is damaged (each named); it
+            does not match this trainer's model; ZeRO across workers.
         """
+        self._options.check_checkpoints("restore")
         if not self._cluster.is_local and self._steps is not None:
-            # Only rank 0's own tower state is in the checkpoint: every
-            # worker restarts its state, so all stay consistent.
+            # Rank 0's tower state alone is in the checkpoint: all restart theirs.
             self._steps.reset_state()
         if not self.is_chief:
-            # Rank 0's values arrive with the broadcast, at build if the
-            # models are not built yet.
+            # Rank 0's values arrive with the broadcast (at build if not built).
             if self._steps is not None:
                 self._steps.broadcast()
             return None
