@@ -223,6 +223,25 @@ def test_train_mode(tmp_path):
         row["horovod_images_per_s"] / row["trainer_images_per_s"])
 
 
+def test_train_mode_at_zero_stages_reports_rates_and_state_bytes(tmp_path, capsys):
+    result = run(tmp_path, "--mode", "train", "--zero-stage", "0,1", "--grid-devices", "2",
+                 "--steps", "2", "--rounds", "1", "--warmup", "1", "--batch-size", "8",
+                 "--image-size", "8")
+    (row,) = result["results"]
+    assert set(row["images_per_s"]) == {"zero 0", "zero 1", "MirroredStrategy.fit"}
+    assert all(rate > 0 for rate in row["images_per_s"].values())
+    assert row["over_first_stage"]["zero 1"] == pytest.approx(
+        row["images_per_s"]["zero 1"] / row["images_per_s"]["zero 0"])
+    held = row["state_bytes_per_device"]
+    # Adam's two slots: whole on every device, or on each of 2 towers half
+    # of them and half of the weights (the pieces it updates).
+    assert held["zero 0"]["optimizer"] == held["MirroredStrategy.fit"]["optimizer"]
+    weights = held["zero 0"]["weights"]
+    assert held["zero 1"]["optimizer"] <= held["zero 0"]["optimizer"] * 3 / 4 + 64
+    assert held["zero 1"]["weights"] == weights
+    assert "MirroredStrategy.fit" in capsys.readouterr().out
+
+
 def test_model_shapes_without_downloading():
     shapes = bench.gradient_shapes("resnet50")
     assert len(shapes) == 214
@@ -258,6 +277,10 @@ def test_format_bytes():
                                  "['reduce_scatter', 'all_gather'"),
     (["--collective", "reduce", "--mode", "train"],
      "--collective runs the collective mode, not --mode train"),
+    (["--mode", "train", "--zero-stage", "1,3"], "--zero-stage: stages are 0, 1 and 2, got [1, 3]"),
+    (["--zero-stage", "1"], "--zero-stage runs the train mode, not --mode allreduce"),
+    (["--mode", "train", "--zero-stage", "1", "--train-model", "resnet5"],
+     "unknown Keras application 'resnet5'"),
 ])
 def test_bad_arguments_exit_with_a_usage_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -134,6 +134,13 @@ def parse_args(argv):
                              "train mode: the trainer's algorithm; default auto")
     parser.add_argument("--batch-size", type=_positive_int, default=128,
                         help="train mode: global batch size; default %(default)s")
+    parser.add_argument("--zero-stage", type=lambda t: _parse_list(t, int, "--zero-stage"),
+                        default=None, metavar="S[,S]",
+                        help="train mode: ReplicatedTrainer at these ZeRO stages (0, 1, 2) "
+                             "beside MirroredStrategy.fit, with state bytes per device")
+    parser.add_argument("--train-model", default="cnn", metavar="NAME",
+                        help="--zero-stage's model: the example's cnn (default) or a "
+                             "keras.applications name (weights=None), e.g. mobilenetv2")
     parser.add_argument("--image-size", type=_positive_int, default=28,
                         help="train mode: side of the square one-channel images; default "
                              "%(default)s")
@@ -160,6 +167,11 @@ def parse_args(argv):
         args.mode = "collective"
     elif args.mode == "collective":
         args.collective = list(COLLECTIVES)
+    if args.zero_stage is not None:
+        if args.mode != "train":
+            parser.error(f"--zero-stage runs the train mode, not --mode {args.mode}")
+        if not set(args.zero_stage) <= {0, 1, 2}:
+            parser.error(f"--zero-stage: stages are 0, 1 and 2, got {args.zero_stage}")
     if args.devices is None:
         args.devices = 2 if args.mode == "multiworker" else 8
     if args.warmup < 0:
@@ -239,12 +251,15 @@ def _run(parser, args):
             logical_devices(in_process[args.mode], args.device_type)
         except ValueError as error:
             parser.error(str(error))
-    if args.mode == "allreduce" and args.model != "synthetic":
+    for model in ([args.model] if args.mode == "allreduce" and args.model != "synthetic"
+                  else []) + ([args.train_model] if args.zero_stage and
+                              args.train_model != "cnn" else []):
         try:
-            keras_application(args.model)
+            keras_application(model)
         except ValueError as error:
             parser.error(str(error))
-    mode = importlib.import_module(f"tfreduce.bench.{args.mode}_mode")
+    name = "zero" if args.mode == "train" and args.zero_stage else args.mode
+    mode = importlib.import_module(f"tfreduce.bench.{name}_mode")
     result = mode.run(args, log)
     mode.print_result(result)
     if args.json:

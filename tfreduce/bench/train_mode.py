@@ -96,11 +96,12 @@ def _train_one(args, num_devices, log):
     algorithm = (args.algorithms or ["auto"])[0]
     log(f"K={num_devices}: building ReplicatedTrainer({algorithm}) and MirroredStrategy, "
         f"by default and with CrossDeviceOps({algorithm})")
-    trainer_round = _trainer_rounds(devices, algorithm, x, y, batch, num_classes)
-    strategy, fit_round = _fit_rounds(devices, x, y, batch, num_classes)
-    _, tfreduce_fit_round = _fit_rounds(devices, x, y, batch, num_classes,
-                                        tfreduce.CrossDeviceOps(algorithm))
-    rates = _alternate({"ReplicatedTrainer": trainer_round, "MirroredStrategy.fit": fit_round,
+    make_model = cnn_builder(x.shape[1:], num_classes)
+    _, trainer_round = trainer_rounds(devices, algorithm, x, y, batch, make_model)
+    strategy, fit_round = fit_rounds(devices, x, y, batch, make_model)
+    _, tfreduce_fit_round = fit_rounds(devices, x, y, batch, make_model,
+                                       tfreduce.CrossDeviceOps(algorithm))
+    rates = alternate_rounds({"ReplicatedTrainer": trainer_round, "MirroredStrategy.fit": fit_round,
                         "MirroredStrategy.fit+tfreduce": tfreduce_fit_round}, args, batch)
     log(f"K={num_devices}: {num_devices} processes with DistributedOptimizer")
     rates["DistributedOptimizer"] = _horovod_rates(args, num_devices)
@@ -160,18 +161,26 @@ def _loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def _trainer_rounds(devices, algorithm, x, y, batch, num_classes):
-    # A ReplicatedTrainer on the devices; returns round(steps) -> seconds.
+def cnn_builder(input_shape, num_classes):
+    """() -> the example's CNN (tfreduce.models.image_cnn) for these images."""
+    from tfreduce.models import image_cnn
+    return lambda: image_cnn(input_shape, num_classes)
+
+
+def trainer_rounds(devices, algorithm, x, y, batch, make_model, zero_stage=0):
+    """A ReplicatedTrainer (Adam) on the devices, built on the first batch.
+
+    Returns:
+      (the trainer, round(steps) -> seconds of `steps` train steps).
+    """
     import keras
 
-    from tfreduce.models import image_cnn
     from tfreduce.trainer import ReplicatedTrainer
 
     num_batches = len(x) // batch
     trainer = ReplicatedTrainer(
-        model_fn=lambda: image_cnn(x.shape[1:], num_classes), loss=_loss(),
-        optimizer_fn=lambda: keras.optimizers.Adam(1e-3), devices=devices,
-        algorithm=algorithm, average=True)
+        model_fn=make_model, loss=_loss(), optimizer_fn=lambda: keras.optimizers.Adam(1e-3),
+        devices=devices, algorithm=algorithm, average=True, zero_stage=zero_stage)
     batches = [(tf.constant(x[i * batch:(i + 1) * batch]),
                 tf.constant(y[i * batch:(i + 1) * batch])) for i in range(num_batches)]
 
@@ -183,21 +192,24 @@ def _trainer_rounds(devices, algorithm, x, y, batch, num_classes):
             trainer.train_step(*batches[step % num_batches])
         return time.perf_counter() - start
 
-    return trainer_round
+    return trainer, trainer_round
 
 
-def _fit_rounds(devices, x, y, batch, num_classes, cross_device_ops=None):
-    # The same model compiled under MirroredStrategy on the devices, reduced
-    # with cross_device_ops (None: the strategy's default); returns
-    # (strategy, round(steps) -> seconds).
+def fit_rounds(devices, x, y, batch, make_model, cross_device_ops=None):
+    """The model compiled (Adam) under MirroredStrategy on the devices.
+
+    Args:
+      cross_device_ops: its reduction; None: the strategy's default.
+
+    Returns:
+      (strategy, round(steps) -> seconds of `steps` steps of model.fit).
+    """
     import keras
-
-    from tfreduce.models import image_cnn
 
     strategy = tf.distribute.MirroredStrategy(devices=devices,
                                               cross_device_ops=cross_device_ops)
     with strategy.scope():
-        model = image_cnn(x.shape[1:], num_classes)
+        model = make_model()
         # No XLA on either side: ReplicatedTrainer does not compile either.
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=_loss(),
                       jit_compile=False)
@@ -222,15 +234,20 @@ def _fit_rounds(devices, x, y, batch, num_classes, cross_device_ops=None):
     return strategy, fit_round
 
 
-def _alternate(rounds, args, batch):
-    # Images per second of each contender, over --rounds rounds of --steps
-    # steps whose order alternates; returns name -> list of rates.
+def alternate_rounds(rounds, args, batch):
+    """Images per second of each contender over --rounds rounds of --steps steps.
+
+    The first call of each (tracing) is left out; each round starts with the
+    next contender, alternating direction too.
+
+    Returns:
+      dict name -> list of --rounds rates.
+    """
     for run_round in rounds.values():
         run_round(max(args.warmup, 1))  # the first call traces
     rates = {name: [] for name in rounds}
     names = list(rounds)
     for r in range(args.rounds):
-        # Each round starts with the next contender, alternating direction too.
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order if r % 2 == 0 else order[::-1]:
             rates[name].append(args.steps * batch / rounds[name](args.steps))
