@@ -496,6 +496,33 @@ def test_zero_stage_2_on_two_workers_matches_one_unsharded_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_zero_stage_1_checkpoints_on_two_workers_are_whole_and_resume(tmp_path):
+    # Rank 0 writes every worker's shards, gathered; the resumed run gets
+    # its ranges back from rank 0's read, on each tower of each worker.
+    logdir = tmp_path / "logs"
+    for out, more in [("first", []), ("second", ["--epochs", 2, "--resume"])]:
+        (tmp_path / out).mkdir()
+        code, stdout, err, _ = launch_workers("trainer_worker.py", "--out", tmp_path / out,
+                                              "--logdir", logdir, "--zero-stage", 1, *more)
+        assert code == 0, err[-3000:]
+    assert "[worker 1] rank 1: restored None at step 5" in stdout
+    want = trainer_worker.fit_reference(CPU_DEVICES[:4], epochs=2)
+    for r in range(2):
+        got = np.load(tmp_path / "second" / f"rank{r}.npz")
+        models = {k: got[k] for k in got.files if "/optimizer/" not in k}
+        np.savez(tmp_path / f"model{r}.npz", **models)
+        assert_matches(np.load(tmp_path / f"model{r}.npz"), want, r)
+    # The first epoch's checkpoint holds whole slots: an unsharded trainer
+    # of 4 towers in this process reads the reference's momentum from it.
+    first = trainer_worker.fit_reference(CPU_DEVICES[:4])
+    reader = trainer_worker.make_trainer(CPU_DEVICES[:4], 0, None, algorithm="flat")
+    reader.restore(str(logdir / "rank0" / "ckpt" / "ckpt-1"))
+    for n, v in enumerate(reader.optimizers[0].variables):
+        np.testing.assert_allclose(v.numpy(), first[f"0/optimizer/{n}"], rtol=1e-5, atol=2e-5,
+                                   err_msg=v.path)
+
+
+@pytest.mark.slow
 def test_a_nan_on_one_worker_is_skipped_by_both_like_the_run_without_its_batch(tmp_path):
     # 53 rows in batches of 10, not shuffled: row 28 is in batch 2, on a
     # tower of rank 1 only (shards 3, 3 | 2, 2). Rank 0's losses are

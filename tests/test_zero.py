@@ -83,6 +83,7 @@ def float64_weights(optimizer, num_towers, algorithm, stage, accumulate_steps=1)
     return weights
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer,num_towers,algorithm", GRID)
 def test_stage_1_trains_as_unsharded_in_float64(optimizer, num_towers, algorithm):
     got = float64_weights(optimizer, num_towers, algorithm, 1)
@@ -91,6 +92,7 @@ def test_stage_1_trains_as_unsharded_in_float64(optimizer, num_towers, algorithm
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_towers,algorithm", [(2, "hierarchical"), (4, "ring"), (8, "flat")])
 def test_stage_2_accumulates_shards_as_unsharded_sums_in_float64(num_towers, algorithm):
     # Stage 2 adds reduced shards where stage 0 reduces added gradients: the
@@ -101,6 +103,7 @@ def test_stage_2_accumulates_shards_as_unsharded_sums_in_float64(num_towers, alg
         np.testing.assert_allclose(a, b, rtol=5e-12, atol=1e-14)
 
 
+@pytest.mark.slow
 def test_sharded_adam_is_identical_in_float32_where_the_sums_keep_their_order():
     # The ring sums each element in the same order whether it all-reduces
     # or reduce-scatters (flat too); hierarchical's all-reduce does not
@@ -111,6 +114,7 @@ def test_sharded_adam_is_identical_in_float32_where_the_sums_keep_their_order():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_batchnorm_bcast_period_and_compression_train_as_unsharded():
     kwargs = dict(model=model_fn(batchnorm=True), bcast_period=3, compression="fp16",
                   algorithm="ring")
@@ -124,6 +128,22 @@ def test_batchnorm_bcast_period_and_compression_train_as_unsharded():
     assert got_t.check_replicas() == 0.0
 
 
+@pytest.mark.slow
+def test_adamw_keeps_a_weight_decay_excluded_by_name():
+    def adamw():
+        optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.5)
+        optimizer.exclude_from_weight_decay(var_names=["bias"])
+        return optimizer
+    runs = []
+    for stage in (0, 1):
+        t = tfreduce.ReplicatedTrainer(model_fn(), LOSS, adamw, devices=CPU_DEVICES[:4],
+                                       zero_stage=stage, algorithm="ring")
+        runs.append(train(t, 10))
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
 def test_an_embedding_gradient_is_densified_into_the_shard():
     def make():
         keras.utils.set_random_seed(3)
@@ -158,6 +178,7 @@ def live_variables_by_device(before):
     return out
 
 
+@pytest.mark.slow
 def test_stage_1_holds_a_tower_share_of_the_slots_and_under_0_6_of_the_state():
     def make():
         keras.utils.set_random_seed(0)
@@ -188,6 +209,7 @@ def test_stage_1_holds_a_tower_share_of_the_slots_and_under_0_6_of_the_state():
     assert reported[1][0]["weights"] == reported[0][0]["weights"]
 
 
+@pytest.mark.slow
 def test_a_stage_1_step_sends_the_bytes_of_a_ring_all_reduce():
     def make():
         keras.utils.set_random_seed(0)
@@ -222,6 +244,7 @@ def gathered_slots(t):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved,resumed", [((4, 1), (2, 1)), ((4, 1), (8, 0)),
                                            ((2, 0), (4, 1))])
 def test_a_checkpoint_resumes_at_another_k_and_stage(saved, resumed, tmp_path, capsys):
@@ -249,6 +272,7 @@ def test_a_checkpoint_resumes_at_another_k_and_stage(saved, resumed, tmp_path, c
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_midway_through_accumulation_resumes_only_at_its_k(tmp_path):
     t = trainer(4, 2, accumulate_steps=2)
     train(t, 3)
@@ -259,6 +283,7 @@ def test_a_checkpoint_midway_through_accumulation_resumes_only_at_its_k(tmp_path
         u.restore(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_kill_9_during_a_sharded_save_keeps_the_previous_checkpoint(tmp_path):
     script = os.path.join(HERE, "workers", "zero_save_worker.py")
     run = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True,
@@ -361,12 +386,10 @@ def test_the_shard_layout_balances_each_dtype_to_one_element():
                              [(0, 0), (2, 1), (0, 0), (0, 1)]]
 
 
-def test_checkpoints_of_zero_across_workers_are_refused_before_training():
-    from tfreduce.trainer.options import StepOptions
-    cluster = tfreduce.Cluster({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "worker", 0)
-    options = StepOptions(loss_fn=None, class_indices=True, average=True, total_towers=4,
-                          devices=CPU_DEVICES[:2], reduction=tfreduce.Reduction(),
-                          cluster=cluster, zero_stage=1)
-    with pytest.raises(ValueError, match=r"fit\(checkpoint_dir=...\): with zero_stage=1 across "
-                                         r"workers each worker holds its own shards"):
-        options.check_checkpoints("fit(checkpoint_dir=...)")
+
+def test_loss_scaling_needs_an_element_on_every_tower(mixed_float16):
+    def tiny():
+        return keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False)])
+    with pytest.raises(ValueError, match=r"LossScaleOptimizer \(mixed_float16\): tower 1 would "
+                                         r"hold no element of the model's 1"):
+        trainer(2, 1, model=tiny)

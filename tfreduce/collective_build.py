@@ -12,11 +12,12 @@ import tensorflow as tf
 from tfreduce.contract import dense_shape, values_of
 from tfreduce.costmodel import predict
 from tfreduce.devices import is_gpu
-from tfreduce.primitives import split_rows
+from tfreduce.primitives import scale_by_reciprocal, split_rows
 from tfreduce.registry import STAGES, make_stage
 from tfreduce.shards import Tensors
+from tfreduce.stage import ReduceContext
 
-__all__ = ["build_group", "plan_algorithm", "result_dtypes"]
+__all__ = ["build_group", "build_wire_group", "plan_algorithm", "result_dtypes"]
 
 
 def result_dtypes(tensors, tower):
@@ -145,6 +146,66 @@ def build_group(collective, stage, tensors, group, ctx, splits=None):
       list, on the root).
     """
     return _BUILDERS[collective](stage, tensors, group, ctx, splits)
+
+
+def build_wire_group(collective, stage, tensors, group, root, average, wire, splits=None):
+    """One group's collective in its wire dtype: compressed, built by its stage, restored.
+
+    Args:
+      collective, stage, tensors, group, splits: as ``build_group``.
+      root: int, the root's position in the group.
+      average: bool, the mean over the group.
+      wire: a compression.Compressor; it compresses reduce-scatter and
+        reduce only (the door passes Compression.none for the others):
+        each tower's tensors prescaled by 1/K_g when averaging, 16-bit
+        partial sums (``ReduceContext.wire_sum``), results back in their
+        dtype on their devices.
+
+    Returns:
+      as ``build_group``.
+    """
+    restore = _compress(tensors, group, wire, average)
+    ctx = ReduceContext([tensors.devices[i] for i in group], average and not wire.compresses,
+                        result_dtypes(tensors, group[root]), root=root,
+                        wire_sum=wire.compresses)
+    rows = build_group(collective, stage, tensors, group, ctx, splits)
+    return _decompress(rows, collective, tensors, group, root, wire, restore)
+
+
+def _compress(tensors, group, wire, average):
+    # Each tower of the group casts its tensors to the wire dtype on its
+    # device, prescaled by 1/K_g when averaging (Horovod's prescale: no
+    # partial sum of a mean overflows); {n: [ctx of each group tower]}.
+    restore = {}
+    if not wire.compresses:
+        return restore
+    for n in tensors.present:
+        contexts = []
+        for i in group:
+            with tf.device(tensors.devices[i]), tf.name_scope(f"tensor{n}_dev{i}_compress"):
+                t = tf.convert_to_tensor(tensors.tensors[i][n])
+                if average and wire.wire_dtype(t.dtype) != t.dtype:
+                    t = scale_by_reciprocal(t, len(group))
+                tensors.tensors[i][n], ctx = wire.compress(t)
+            contexts.append(ctx)
+        restore[n] = contexts
+    return restore
+
+
+def _decompress(rows, collective, tensors, group, root, wire, restore):
+    # The results back in their dtypes, on their devices.
+    if not restore:
+        return rows
+    if collective == "reduce":
+        rows, owners = [rows], [group[root]]
+    else:
+        owners = group
+    out = []
+    for i, row in zip(owners, rows):
+        with tf.device(tensors.devices[i]):
+            out.append([wire.decompress(t, restore[n][group.index(i)])
+                        for n, t in zip(tensors.present, row)])
+    return out[0] if collective == "reduce" else out
 
 
 def plan_algorithm(collective, reduction, tensors, group, ctx, splits=None):

@@ -62,12 +62,12 @@ import tensorflow as tf
 from tfreduce.choices import COLLECTIVES
 from tfreduce.cluster import Cluster
 from tfreduce.collective import in_function
-from tfreduce.collective_build import build_group, plan_algorithm, result_dtypes
+from tfreduce.collective_build import build_wire_group, plan_algorithm, result_dtypes
 from tfreduce.compression import Compression
 from tfreduce.contract import check_flag, values_of
 from tfreduce.crossworker import CrossWorkerCollectives, cross_worker_options
 from tfreduce.localcluster import LocalCluster
-from tfreduce.primitives import check_average_dtype, copy_to, scale_by_reciprocal
+from tfreduce.primitives import check_average_dtype, copy_to
 from tfreduce.reduction import as_reduction
 from tfreduce.shards import (check_list, check_root, check_splits, resolve_groups,
                              validate_tensors)
@@ -299,8 +299,8 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
             for gi, (group, stage) in enumerate(zip(groups, stages)):
                 scope = tf.name_scope(f"group{gi}") if len(groups) > 1 else contextlib.nullcontext()
                 with scope:
-                    results.append(_build_one(collective, stage, tensors, group, root, average,
-                                              wire, splits))
+                    results.append(build_wire_group(collective, stage, tensors, group, root,
+                                                    average, wire, splits))
             if collective == "reduce":
                 # N per group, None where a tensor is None on every tower.
                 return [_spread(row, tensors) for row in results]
@@ -333,16 +333,6 @@ def _wire(collective, reduction, across):
                          f"the sums of one process; across workers {collective} moves the "
                          f"tensors in their own dtype")
     return reduction.compression, dataclasses.replace(reduction, compression="none")
-
-
-def _build_one(collective, stage, tensors, group, root, average, wire, splits):
-    # One group's collective: compressed, built by its stage, decompressed.
-    restore = _compress(tensors, group, wire, average)
-    ctx = ReduceContext([tensors.devices[i] for i in group], average and not wire.compresses,
-                        result_dtypes(tensors, group[root]), root=root,
-                        wire_sum=wire.compresses)
-    rows = build_group(collective, stage, tensors, group, ctx, splits)
-    return _decompress(rows, collective, tensors, group, root, wire, restore)
 
 
 def _stages(collective, reduction, tensors, groups, across, root, average, splits):
@@ -401,42 +391,6 @@ def _across_workers(cluster, collective, groups):
         raise ValueError(f"{collective}: groups= run inside one process; across workers the "
                          f"collective spans every tower of every worker")
     return cluster
-
-
-def _compress(tensors, group, wire, average):
-    # Each tower of the group casts its tensors to the wire dtype on its
-    # device, prescaled by 1/K_g when averaging (Horovod's prescale: no
-    # partial sum of a mean overflows); {n: [ctx of each group tower]}.
-    restore = {}
-    if not wire.compresses:
-        return restore
-    for n in tensors.present:
-        contexts = []
-        for i in group:
-            with tf.device(tensors.devices[i]), tf.name_scope(f"tensor{n}_dev{i}_compress"):
-                t = tf.convert_to_tensor(tensors.tensors[i][n])
-                if average and wire.wire_dtype(t.dtype) != t.dtype:
-                    t = scale_by_reciprocal(t, len(group))
-                tensors.tensors[i][n], ctx = wire.compress(t)
-            contexts.append(ctx)
-        restore[n] = contexts
-    return restore
-
-
-def _decompress(rows, collective, tensors, group, root, wire, restore):
-    # The results back in their dtypes, on their devices.
-    if not restore:
-        return rows
-    if collective == "reduce":
-        rows, owners = [rows], [group[root]]
-    else:
-        owners = group
-    out = []
-    for i, row in zip(owners, rows):
-        with tf.device(tensors.devices[i]):
-            out.append([wire.decompress(t, restore[n][group.index(i)])
-                        for n, t in zip(tensors.present, row)])
-    return out[0] if collective == "reduce" else out
 
 
 def _spread(row, tensors):

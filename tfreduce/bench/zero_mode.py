@@ -91,7 +91,9 @@ def _builder(args, input_shape):
     if args.train_model == "cnn":
         return cnn_builder(input_shape, _CLASSES)
     application = keras_application(args.train_model)
-    return lambda: application(weights=None, input_shape=input_shape, classes=_CLASSES)
+    # Logits out, as the trainer's loss takes them.
+    return lambda: application(weights=None, input_shape=input_shape, classes=_CLASSES,
+                               classifier_activation=None)
 
 
 def _one(args, num_devices, log):

@@ -44,13 +44,16 @@ class TrainerCheckpoint:
       tower_state: the trainer's update.TowerState, whose per-tower
         variables (accumulated gradients, PowerSGD's Q and error feedback)
         are saved for every tower, or None.
-      total_towers: int T, the towers of all workers.
-      zero_stage: int, the trainer's zero_stage.
+      options: the trainer's StepOptions (towers of all workers, zero_stage,
+        cluster). With ZeRO across workers, a save gathers every worker's
+        shards for rank 0 to write, and a restore scatters rank 0's read.
     """
 
-    def __init__(self, towers, step, epoch_totals, tower_state=None, total_towers=1,
-                 zero_stage=0):
+    def __init__(self, towers, step, epoch_totals, tower_state, options):
         model, zero = towers.models[0], towers.zero
+        self._options = options
+        self._across = zero is not None and options.multiworker
+        self._received = None  # rank 0's whole optimizer state, read for scatter
         if zero is None:
             sizes = [int(v.shape.num_elements()) for v in towers.trainable[0]]
             optimizer_state = OptimizerState(towers.optimizers[:1], towers.trainable[:1],
@@ -58,7 +61,8 @@ class TrainerCheckpoint:
         else:
             optimizer_state = OptimizerState(towers.optimizers, zero.pieces, zero.layout.pieces,
                                              towers.trainable[0])
-        self._run = (total_towers, zero_stage)
+        self._optimizer_state = optimizer_state
+        self._run = (options.total_towers, options.zero_stage)
         with tf.device("/device:CPU:0"):
             self._run_layout = tf.Variable(self._run, dtype=tf.int64, trainable=False,
                                            name="run_layout")
@@ -90,12 +94,26 @@ class TrainerCheckpoint:
         Args:
           path: str, checkpoint directory (created if missing).
 
+        Returns:
+          str, the prefix written; None on the other workers of a cluster
+          (with ZeRO they take part: their shards are gathered).
+
         Raises:
           FloatingPointError: a variable the checkpoint holds (model,
             optimizer, a tower's accumulated gradients or PowerSGD state, the
             epoch's running totals) holds NaN or Inf; nothing is written and
             the checkpoints in `path` stay.
         """
+        if self._across:
+            self._optimizer_state.gather(self._options.devices, self._options.exact_reduction,
+                                         self._options.cluster)
+        try:
+            return self._write(path) if self._options.cluster.is_chief else None
+        finally:
+            self._optimizer_state.release()
+
+    def _write(self, path):
+        """save's writing, on rank 0."""
         bad = _first_non_finite(self._variables)
         if bad is not None:
             raise FloatingPointError(
@@ -126,12 +144,18 @@ class TrainerCheckpoint:
         towers' own state (accumulated gradients, PowerSGD's) is kept only
         at the same number of towers; at another, the run restarts it.
 
+        Args:
+          prefix: str, the checkpoint; "" on the workers of a cluster other
+            than rank 0, which receive its values (``finish_restore``).
+
         Raises:
           ValueError: the checkpoint does not match the objects (another
             model or optimizer); it was saved midway through an
             accumulation cycle at another number of towers; it predates the
             layout and this run shards its optimizer state.
         """
+        if not prefix:
+            return
         reader = tf.train.load_checkpoint(prefix)
         names = reader.get_variable_to_shape_map()
         saved = _saved_run(reader, names)
@@ -157,7 +181,7 @@ class TrainerCheckpoint:
         try:
             tf.train.Checkpoint(**parts).restore(prefix).assert_existing_objects_matched()
             if optimizer_state is not None:
-                optimizer_state.read(prefix)
+                self._received = optimizer_state.read(prefix, whole=self._across)
         except (AssertionError, tf.errors.NotFoundError) as error:
             raise ValueError(
                 f"restore: checkpoint {prefix!r} does not match this trainer's model: {error}"
@@ -170,6 +194,16 @@ class TrainerCheckpoint:
         if self._tower_state is not None:
             # A skip of the resumed cycle goes back to the restored state.
             self._tower_state.save_forward(always=True)
+
+    def finish_restore(self):
+        """After a restore's broadcast: with ZeRO across workers, every tower takes its ranges.
+
+        Called on every worker; the others do nothing.
+        """
+        if self._across:
+            self._optimizer_state.scatter(self._received, self._options.devices,
+                                          self._options.exact_reduction, self._options.cluster)
+        self._received = None
 
 
 def _saved_run(reader, names):

@@ -112,9 +112,11 @@ def fit_loop(
     """
     x, y, steps_per_epoch = fit_data(x, y, batch_size, total_towers)
     if not trainer.is_chief:
-        # Rank 0 writes and reports for the whole cluster.
-        logdir, checkpoint_dir, verbose = None, None, 0
-    check_fit_arguments(epochs, validation_data, checkpoint_dir, verbose)
+        # Rank 0 writes and reports for the whole cluster; the others' saves
+        # write nothing (with ZeRO their shards are gathered for rank 0's).
+        logdir, verbose = None, 0
+    check_fit_arguments(epochs, validation_data, checkpoint_dir if trainer.is_chief else None,
+                        verbose)
     if verbose == 1 and not sys.stdout.isatty():
         # A bar redrawn with \r and ANSI codes is noise in a file or a pipe
         # (a log, the launcher's prefixed lines): one line per epoch there.
@@ -175,6 +177,8 @@ def _save_on_interrupt(trainer, hooks, checkpoint_dir, stop):
         hooks.finish()
     if checkpoint_dir is not None:
         path = trainer.save(checkpoint_dir)
+        if isinstance(stop, Terminated):
+            hooks.finish()  # a save may gather across workers: none leaves before all have
         if path is not None:
             what = stop if isinstance(stop, Terminated) else f"interrupted at step {trainer.step}"
             print(f"\n{what}; checkpoint written to {path}", file=sys.stderr)

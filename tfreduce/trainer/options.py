@@ -112,18 +112,6 @@ class StepOptions:
                 f"accumulate_steps={self.accumulate_steps}, on_nonfinite={self.on_nonfinite}, "
                 f"powersgd={self.powersgd!r}, zero_stage={self.zero_stage}")
 
-    def check_checkpoints(self, what):
-        """Raises ValueError where checkpoints cannot be written: ZeRO across workers.
-
-        Each worker holds its own towers' shards of the optimizer state, and
-        only rank 0 writes and reads checkpoints.
-        """
-        if self.zero_stage and self.multiworker:
-            raise ValueError(
-                f"{what}: with zero_stage={self.zero_stage} across workers each worker holds "
-                f"its own shards of the optimizer state, which rank 0's checkpoint cannot "
-                f"hold yet; train without checkpoints, or with zero_stage=0")
-
     def check(self):
         """Checks the reduction against the devices now, as the first step would build it.
 

@@ -322,8 +322,6 @@ class ReplicatedTrainer:
             infinite dataset, or verbose not 0, 1 or 2.
           KeyboardInterrupt: re-raised after the checkpoint is written.
         """
-        if checkpoint_dir is not None:
-            self._options.check_checkpoints("fit(checkpoint_dir=...)")
         hooks = FitHooks(  # run_step looks the method up at every step (it may be replaced)
             run_step=lambda x_batch, y_batch: self._run_train_step(x_batch, y_batch),
             stop=self._stop, epoch_totals=self._epoch_totals,
@@ -391,7 +389,8 @@ class ReplicatedTrainer:
         optimizers' state is kept in a layout that any number of towers and
         any zero_stage resume from (docs/zero.md); each tower's own state
         (accumulated gradients, PowerSGD's) per tower. In a cluster only
-        rank 0 writes.
+        rank 0 writes; with ZeRO, call it on every worker (as `fit` does):
+        every worker's shards are gathered for it.
 
         Args:
           path: str, checkpoint directory (created if missing).
@@ -401,14 +400,10 @@ class ReplicatedTrainer:
           of a cluster.
 
         Raises:
-          ValueError: the models are not built yet (no batch seen); ZeRO
-            across workers.
+          ValueError: the models are not built yet (no batch seen).
           FloatingPointError: a variable holds NaN or Inf: nothing is written.
         """
         self._built("save")
-        self._options.check_checkpoints("save")
-        if not self.is_chief:
-            return None
         return self._checkpoint.save(path)
 
     def restore(self, path):
@@ -416,7 +411,7 @@ class ReplicatedTrainer:
 
         `fit` with the same data and arguments then continues the run
         exactly. In a cluster, call it on every worker: rank 0 reads the
-        checkpoint and broadcasts it.
+        checkpoint and broadcasts it (with ZeRO, each tower keeps its ranges).
 
         Args:
           path: str, a checkpoint directory (its newest intact checkpoint is
@@ -428,23 +423,19 @@ class ReplicatedTrainer:
 
         Raises:
           FileNotFoundError: there is no checkpoint at path (rank 0).
-          ValueError: every checkpoint at path is damaged (each named); it
-            does not match this trainer's model; ZeRO across workers.
+          ValueError: every checkpoint at path is damaged (each named), or it
+            does not match this trainer's model.
         """
-        self._options.check_checkpoints("restore")
         if not self._cluster.is_local and self._steps is not None:
             # Rank 0's tower state alone is in the checkpoint: all restart theirs.
             self._steps.reset_state()
-        if not self.is_chief:
-            # Rank 0's values arrive with the broadcast (at build if not built).
-            if self._steps is not None:
-                self._steps.broadcast()
-            return None
-        prefix = find_prefix(path)
+        # The other ranks ("") receive rank 0's values with the broadcast.
+        prefix = find_prefix(path) if self.is_chief else ""
         if self._steps is None:
             # Restored once the first batch has built the models.
             self._pending_restore = prefix
-            return prefix
+            return prefix or None
         self._checkpoint.restore(prefix)
         self._steps.broadcast()
-        return prefix
+        self._checkpoint.finish_restore()
+        return prefix or None

@@ -405,7 +405,8 @@ def build_run(models, optimizers, options, counters, x, describe, restore=None):
       counters: (step counter, epoch totals) tf.Variables.
       x: a batch [batch, ...] to build unbuilt models with, or None.
       describe: str, more settings the workers of a cluster must agree on.
-      restore: a checkpoint prefix to restore before the first broadcast, or None.
+      restore: a checkpoint prefix to restore before the first broadcast ("" on
+        the workers of a cluster that receive rank 0's), or None.
 
     Returns:
       (StepFunctions, TrainerCheckpoint).
@@ -425,12 +426,13 @@ def build_run(models, optimizers, options, counters, x, describe, restore=None):
                         describe_variables(built.variables[0]))
     state = TowerState(built, options.accumulate_steps, options.powersgd, HOST,
                        built.zero.sum_specs() if options.zero_stage == 2 else None)
-    checkpoint = TrainerCheckpoint(built, *counters, state, options.total_towers,
-                                   options.zero_stage)
+    checkpoint = TrainerCheckpoint(built, *counters, state, options)
     if restore is not None:
         # Before the step functions exist: if it fails, the next call builds again.
         checkpoint.restore(restore)
     steps = StepFunctions(built, options, state, *counters)
     steps.broadcast()
+    if restore is not None:
+        checkpoint.finish_restore()
     return steps, checkpoint
 

@@ -175,7 +175,8 @@ def build_towers(models, optimizers, devices, x, zero=None):
       Towers.
 
     Raises:
-      ValueError: the towers differ in their variables.
+      ValueError: the towers differ in their variables; a tower of a ZeRO
+        run with loss scaling would hold no element.
     """
     for model, device in zip(models, devices):
         with tf.device(device):
@@ -185,6 +186,8 @@ def build_towers(models, optimizers, devices, x, zero=None):
                 model(x[:1], training=False)
     trainable = [list(m.trainable_variables) for m in models]
     state = None if zero is None else ZeroState(zero[0], trainable, devices, *zero[1:])
+    if state is not None:
+        state.check_loss_scaling(optimizers)
     for k, (optimizer, device) in enumerate(zip(optimizers, devices)):
         with tf.device(device):
             optimizer.build(trainable[k] if state is None else state.pieces[k])

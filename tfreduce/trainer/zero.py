@@ -100,13 +100,7 @@ def check_optimizer(optimizer, k):
 
 @dataclasses.dataclass(frozen=True)
 class ShardLayout:
-    """Which elements of which variables each of this worker's towers owns.
-
-    Args:
-      variables: list of N trainable variables (tower 0's), the gradients' order.
-      total_towers: int T, the towers of all workers.
-      first_tower: int, the index among the T of this worker's tower 0 (rank * K).
-      num_towers: int K, this worker's towers.
+    """Which elements of which variables each of this worker's towers owns (``build``).
 
     Attributes:
       dtypes: list of D tf.DTypes, the flat views, in order of first variable.
@@ -125,6 +119,17 @@ class ShardLayout:
 
     @classmethod
     def build(cls, variables, total_towers, first_tower, num_towers):
+        """The layout of the one shard rule over each dtype's flat view.
+
+        Args:
+          variables: list of N trainable variables (tower 0's), the gradients' order.
+          total_towers: int T, the towers of all workers.
+          first_tower: int, the index among the T of this worker's tower 0 (rank * K).
+          num_towers: int K, this worker's towers.
+
+        Returns:
+          ShardLayout.
+        """
         sizes = [int(v.shape.num_elements()) for v in variables]
         dtypes, members = [], []
         for n, v in enumerate(variables):
@@ -155,6 +160,14 @@ class ShardLayout:
                            else tf.reshape(tf.convert_to_tensor(row[n]), [-1]) for n in group], 0)
                 for d, group in enumerate(self.members)]
 
+    def held_views(self, k, pieces):
+        """D 1-D tensors: tower k's pieces of each dtype joined, the empty ones left out."""
+        out = []
+        for d, group in enumerate(self.members):
+            held = [tf.convert_to_tensor(pieces[n]) for n in group if self.pieces[k][n][1]]
+            out.append(tf.concat(held, 0) if held else tf.zeros([0], self.dtypes[d]))
+        return out
+
     def split_views(self, views, shapes):
         """N tensors of the given shapes from D full flat views (flat_views' inverse)."""
         out = [None] * len(self.sizes)
@@ -184,6 +197,7 @@ class ZeroState:
       first_tower: int, this worker's tower 0 among the T.
 
     Attributes:
+      stage: int, 1 or 2.
       layout: ShardLayout.
       pieces: K x N list of 1-D keras.Variables on devices[k], tower k's
         piece of variable n (the optimizers are built on them).
@@ -192,7 +206,6 @@ class ZeroState:
     def __init__(self, stage, trainable, devices, total_towers, first_tower):
         self.stage = stage
         self.devices = devices
-        self.total_towers = total_towers
         self.layout = ShardLayout.build(trainable[0], total_towers, first_tower, len(devices))
         self.pieces = []
         for k, (row, device) in enumerate(zip(trainable, devices)):
@@ -206,6 +219,19 @@ class ZeroState:
         with keras.name_scope(f"tfreduce_zero_t{k}v{n}"):
             return keras.Variable(tf.reshape(variable, [-1])[start:start + length],
                                   dtype=variable.dtype, name=variable.name)
+
+    def check_loss_scaling(self, optimizers):
+        """Raises ValueError if a tower holds no element and the optimizers scale the loss.
+
+        A LossScaleOptimizer learns of a skip from NaN gradients (``_apply``),
+        which a tower without elements cannot be given.
+        """
+        empty = [k for k, row in enumerate(self.layout.shard_lengths) if not any(row)]
+        if empty and scales_loss(optimizers[0]):
+            raise ValueError(
+                f"zero_stage with a LossScaleOptimizer (mixed_float16): tower {empty[0]} "
+                f"would hold no element of the model's {sum(self.layout.sizes)}, fewer than "
+                f"the towers of the run; use fewer towers or zero_stage=0")
 
     def sum_specs(self):
         """K lists of (shape, dtype): the sharded accumulation buffers of stage 2."""
@@ -323,7 +349,14 @@ class ZeroState:
                     # Its own shard could be finite where another's is not.
                     grads = [tf.where(finite[k], g, tf.constant(float("nan"), g.dtype))
                              for g in grads]
-                pairs = [(g if p else None, v) for g, v, p in zip(grads, self.pieces[k], present)]
+                # Only the pieces this tower holds: most of a tower's N pieces are
+                # empty, and an optimizer may update a subset of its variables.
+                pairs = [(g, v) for g, v, p, (_, length) in
+                         zip(grads, self.pieces[k], present, self.layout.pieces[k])
+                         if p and length]
+                # A tower that holds nothing still counts the step (Keras skips
+                # an empty list), so every tower's optimizer counts alike.
+                pairs = pairs or [(grads[0], self.pieces[k][0])]
 
                 def step(optimizer=optimizer, pairs=pairs):
                     optimizer.apply_gradients(pairs)
@@ -339,7 +372,7 @@ class ZeroState:
         views = []
         for k, device in enumerate(self.devices):
             with tf.device(device), tf.name_scope(f"zero_pieces_tower{k}"):
-                views.append(self.layout.flat_views([p.value for p in self.pieces[k]]))
+                views.append(self.layout.held_views(k, self.pieces[k]))
         full = all_gather(views, self.devices, reduction=options.exact_reduction,
                           cluster=options.cluster)
         shapes = [v.shape for v in trainable[0]]
