@@ -393,3 +393,15 @@ def test_loss_scaling_needs_an_element_on_every_tower(mixed_float16):
     with pytest.raises(ValueError, match=r"LossScaleOptimizer \(mixed_float16\): tower 1 would "
                                          r"hold no element of the model's 1"):
         trainer(2, 1, model=tiny)
+
+
+def test_compression_across_workers_is_refused_when_the_trainer_is_made():
+    from tfreduce.trainer.options import StepOptions
+    cluster = tfreduce.Cluster({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "worker", 0)
+    options = StepOptions(loss_fn=None, class_indices=True, average=True, total_towers=4,
+                          devices=CPU_DEVICES[:2], cluster=cluster, zero_stage=2,
+                          reduction=tfreduce.Reduction("ring", compression="bf16"))
+    with pytest.raises(ValueError, match=r"zero_stage=2 with compression='bf16' across workers: "
+                                         r"the reduce-scatter across workers moves the gradients "
+                                         r"in their own dtype"):
+        options.check()

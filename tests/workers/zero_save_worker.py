@@ -10,20 +10,17 @@ import os
 import signal
 import sys
 
+import numpy as np
 import tensorflow as tf
-
-tf.config.set_logical_device_configuration(
-    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 4)
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
-
-import numpy as np  # noqa: E402
-from tensorflow.python.checkpoint import checkpoint_management  # noqa: E402
-
-from test_zero import data, gathered_slots, trainer  # noqa: E402
+from tensorflow.python.checkpoint import checkpoint_management
 
 
 def main(path):
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 4)
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+    from test_zero import data, gathered_slots, trainer
+
     t = trainer(4, 1)
     x, y = data(16)
     for _ in range(3):

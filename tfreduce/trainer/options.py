@@ -117,8 +117,16 @@ class StepOptions:
 
         Raises:
           ValueError: devices the reduction cannot use (groups that do not
-            fit K, NCCL on CPUs, a topology too small or across workers).
+            fit K, NCCL on CPUs, a topology too small or across workers);
+            ZeRO with compression across workers (the cross-worker
+            reduce-scatter moves the gradients in their own dtype).
         """
+        if self.zero_stage and self.multiworker and self.reduction.compression.compresses:
+            raise ValueError(
+                f"zero_stage={self.zero_stage} with compression="
+                f"{self.reduction.compression.name!r} across workers: the reduce-scatter "
+                f"across workers moves the gradients in their own dtype; drop compression, "
+                f"or use zero_stage=0")
         self.reduction.check_devices(self.devices, self.cluster)
 
     def allreduce(self, all_grads, average):
