@@ -326,9 +326,9 @@ def _wire(collective, reduction, across):
     # (the compression of the sums, the reduction that chooses the stage).
     # Reduce-scatter and reduce compress as the all-reduce does; the other
     # collectives refuse compression when they choose their stage.
-    if collective not in ("reduce_scatter", "reduce"):
+    if collective not in ("reduce_scatter", "reduce") or not reduction.compression.compresses:
         return Compression.none, reduction
-    if across is not None and reduction.compression.compresses:
+    if across is not None:
         raise ValueError(f"{collective}: compression={reduction.compression.name!r} compresses "
                          f"the sums of one process; across workers {collective} moves the "
                          f"tensors in their own dtype")
