@@ -406,3 +406,23 @@ def test_compression_across_workers_is_refused_when_the_trainer_is_made():
                                          r"the reduce-scatter across workers moves the gradients "
                                          r"in their own dtype"):
         options.check()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_in_keras_optimizer_layout_restores_unsharded_and_is_refused_sharded(
+        tmp_path):
+    # The layout checkpoints had before the optimizers' own: Keras' objects.
+    t = trainer(2, 0)
+    train(t, 3)
+    model, optimizer = t.models[0], t.optimizers[0]
+    prefix = tf.train.Checkpoint(model=model, optimizer=optimizer,
+                                 model_variables=list(model.variables),
+                                 step=t._step).save(str(tmp_path / "old"))
+    u = trainer(2, 0)
+    u.restore(prefix)
+    assert u.step == 3
+    for a, b in zip(u.optimizers[1].variables, optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    with pytest.raises(ValueError, match=r"keeps the optimizer in Keras' layout; resume it with "
+                                         r"zero_stage=0 and save once"):
+        trainer(2, 1).restore(prefix)
