@@ -65,20 +65,38 @@ def run(args, log):
     }
 
 
-def _train_in_child(args, num_devices, log):
+def row_in_child(args, num_devices, log, extra=()):
+    """The result row of the train mode for one K, timed in a child process.
+
+    Args:
+      args: argparse.Namespace from ``cli.parse_args``.
+      num_devices: int K.
+      log: callable(str), progress lines.
+      extra: more arguments of the child (``--zero-stage`` and its model).
+
+    Returns:
+      dict, the child's only result row.
+
+    Raises:
+      subprocess.CalledProcessError: the child failed.
+    """
     log(f"K={num_devices}: timing in a child process")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "train.json")
-        argv = [sys.executable, "-m", "tfreduce.bench", "--mode", "train", "--grid-devices",
-                str(num_devices), "--device-type", args.device_type, "--batch-size",
-                str(args.batch_size), "--image-size", str(args.image_size), "--steps",
-                str(args.steps), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
-                "--json", path, "--quiet"]
+        argv = [sys.executable, "-m", "tfreduce.bench", "--mode", "train", *extra,
+                "--grid-devices", str(num_devices), "--device-type", args.device_type,
+                "--batch-size", str(args.batch_size), "--image-size", str(args.image_size),
+                "--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup",
+                str(args.warmup), "--json", path, "--quiet"]
         if args.algorithms:
             argv += ["--algorithms", ",".join(args.algorithms)]
         subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
         with open(path) as f:
-            row = json.load(f)["results"][0]
+            return json.load(f)["results"][0]
+
+
+def _train_in_child(args, num_devices, log):
+    row = row_in_child(args, num_devices, log)
     log(f"K={num_devices}: trainer {row['trainer_images_per_s']:.0f} images/s, "
         f"fit {row['fit_images_per_s']:.0f} images/s, fit with tfreduce "
         f"{row['tfreduce_fit_images_per_s']:.0f} images/s, {num_devices} processes "

@@ -12,18 +12,14 @@ several are asked for (MirroredStrategy cannot share one, see train_mode).
 Without accumulation stage 2 is stage 1.
 """
 
-import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 
 import numpy as np
 
 from tfreduce.bench.harness import environment
 from tfreduce.bench.tables import print_table
-from tfreduce.bench.train_mode import alternate_rounds, cnn_builder, fit_rounds, trainer_rounds
+from tfreduce.bench.train_mode import (alternate_rounds, cnn_builder, fit_rounds, row_in_child,
+                                       trainer_rounds)
 from tfreduce.bench.workloads import keras_application
 from tfreduce.devices import logical_devices
 
@@ -68,20 +64,9 @@ def _side(args):
 
 
 def _in_child(args, num_devices, log):
-    log(f"K={num_devices}: timing in a child process")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "zero.json")
-        argv = [sys.executable, "-m", "tfreduce.bench", "--mode", "train", "--zero-stage",
-                ",".join(str(s) for s in args.zero_stage), "--train-model", args.train_model,
-                "--grid-devices", str(num_devices), "--device-type", args.device_type,
-                "--batch-size", str(args.batch_size), "--image-size", str(args.image_size),
-                "--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup",
-                str(args.warmup), "--json", path, "--quiet"]
-        if args.algorithms:
-            argv += ["--algorithms", ",".join(args.algorithms)]
-        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
-        with open(path) as f:
-            row = json.load(f)["results"][0]
+    row = row_in_child(args, num_devices, log, [
+        "--zero-stage", ",".join(str(s) for s in args.zero_stage),
+        "--train-model", args.train_model])
     log(f"K={num_devices}: " + ", ".join(f"{name} {rate:.0f} images/s"
                                         for name, rate in row["images_per_s"].items()))
     return row

@@ -344,19 +344,18 @@ class ZeroState:
         """
         for k, (optimizer, device) in enumerate(zip(optimizers, self.devices)):
             with tf.device(device), tf.name_scope(f"tower{k}_apply"):
-                grads = pieces[k]
-                if scales_loss:
-                    # Its own shard could be finite where another's is not.
-                    grads = [tf.where(finite[k], g, tf.constant(float("nan"), g.dtype))
-                             for g in grads]
                 # Only the pieces this tower holds: most of a tower's N pieces are
                 # empty, and an optimizer may update a subset of its variables.
                 pairs = [(g, v) for g, v, p, (_, length) in
-                         zip(grads, self.pieces[k], present, self.layout.pieces[k])
+                         zip(pieces[k], self.pieces[k], present, self.layout.pieces[k])
                          if p and length]
                 # A tower that holds nothing still counts the step (Keras skips
                 # an empty list), so every tower's optimizer counts alike.
-                pairs = pairs or [(grads[0], self.pieces[k][0])]
+                pairs = pairs or [(pieces[k][0], self.pieces[k][0])]
+                if scales_loss:
+                    # Its own shard could be finite where another's is not.
+                    pairs = [(tf.where(finite[k], g, tf.constant(float("nan"), g.dtype)), v)
+                             for g, v in pairs]
 
                 def step(optimizer=optimizer, pairs=pairs):
                     optimizer.apply_gradients(pairs)
