@@ -15,7 +15,7 @@ DTYPES = {
     "float64": np.float64,
     "bfloat16": ml_dtypes.bfloat16,
 }
-SHAPES = [(), (7,), (3, 5), (2, 3, 4), (2, 1, 3, 2)]
+SHAPES = [(), (7,), (3, 5), (2, 3, 4), (2, 1, 3, 2), (4, 8)]
 
 
 def make_grads(num_towers, seed):
@@ -35,7 +35,9 @@ def make_grads(num_towers, seed):
     return grads
 
 
-@pytest.mark.parametrize("pack_bytes", [None, 64])
+# 256: buffers of several gradients, sizes that are multiples of 64 bytes
+# (handed out as slices) beside others (the copied tail).
+@pytest.mark.parametrize("pack_bytes", [None, 256])
 @pytest.mark.parametrize("average", [False, True])
 @pytest.mark.parametrize("num_towers", [1, 2, 3, 4] + [pytest.param(k, marks=pytest.mark.slow)
                                                       for k in (6, 8)])

@@ -41,6 +41,7 @@ import tensorflow as tf
 from tfreduce.devices import canonical_or_empty, topology_index
 from tfreduce.graphwalk import as_graph, static_bytes, tensors, walk_back
 from tfreduce.hostprobe import resolve_topology
+from tfreduce.packing import ALIGN_BYTES
 
 __all__ = ["Prediction", "predict"]
 
@@ -57,10 +58,9 @@ COLLECTIVE_OPS = frozenset(RING_KINDS)
 # Split and SplitV into one piece forward their input; splits along the
 # first axis hand out slices of the input buffer without copying when every
 # piece starts and ends on a multiple of EIGEN_MAX_ALIGN_BYTES (64 in TF's
-# builds); otherwise they copy (split_v_op.cc; IsDim0SliceAligned and
-# IsInnerDimsSizeAligned, tensorflow/core/framework/ops_util.h).
+# builds, packing.ALIGN_BYTES); otherwise they copy (split_v_op.cc;
+# IsDim0SliceAligned and IsInnerDimsSizeAligned, tensorflow/core/framework/ops_util.h).
 SLICING_OPS = frozenset({"Split", "SplitV", "Unpack"})
-ALIGN_BYTES = 64
 # Ops whose CPU kernels copy a flat buffer on one thread (TF shards a
 # concat over its output's rows, one for a flat buffer): one lane each.
 COPY_OPS = SLICING_OPS | {"ConcatV2", "Concat", "Pack"}

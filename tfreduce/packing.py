@@ -6,12 +6,27 @@ tensors (biases, BatchNorm scales), so the reduction of N tensors is cheaper
 as the reduction of a few large buffers: Horovod's fusion buffer, MegEngine's
 param_pack and PyTorch DDP's gradient buckets all do this.
 
-``PackPlan`` groups the dense gradients of one dtype, in variable order, into
-buffers of about ``pack_bytes`` bytes; each tower concatenates its flattened
-gradients into the buffers on its own device, the buffers are all-reduced, and
-each tower splits them back on its own device. Gradients with an unknown
-static shape, ``tf.IndexedSlices`` and gradients larger than ``pack_bytes``
-pass through unpacked.
+``PackPlan`` groups the dense gradients of one dtype into buffers
+("buckets") of about ``pack_bytes`` bytes, in backward order: the reverse
+of the variables' order, which is the order a backward pass produces
+them (the last layer's first), as DDP forms its buckets (Li et al., 2020,
+arXiv 2006.15704). Each buffer's reduction depends only on its own
+gradients, so the first buffers are reduced while the backward pass still
+computes the gradients of the earlier layers. Each tower concatenates its
+flattened gradients into the buffers on its own device, the buffers are
+all-reduced, and each tower splits them back on its own device. Gradients
+with an unknown static shape, ``tf.IndexedSlices`` and gradients larger
+than ``pack_bytes`` pass through unpacked, as buffers of their own.
+
+Unpacking is free where TensorFlow allows: a split along the first axis
+hands out slices of its input without a copy when every piece starts and
+ends on a multiple of ``ALIGN_BYTES`` (EIGEN_MAX_ALIGN_BYTES; any other
+piece makes the whole split copy). So a buffer holds first the gradients
+whose size is a multiple of 64 bytes (each then starts at a 64-byte
+offset), then the others, then zeros up to the next 64 bytes: the first
+split hands out the aligned gradients and the tail as slices, and only the
+tail, the gradients that no layout could hand out free, is copied by a
+second split.
 """
 
 import tensorflow as tf
@@ -20,7 +35,12 @@ import tensorflow as tf
 from tfreduce.choices import DEFAULT_PACK_BYTES
 from tfreduce.contract import nbytes
 
-__all__ = ["DEFAULT_PACK_BYTES", "PackPlan", "check_pack_bytes"]
+__all__ = ["ALIGN_BYTES", "DEFAULT_PACK_BYTES", "PackPlan", "check_pack_bytes"]
+
+#: Bytes of the alignment TensorFlow's split and slice kernels need to hand
+#: out a piece of their input without a copy (EIGEN_MAX_ALIGN_BYTES in TF's
+#: builds; IsDim0SliceAligned, tensorflow/core/framework/ops_util.h).
+ALIGN_BYTES = 64
 
 
 def check_pack_bytes(pack_bytes):
@@ -44,18 +64,21 @@ class PackPlan:
     Args:
       grads: contract.Gradients, the validated K x N input.
       pack_bytes: int >= 0 or None (checked by the caller,
-        ``check_pack_bytes``); buffer size in bytes. None or 0 packs nothing.
+        ``check_pack_bytes``); buffer size in bytes, counting the gradients'
+        bytes (not the padding). None or 0 packs nothing.
 
     Attributes:
       entries: list of lists of int; entry m holds the variable indices packed
-        into buffer m (one index for a gradient passed through).
+        into buffer m, in their order in the buffer (one index for a gradient
+        passed through). Entries are in backward order: entry 0 holds the
+        last variables.
     """
 
     def __init__(self, grads, pack_bytes):
         self._grads = grads
         self.entries = []
         open_buffers = {}  # dtype -> (entry index, bytes so far)
-        for n in grads.reduced:
+        for n in reversed(grads.reduced):
             g = grads.grads[0][n]
             size = nbytes(g)
             # Only shapes known on every tower: a flat buffer cut at tower 0's
@@ -73,12 +96,30 @@ class PackPlan:
                 m, used = current
                 self.entries[m].append(n)
                 open_buffers[g.dtype] = (m, used + size)
+        # Aligned sizes first (a stable sort keeps the backward order in each part).
+        self.entries = [sorted(members, key=lambda n: not self._aligned(n))
+                        for members in self.entries]
+
+    def _aligned(self, n):
+        return nbytes(self._grads.grads[0][n]) % ALIGN_BYTES == 0
+
+    def _layout(self, members):
+        # (element counts of the aligned members, of the others, padding
+        # elements after them).
+        g0 = self._grads.grads[0]
+        aligned = [g0[n].shape.num_elements() for n in members if self._aligned(n)]
+        others = [g0[n].shape.num_elements() for n in members if not self._aligned(n)]
+        itemsize = g0[members[0]].dtype.size
+        pad = -sum(others) * itemsize % ALIGN_BYTES // itemsize
+        return aligned, others, pad
 
     def pack(self):
         """Builds the K x M list of buffers, each on its tower's device.
 
         Returns:
-          list of K lists of M tensors (or IndexedSlices passed through).
+          list of K lists of M tensors (or IndexedSlices passed through);
+          a packed buffer is 1-D, its gradients flattened in entry order,
+          then zeros up to a multiple of ``ALIGN_BYTES``.
         """
         g = self._grads
         out = []
@@ -92,6 +133,9 @@ class PackPlan:
                     # A 1-D gradient (bias, BatchNorm scale: most small
                     # tensors) goes in as it is: no reshape op per tensor.
                     flat = [_flat(g.grads[k][n]) for n in members]
+                    pad = self._layout(members)[2]
+                    if pad:
+                        flat.append(tf.zeros([pad], flat[0].dtype))
                     row.append(tf.concat(flat, axis=0, name=f"dev{k}_pack{m}"))
             out.append(row)
         return out
@@ -114,12 +158,24 @@ class PackPlan:
                     if len(members) == 1:
                         out[k][members[0]] = reduced[k][m]
                         continue
-                    shapes = [g.grads[0][n].shape for n in members]
-                    parts = tf.split(reduced[k][m], [s.num_elements() for s in shapes],
-                                     name=f"dev{k}_unpack{m}")
-                    for n, part, shape in zip(members, parts, shapes):
+                    parts = self._split(reduced[k][m], members, f"dev{k}_unpack{m}")
+                    for n, part in zip(members, parts):
+                        shape = g.grads[0][n].shape
                         out[k][n] = part if shape.rank == 1 else tf.reshape(part, shape)
         return out
+
+    def _split(self, buffer, members, name):
+        # The flat pieces of one buffer: the aligned ones and the tail as
+        # slices (one split), the tail cut by a second, copying split.
+        aligned, others, pad = self._layout(members)
+        tail = sum(others) + pad
+        if not aligned:
+            return tf.split(buffer, others + [pad] if pad else others, name=name)[:len(others)]
+        if not others:
+            return tf.split(buffer, aligned, name=name)
+        parts = tf.split(buffer, aligned + [tail], name=name)
+        cut = tf.split(parts[-1], others + [pad] if pad else others, name=f"{name}_tail")
+        return parts[:-1] + cut[:len(others)]
 
 
 def _flat(tensor):
