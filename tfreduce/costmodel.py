@@ -41,7 +41,7 @@ import tensorflow as tf
 from tfreduce.devices import canonical_or_empty, topology_index
 from tfreduce.graphwalk import as_graph, static_bytes, tensors, walk_back
 from tfreduce.hostprobe import resolve_topology
-from tfreduce.packing import ALIGN_BYTES
+from tfreduce.packing import SLICING_OPS, hands_out_slices
 
 __all__ = ["Prediction", "predict"]
 
@@ -55,12 +55,6 @@ RING_KINDS = {"NcclAllReduce": "all_reduce", "CollectiveReduceV2": "all_reduce",
               "CollectiveGatherV2": "all_gather", "CollectiveBcastSendV2": "broadcast",
               "CollectiveBcastRecvV2": "broadcast"}
 COLLECTIVE_OPS = frozenset(RING_KINDS)
-# Split and SplitV into one piece forward their input; splits along the
-# first axis hand out slices of the input buffer without copying when every
-# piece starts and ends on a multiple of EIGEN_MAX_ALIGN_BYTES (64 in TF's
-# builds, packing.ALIGN_BYTES); otherwise they copy (split_v_op.cc;
-# IsDim0SliceAligned and IsInnerDimsSizeAligned, tensorflow/core/framework/ops_util.h).
-SLICING_OPS = frozenset({"Split", "SplitV", "Unpack"})
 # Ops whose CPU kernels copy a flat buffer on one thread (TF shards a
 # concat over its output's rows, one for a flat buffer): one lane each.
 COPY_OPS = SLICING_OPS | {"ConcatV2", "Concat", "Pack"}
@@ -291,7 +285,7 @@ class _Simulation:
 
     def _cost(self, op):
         """(seconds, wide): wide ops (large math beyond the cache tier) take every lane."""
-        if op.type in FREE_OPS or op in self.sources or _aliases(op):
+        if op.type in FREE_OPS or op in self.sources or hands_out_slices(op):
             # No bytes; on CPUs (shared lanes) the executor still runs the op.
             return (self.topology.launch_cost if self.topology.compute_lanes else 0.0), False
         moved = _moved(op)
@@ -390,31 +384,6 @@ class _Simulation:
 def _moved(op):
     # The bytes an op reads and writes.
     return sum(static_bytes(t) or 0 for t in list(op.inputs) + list(op.outputs))
-
-
-def _aliases(op):
-    """True for a split along axis 0 whose pieces TF hands out as aligned slices."""
-    if op.type not in SLICING_OPS:
-        return False
-    if op.type != "Unpack" and len(op.outputs) == 1:
-        return True  # a split into one piece forwards its input
-    if op.type == "Unpack":
-        value, axis = op.inputs[0], op.get_attr("axis")
-    else:
-        value = op.inputs[1] if op.type == "Split" else op.inputs[0]
-        axis = tf.get_static_value(op.inputs[0] if op.type == "Split" else op.inputs[2])
-    shape = value.shape
-    if axis is None or shape.rank is None or not shape.is_fully_defined() or shape.rank == 0:
-        return False
-    if int(axis) % shape.rank != 0 or shape[0] == 0:
-        return False
-    itemsize = value.dtype.size
-    if shape.rank > 1 or op.type == "Unpack":
-        return shape.num_elements() // shape[0] * itemsize % ALIGN_BYTES == 0
-    sizes = [t.shape.num_elements() for t in op.outputs]
-    if None in sizes:
-        return False
-    return all(start * itemsize % ALIGN_BYTES == 0 for start in itertools.accumulate([0] + sizes))
 
 
 def _ring_time(topology, ring, size, kind="all_reduce"):

@@ -29,13 +29,16 @@ tail, the gradients that no layout could hand out free, is copied by a
 second split.
 """
 
+import itertools
+
 import tensorflow as tf
 
 # The default lives with the other command-line choices, known without TensorFlow.
 from tfreduce.choices import DEFAULT_PACK_BYTES
 from tfreduce.contract import nbytes
 
-__all__ = ["ALIGN_BYTES", "DEFAULT_PACK_BYTES", "PackPlan", "check_pack_bytes"]
+__all__ = ["ALIGN_BYTES", "DEFAULT_PACK_BYTES", "PackPlan", "check_pack_bytes",
+           "hands_out_slices"]
 
 #: Bytes of the alignment TensorFlow's split and slice kernels need to hand
 #: out a piece of their input without a copy (EIGEN_MAX_ALIGN_BYTES in TF's
@@ -176,6 +179,39 @@ class PackPlan:
         parts = tf.split(buffer, aligned + [tail], name=name)
         cut = tf.split(parts[-1], others + [pad] if pad else others, name=f"{name}_tail")
         return parts[:-1] + cut[:len(others)]
+
+
+# Split and SplitV into one piece forward their input; splits along the
+# first axis hand out slices of the input buffer without copying when every
+# piece starts and ends on a multiple of EIGEN_MAX_ALIGN_BYTES (64 in TF's
+# builds); otherwise they copy (split_v_op.cc; IsDim0SliceAligned and
+# IsInnerDimsSizeAligned, tensorflow/core/framework/ops_util.h).
+SLICING_OPS = frozenset({"Split", "SplitV", "Unpack"})
+
+
+def hands_out_slices(op):
+    """True for a split along axis 0 whose pieces TF hands out as aligned slices."""
+    if op.type not in SLICING_OPS:
+        return False
+    if op.type != "Unpack" and len(op.outputs) == 1:
+        return True  # a split into one piece forwards its input
+    if op.type == "Unpack":
+        value, axis = op.inputs[0], op.get_attr("axis")
+    else:
+        value = op.inputs[1] if op.type == "Split" else op.inputs[0]
+        axis = tf.get_static_value(op.inputs[0] if op.type == "Split" else op.inputs[2])
+    shape = value.shape
+    if axis is None or shape.rank is None or not shape.is_fully_defined() or shape.rank == 0:
+        return False
+    if int(axis) % shape.rank != 0 or shape[0] == 0:
+        return False
+    itemsize = value.dtype.size
+    if shape.rank > 1 or op.type == "Unpack":
+        return shape.num_elements() // shape[0] * itemsize % ALIGN_BYTES == 0
+    sizes = [t.shape.num_elements() for t in op.outputs]
+    if None in sizes:
+        return False
+    return all(start * itemsize % ALIGN_BYTES == 0 for start in itertools.accumulate([0] + sizes))
 
 
 def _flat(tensor):
