@@ -70,7 +70,7 @@ EXPORTS = {
     'ReplicatedTrainer.check_replicas': '(self)',
     'ReplicatedTrainer.cluster': 'property',
     'ReplicatedTrainer.evaluate': '(self, x, y=None, batch_size=256)',
-    'ReplicatedTrainer.fit': '(self, x, y=None, *, epochs=1, batch_size=32, shuffle=True, seed=0, validation_data=None, logdir=None, checkpoint_dir=None, callbacks=(), verbose=1)',
+    'ReplicatedTrainer.fit': '(self, x, y=None, *, epochs=1, batch_size=32, shuffle=True, seed=0, validation_data=None, logdir=None, checkpoint_dir=None, callbacks=(), verbose=1, profile_steps=None)',
     'ReplicatedTrainer.is_chief': 'property',
     'ReplicatedTrainer.predict': '(self, x, batch_size=256)',
     'ReplicatedTrainer.restore': '(self, path)',
@@ -107,7 +107,7 @@ EXPORTS = {
     'logical_devices': '(num_devices=None, device_type=None)',
     'max_replica_difference': '(all_vars)',
     'plan_allreduce': '(shapes, devices, topology, dtype=tf.float32, average=True, **options)',
-    'predict': '(target, topology, inputs=None, devices_per_task=None)',
+    'predict': '(target, topology, inputs=None, devices_per_task=None, trace=None)',
     'merge_grad_list': '(all_grads, all_vars)',
     'split_grad_list': '(grad_list)',
 }

@@ -6,13 +6,17 @@ TensorFlow's executor can start it as soon as the backward pass has
 produced them.
 """
 
+import json
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import CPU_DEVICES
+import tfreduce
+from helpers import CPU_DEVICES, GPU_DEVICES, placeholders
 from test_trainer import LOSS, sgd
+from tfreduce.timeline import COMMUNICATION, STAGES, Slice, Timeline, stage_of
 from tfreduce.trainer import ReplicatedTrainer
 
 
@@ -78,3 +82,137 @@ def test_each_bucket_reduction_depends_only_on_its_own_gradients(algorithm, monk
     # not wait for the first layer's gradients (its kernel 0 and bias 1).
     first = next(op for op in reduction if op.name.endswith("dev0_pack0"))
     assert ancestors[first] == {3, 5, 6, 7}
+
+
+# ------------------------------------------------------------------ timelines
+
+def check_chrome_trace(doc):
+    """Asserts the Chrome trace event format's JSON object form, as tfreduce writes it."""
+    assert set(doc) == {"traceEvents", "displayTimeUnit", "otherData"}
+    assert doc["displayTimeUnit"] in ("ms", "ns")
+    for event in doc["traceEvents"]:
+        assert event["ph"] in ("X", "M") and isinstance(event["name"], str)
+        assert isinstance(event["pid"], int) and isinstance(event["tid"], int)
+        if event["ph"] == "X":
+            assert isinstance(event["cat"], str) and event["cat"] in STAGES
+            assert event["ts"] >= 0 and event["dur"] >= 0
+        else:
+            assert event["name"] in ("process_name", "thread_name", "thread_sort_index")
+            assert isinstance(event["args"], dict)
+
+
+def tracks_of(doc):
+    return {e["tid"]: e["args"]["name"] for e in doc["traceEvents"]
+            if e["ph"] == "M" and e["name"] == "thread_name"}
+
+
+def wide_mlp():
+    return keras.Sequential([keras.Input((64,))]
+                            + [keras.layers.Dense(256, activation="relu") for _ in range(4)]
+                            + [keras.layers.Dense(10)])
+
+
+def test_a_profiled_fit_shows_the_reduction_start_before_the_backward_pass_ends(tmp_path):
+    trainer = ReplicatedTrainer(wide_mlp, LOSS, sgd, devices=CPU_DEVICES[:4], algorithm="ring")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(512, 64)).astype("float32"), rng.integers(0, 10, 512)
+    trainer.fit(x, y, batch_size=128, verbose=0, logdir=str(tmp_path), profile_steps=(2, 3))
+    doc = json.loads((tmp_path / "timeline.json").read_text())
+    check_chrome_trace(doc)
+    assert doc["otherData"]["source"] == "measured"
+    tracks = tracks_of(doc)
+    assert [tracks[t] for t in sorted(tracks)][:4] == ["tower 0", "tower 1", "tower 2", "tower 3"]
+    slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    steps = [e for e in slices if e["args"]["type"] == "step"]
+    assert [e["name"] for e in steps] == ["step 2", "step 3"]
+    for step in steps:
+        inside = [e for e in slices if step["ts"] <= e["ts"] < step["ts"] + step["dur"]]
+        seen = {(tracks[e["tid"]], e["cat"]) for e in inside}
+        for k in range(4):
+            for stage in ("forward", "backward", "local reduce", "broadcast", "apply"):
+                assert (f"tower {k}", stage) in seen
+        backward_end = max(e["ts"] + e["dur"] for e in inside if e["cat"] == "backward")
+        reduction_start = min(e["ts"] for e in inside if e["cat"] in COMMUNICATION)
+        assert reduction_start < backward_end
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # TensorBoard's profile tab finds the profiler's own file beside it.
+    assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))
+
+
+@pytest.mark.parametrize("steps, logdir, error, message", [
+    ((0, 2), "x", ValueError, r"profile_steps must be 1 <= first <= last \(1-based step "
+                              r"numbers\), got \(0, 2\)"),
+    ((3, 2), "x", ValueError, r"1 <= first <= last .*got \(3, 2\)"),
+    ("2", "x", TypeError, r"profile_steps must be an int step or a pair \(first, last\) of int "
+                          r"steps, got '2'"),
+    ((1, 2), None, ValueError, r"profile_steps=\(1, 2\) needs logdir: the profile and its "
+                               r"timeline are written there"),
+])
+def test_bad_profile_steps(steps, logdir, error, message):
+    trainer = ReplicatedTrainer(deep_mlp, LOSS, sgd, devices=CPU_DEVICES[:2])
+    x = np.zeros((8, 8), np.float32)
+    with pytest.raises(error, match=message):
+        trainer.fit(x, np.zeros(8, np.int64), batch_size=4, verbose=0, logdir=logdir,
+                    profile_steps=steps)
+    assert trainer.step == 0
+
+
+@pytest.mark.parametrize("name, stage", [
+    ("tower1/sequential_1/dense/MatMul", "forward"),
+    ("gradient_tape/tower1/sequential_1/dense/MatMul/MatMul_1", "backward"),
+    ("allreduce_ring/dev1_pack0", "pack"),
+    ("allreduce_ring/dev1_unpack0_tail", "unpack"),
+    ("allreduce_ring/entry0_chunk1_dev2_sum", "local reduce"),
+    ("allreduce_hierarchical/entry0_group1_total", "local reduce"),
+    ("allreduce_flat/entry3_dev1_out", "broadcast"),
+    ("allreduce_cross_worker/entry0_allreduce", "cross-worker"),
+    ("tower2_apply/cond/then/_58/tower2_apply/cond/sgd/Mul_5", "apply"),
+    ("nonfinite_check/IsFinite", "other"),
+])
+def test_stage_of_names_the_stage_of_every_op_tfreduce_builds(name, stage):
+    assert stage_of(name) == stage
+
+
+def test_exposed_communication_is_the_reduction_time_no_compute_covers():
+    # Backward 0-4 ms on tower 0, the reduction 3-6 ms on tower 1, apply
+    # 5-7: of the reduction, 3-4 overlaps the backward pass and 5-6 the
+    # apply; 4-5 is exposed.
+    ms = 1e-3
+    timeline = Timeline([
+        Slice("tower 0", "b", "MatMul", "backward", 10 * ms, 4 * ms),
+        Slice("tower 1", "r", "AddN", "local reduce", 13 * ms, 3 * ms),
+        Slice("tower 1", "o", "Identity", "broadcast", 14 * ms, 1 * ms),
+        Slice("tower 0", "a", "Mul", "apply", 15 * ms, 2 * ms),
+    ], "measured")
+    assert timeline.slices[0].start == 0.0  # counted from the first slice
+    assert timeline.exposed_communication() == pytest.approx(1 * ms)
+    assert timeline.busy(COMMUNICATION) == pytest.approx(3 * ms)
+    assert timeline.tracks == ["tower 0", "tower 1"]
+    doc = timeline.to_chrome()
+    check_chrome_trace(doc)
+    assert [(e["name"], e["ts"], e["dur"]) for e in doc["traceEvents"] if e["ph"] == "X"] == [
+        ("b", 0.0, 4000.0), ("r", 3000.0, 3000.0), ("o", 4000.0, 1000.0), ("a", 5000.0, 2000.0)]
+
+
+def test_the_predicted_timeline_has_the_tracks_and_stages_of_a_measured_one(tmp_path):
+    # The ring all-reduce of wide_mlp's gradients (the fit above) on 4 GPUs
+    # of a DGX-1: towers by device, then the ring's links.
+    shapes = [tuple(v.shape) for v in wide_mlp().trainable_variables]
+    devices = GPU_DEVICES[:4]
+    graph = tf.Graph()
+    with graph.as_default():
+        grads = placeholders(devices, shapes)
+        out = tfreduce.allreduce_grads(grads, devices, algorithm="ring")
+    prediction = tfreduce.predict(out, "dgx1-v100", inputs=grads, trace=tmp_path / "p.json")
+    doc = json.loads((tmp_path / "p.json").read_text())
+    check_chrome_trace(doc)
+    assert doc["otherData"]["source"] == "predicted: dgx1-v100"
+    assert sorted(tracks_of(doc).values()) == [
+        "link 0->1", "link 1->2", "link 2->3", "link 3->0",
+        "tower 0", "tower 1", "tower 2", "tower 3"]
+    slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert {e["cat"] for e in slices} == {"pack", "local reduce", "broadcast", "unpack"}
+    # Microseconds, rounded to the nanosecond.
+    assert max(e["ts"] + e["dur"] for e in slices) == pytest.approx(prediction.seconds * 1e6,
+                                                                   abs=2e-3)
+    assert prediction.timeline.stages == ["pack", "local reduce", "broadcast", "unpack"]

@@ -42,6 +42,7 @@ from tfreduce.devices import canonical_or_empty, topology_index
 from tfreduce.graphwalk import as_graph, static_bytes, tensors, walk_back
 from tfreduce.hostprobe import resolve_topology
 from tfreduce.packing import SLICING_OPS, hands_out_slices
+from tfreduce.timeline import Slice, Timeline, stage_of
 
 __all__ = ["Prediction", "predict"]
 
@@ -72,10 +73,15 @@ class Prediction:
       bytes_per_device: int S, the bytes each device reduces.
       num_devices: int K, the devices holding outputs.
       bus_bandwidth: float bytes/s, S * 2(K-1)/K / seconds (nccl-tests).
+      timeline: tfreduce.timeline.Timeline of the simulation: each op that
+        takes time on "tower i" (device i of the topology), each transfer
+        on its link's track, with the stages of a measured timeline.
     """
 
-    def __init__(self, seconds, critical_path, link_busy, bytes_per_device, num_devices):
+    def __init__(self, seconds, critical_path, link_busy, bytes_per_device, num_devices,
+                 timeline=None):
         self.seconds = seconds
+        self.timeline = timeline
         self.critical_path = critical_path
         self.link_busy = link_busy
         self.bytes_per_device = bytes_per_device
@@ -88,7 +94,7 @@ class Prediction:
                 f"GB/s, {len(self.critical_path)} steps on the critical path)")
 
 
-def predict(target, topology, inputs=None, devices_per_task=None):
+def predict(target, topology, inputs=None, devices_per_task=None, trace=None):
     """Predicts the time of a built reduction on a machine (see the module docstring).
 
     Args:
@@ -101,6 +107,8 @@ def predict(target, topology, inputs=None, devices_per_task=None):
         (they are ready at time 0), and whose tower 0 gives S.
       devices_per_task: int G for multi-worker device names (task w's
         device k is topology device w*G + k), or None.
+      trace: None, or a path: the predicted timeline is written there
+        (Chrome trace JSON, or a Gantt chart for ".png"; Timeline.save).
 
     Returns:
       Prediction.
@@ -118,8 +126,12 @@ def predict(target, topology, inputs=None, devices_per_task=None):
     topology = resolve_topology(topology, max(used, default=0) + 1, at_least=False)
     sim = _Simulation(ops, topology, devices_per_task, sources=stop)
     seconds = sim.run()
+    timeline = Timeline(sim.slices(), f"predicted: {topology.name}")
+    if trace is not None:
+        timeline.save(trace)
     return Prediction(seconds, sim.critical_path(), dict(sim.link_busy),
-                      _bytes_per_device(outputs, inputs), sim.num_output_devices(outputs))
+                      _bytes_per_device(outputs, inputs), sim.num_output_devices(outputs),
+                      timeline)
 
 
 def _ops(target, inputs):
@@ -363,6 +375,22 @@ class _Simulation:
         if self.pending[consumer] == 0:
             # The last input to arrive decides when the consumer can start.
             push(now, "ready", (consumer, cause))
+
+    def slices(self):
+        """timeline.Slice of every op and transfer that took time."""
+        out = []
+        for key, (kind, name, start, end, previous) in self.cause.items():
+            if end <= start:
+                continue
+            if kind == "transfer":
+                src, dst = self.device[previous], key[1]
+                out.append(Slice(f"link {src}->{dst}", name, kind, stage_of(previous.name),
+                                 start, end - start))
+            elif self.device[key] is not None:
+                out.append(Slice(f"tower {self.device[key]}", name,
+                                 kind if kind == "collective" else key.type, stage_of(name),
+                                 start, end - start))
+        return out
 
     def critical_path(self):
         """The chain of causes that ends last, first to last."""

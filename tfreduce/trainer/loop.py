@@ -24,6 +24,7 @@ from tfreduce.trainer.batching import (
     numpy_batches,
 )
 from tfreduce.trainer.losses import regularization
+from tfreduce.trainer.profiling import ProfiledSteps, check_profile_steps
 from tfreduce.trainer.signals import Terminated
 
 
@@ -43,6 +44,9 @@ class FitHooks:
         (on_nonfinite="skip"), not only those with a skipped step.
       finish: fn(), waits for every worker (``Cluster.finish``; nothing in
         one process).
+      graphs: fn() -> list of the traced step graphs (a timeline places
+        the profiled ops with them).
+      rank: int, this worker's rank (0 in one process).
     """
 
     run_step: Callable
@@ -50,6 +54,8 @@ class FitHooks:
     epoch_totals: object
     reports_skipped: bool
     finish: Callable
+    graphs: Callable
+    rank: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +74,7 @@ class Epochs:
         than T is skipped.
       writer: tf.summary writer of TensorBoard summaries, or None.
       verbose: 0 silent, 1 a progress bar per epoch, 2 one line per epoch.
+      profiled: ProfiledSteps, runs each step (profiled in its window).
     """
 
     x: object
@@ -80,6 +87,7 @@ class Epochs:
     total_towers: int
     writer: object
     verbose: int
+    profiled: ProfiledSteps
 
 
 def fit_loop(
@@ -98,6 +106,7 @@ def fit_loop(
     checkpoint_dir,
     callbacks,
     verbose,
+    profile_steps=None,
 ):
     """The body of `ReplicatedTrainer.fit`, whose docstring says what it does.
 
@@ -111,6 +120,9 @@ def fit_loop(
       dict of lists, one entry per epoch run.
     """
     x, y, steps_per_epoch = fit_data(x, y, batch_size, total_towers)
+    # Every worker profiles its own towers, into the one logdir.
+    profiled = ProfiledSteps(check_profile_steps(profile_steps, logdir), logdir,
+                             trainer.devices, hooks.graphs, hooks.rank)
     if not trainer.is_chief:
         # Rank 0 writes and reports for the whole cluster; the others' saves
         # write nothing (with ZeRO their shards are gathered for rank 0's).
@@ -122,9 +134,8 @@ def fit_loop(
         # (a log, the launcher's prefixed lines): one line per epoch there.
         verbose = 2
     writer = tf.summary.create_file_writer(logdir) if logdir else None
-    run = Epochs(
-        x, y, epochs, batch_size, shuffle, seed, steps_per_epoch, total_towers, writer, verbose
-    )
+    run = Epochs(x, y, epochs, batch_size, shuffle, seed, steps_per_epoch, total_towers,
+                 writer, verbose, profiled)
     history = {}
     try:
         with hooks.stop.handling():
@@ -135,7 +146,11 @@ def fit_loop(
     except KeyboardInterrupt as stop:
         _save_on_interrupt(trainer, hooks, checkpoint_dir, stop)
         raise
+    except BaseException:
+        profiled.close(failed=True)
+        raise
     finally:
+        profiled.close()  # a window beyond the last step: what was profiled
         if writer is not None:
             writer.close()
     # No worker leaves while a peer still needs its answers. Not in a
@@ -255,7 +270,8 @@ def fit_epoch(trainer, hooks, run, epoch, skip):
     stopping = False
     for step_in_epoch, (x_batch, y_batch) in enumerate(batches, start=skip + 1):
         start = time.perf_counter()
-        loss, correct, stopping = hooks.run_step(x_batch, y_batch)
+        loss, correct, stopping = run.profiled.run(hooks.run_step, trainer.step + 1,
+                                                   x_batch, y_batch)
         step_time = time.perf_counter() - start
         size = int(x_batch.shape[0])
         elapsed = time.perf_counter() - epoch_start

@@ -265,7 +265,8 @@ class ReplicatedTrainer:
         self._built("broadcast").broadcast()
 
     def fit(self, x, y=None, *, epochs=1, batch_size=32, shuffle=True, seed=0,
-            validation_data=None, logdir=None, checkpoint_dir=None, callbacks=(), verbose=1):
+            validation_data=None, logdir=None, checkpoint_dir=None, callbacks=(), verbose=1,
+            profile_steps=None):
         """Trains until `epochs` epochs are done, counting restored ones.
 
         The epoch and batch to start from follow from the step counter, so
@@ -309,6 +310,9 @@ class ReplicatedTrainer:
             before its checkpoint is written.
           verbose: 0 silent; 1 a progress bar per epoch on a terminal, one line
             per epoch when stdout is a file or a pipe; 2 one line per epoch.
+          profile_steps: None, or steps (a, b) (1-based, as Keras'
+            profile_batch) to run under TF's profiler; writes
+            logdir/timeline.json (Chrome trace) and .png (trainer/profiling.py).
 
         Returns:
           dict of lists, one entry per epoch run by this call: "epoch",
@@ -319,17 +323,19 @@ class ReplicatedTrainer:
 
         Raises:
           ValueError: bad arrays or dataset, batch_size smaller than T, an
-            infinite dataset, or verbose not 0, 1 or 2.
+            infinite dataset, verbose not 0, 1 or 2, bad profile_steps.
           KeyboardInterrupt: re-raised after the checkpoint is written.
         """
         hooks = FitHooks(  # run_step looks the method up at every step (it may be replaced)
             run_step=lambda x_batch, y_batch: self._run_train_step(x_batch, y_batch),
             stop=self._stop, epoch_totals=self._epoch_totals,
-            reports_skipped=self._options.on_nonfinite == "skip", finish=self._cluster.finish)
+            reports_skipped=self._options.on_nonfinite == "skip", finish=self._cluster.finish,
+            graphs=self._steps.graphs, rank=self._cluster.rank)
         return fit_loop(
             self, hooks, x, y, self._options.total_towers, epochs=epochs, batch_size=batch_size,
             shuffle=shuffle, seed=seed, validation_data=validation_data, logdir=logdir,
-            checkpoint_dir=checkpoint_dir, callbacks=callbacks, verbose=verbose)
+            checkpoint_dir=checkpoint_dir, callbacks=callbacks, verbose=verbose,
+            profile_steps=profile_steps)
 
     def evaluate(self, x, y=None, batch_size=256):
         """Mean loss and accuracy over a dataset, each batch split across the towers.

@@ -307,6 +307,11 @@ class StepFunctions:
         with self._options.cluster.detect_lost_workers():
             self._broadcast_fn()
 
+    def graphs(self):
+        """The graphs of the train and accumulate functions traced so far."""
+        return [fn.get_concrete_function().graph for fn in self._train_fns.values()
+                if fn is not None]
+
     def state_bytes(self):
         """Bytes of state per tower and kind (towers.state_bytes)."""
         return state_bytes(self._towers, self._state)

@@ -1,0 +1,389 @@
+"""Timelines of a step: every op on its tower, grouped by the stage it belongs to.
+
+A ``Timeline`` is a list of slices: one op (or transfer) on one track, with
+its start and duration in seconds and the stage it belongs to. Tracks are
+"tower k" (the k-th device of the towers, or of the reduction), "host" (a
+device no tower uses) and, in a predicted timeline, one per link. Stages
+follow the op names tfreduce builds (``stage_of``): forward and backward
+(the towers' compute), then the reduction's pack, local reduce,
+cross-worker, broadcast and unpack, then apply (the optimizer's update).
+
+Two sources give the same tracks and stage names, so a measured timeline
+reads beside a predicted one:
+
+- measured: ``StepProfiler`` runs steps under TensorFlow's profiler
+  (``tf.profiler.experimental``) and reads the ops it recorded from the
+  XPlane file it writes (op name and type, thread, start, duration); the
+  traced graph places each op on its device. ``ReplicatedTrainer.fit
+  (profile_steps=(a, b))`` and ``tfreduce-bench --trace FILE`` use it;
+- predicted: ``tfreduce.predict(..., trace=FILE)`` writes the cost model's
+  simulation of a graph on a ``Topology``.
+
+``Timeline.save`` writes the Chrome trace event format (the JSON object
+form: "X" complete events in microseconds, "M" metadata events naming each
+process and thread), which Perfetto (ui.perfetto.dev) and chrome://tracing
+open, or, for a path ending in ".png", a Gantt chart (matplotlib). The
+layout follows Horovod's timeline: one track per worker and tower, one
+slice per phase.
+"""
+
+import collections
+import dataclasses
+import glob
+import json
+import os
+import re
+import tempfile
+import time
+
+import tensorflow as tf
+
+from tfreduce.devices import canonical_or_empty
+
+__all__ = ["COMMUNICATION", "COMPUTE", "STAGES", "Slice", "StepProfiler", "Timeline", "from_ops",
+           "placement", "read_xspace", "stage_of", "track_names"]
+
+#: The stages of a step, in the order they run.
+STAGES = ("forward", "backward", "pack", "local reduce", "cross-worker", "broadcast", "unpack",
+          "apply", "other")
+#: Stages that compute (the towers' own work) and that communicate (the reduction).
+COMPUTE = frozenset({"forward", "backward", "apply"})
+COMMUNICATION = frozenset({"pack", "local reduce", "cross-worker", "broadcast", "unpack"})
+
+_REDUCTION = re.compile(r"(^|/)(allreduce|reduce_scatter|all_gather|broadcast|reduce|"
+                        r"all_to_all)_[a-z_]+/")
+_BROADCAST = re.compile(r"_out(_|$|/)|bcast|broadcast|gather|concat")
+_APPLY = re.compile(r"(^|/)tower\d+_apply(/|$)")
+_FORWARD = re.compile(r"(^|/)tower\d+/")
+_TOWER = re.compile(r"(^|/)tower(\d+)[/_]")
+
+
+def stage_of(name):
+    """The stage of the op called ``name`` in a step tfreduce built (one of STAGES)."""
+    if "gradient_tape/" in name:
+        return "backward"
+    if _APPLY.search(name):
+        return "apply"
+    if _REDUCTION.search(name):
+        if "_unpack" in name:
+            return "unpack"
+        if "_pack" in name:
+            return "pack"
+        if "cross_worker" in name:
+            return "cross-worker"
+        leaf = name.rsplit("/", 1)[-1]
+        return "broadcast" if _BROADCAST.search(leaf) else "local reduce"
+    if _FORWARD.search(name):
+        return "forward"
+    return "other"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """One op (or transfer) on one track.
+
+    Attributes:
+      track: str, "tower k", "host" or a link between devices ("link 0->1").
+      name: str, the op's name (a transfer: "tensor -> device d").
+      op_type: str, the op's type ("MatMul"; "transfer", "collective").
+      stage: str, one of STAGES.
+      start: float seconds from the timeline's first slice.
+      duration: float seconds.
+    """
+
+    track: str
+    name: str
+    op_type: str
+    stage: str
+    start: float
+    duration: float
+
+    @property
+    def end(self):
+        return self.start + self.duration
+
+
+class Timeline:
+    """Slices on tracks, measured or predicted (see the module docstring).
+
+    Args:
+      slices: iterable of Slice (any order).
+      source: str, "measured" or "predicted: <topology>", saved with the trace.
+      process: str, the name of the trace's process (one per worker).
+    """
+
+    def __init__(self, slices, source, process="worker 0"):
+        slices = sorted(slices, key=lambda s: (s.start, s.track))
+        origin = slices[0].start if slices else 0.0
+        self.slices = [dataclasses.replace(s, start=s.start - origin) for s in slices]
+        self.source = source
+        self.process = process
+
+    @property
+    def tracks(self):
+        """Track names: the towers in order, then the others by name."""
+        names = {s.track for s in self.slices}
+        towers = sorted((n for n in names if n.startswith("tower ")),
+                        key=lambda n: int(n.split()[1]))
+        return towers + sorted(names - set(towers))
+
+    @property
+    def stages(self):
+        """The stages that have a slice, in STAGES order."""
+        seen = {s.stage for s in self.slices}
+        return [stage for stage in STAGES if stage in seen]
+
+    def busy(self, stages):
+        """float seconds during which some slice of ``stages`` runs (on any track)."""
+        return _length(_union([(s.start, s.end) for s in self.slices if s.stage in stages]))
+
+    def exposed_communication(self):
+        """float seconds during which a reduction runs and no compute does.
+
+        The part of a step that overlapping cannot hide: the union of the
+        communication stages' slices minus the union of the compute stages'.
+        """
+        compute = _union([(s.start, s.end) for s in self.slices if s.stage in COMPUTE])
+        communication = _union([(s.start, s.end) for s in self.slices
+                                if s.stage in COMMUNICATION])
+        return _length(communication) - _length(_intersect(communication, compute))
+
+    def to_chrome(self):
+        """The timeline as a Chrome trace event format dict (JSON object form)."""
+        tids = {track: i for i, track in enumerate(self.tracks)}
+        events = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0,
+                   "args": {"name": self.process}}]
+        for track, tid in tids.items():
+            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid,
+                           "args": {"name": track}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid,
+                           "args": {"sort_index": tid}})
+        for s in self.slices:
+            events.append({"name": s.name, "cat": s.stage, "ph": "X", "pid": 0,
+                           "tid": tids[s.track], "ts": round(s.start * 1e6, 3),
+                           "dur": round(s.duration * 1e6, 3), "args": {"type": s.op_type}})
+        return {"traceEvents": events, "displayTimeUnit": "ms",
+                "otherData": {"source": self.source, "stages": list(STAGES)}}
+
+    def save(self, path):
+        """Writes the Chrome trace JSON, or a Gantt chart for a path ending in ".png".
+
+        The file is written whole or not at all (a temporary file renamed).
+        """
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        handle, partial = tempfile.mkstemp(dir=directory, prefix=".timeline")
+        os.close(handle)
+        os.chmod(partial, 0o644)
+        try:
+            if path.endswith(".png"):
+                self._gantt(partial)
+            else:
+                with open(partial, "w") as f:
+                    json.dump(self.to_chrome(), f, separators=(",", ":"))
+            os.replace(partial, path)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+        return path
+
+    def _gantt(self, path):
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        tracks = self.tracks
+        span = max((s.end for s in self.slices), default=0.0)
+        scale, unit = (1e3, "ms") if span >= 1e-3 else (1e6, "µs")
+        colours = dict(zip(STAGES, plt.get_cmap("tab10").colors))
+        fig, ax = plt.subplots(figsize=(12, 0.45 * len(tracks) + 1.5))
+        rows = collections.defaultdict(list)
+        for s in self.slices:
+            if s.op_type == "step":  # a profiled step: a line where it starts
+                ax.axvline(s.start * scale, color="black", linewidth=0.8, linestyle="--")
+                ax.text(s.start * scale, len(tracks) - 0.4, f" {s.name}", fontsize=8)
+                continue
+            rows[(s.track, s.stage)].append((s.start * scale, s.duration * scale))
+        for (track, stage), bars in rows.items():
+            y = len(tracks) - 1 - tracks.index(track)
+            ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=colours[stage], label=stage)
+        ax.set_yticks(range(len(tracks)), tracks[::-1])
+        ax.set_xlabel(unit)
+        ax.set_title(f"{self.process}: {self.source}")
+        shown = [stage for stage in self.stages if any(key[1] == stage for key in rows)]
+        handles = dict(zip(*ax.get_legend_handles_labels()[::-1]))
+        ax.legend([handles[stage] for stage in shown], shown, loc="upper center",
+                  bbox_to_anchor=(0.5, -0.12 - 0.1 / max(len(tracks), 1)), ncol=len(shown),
+                  frameon=False)
+        fig.tight_layout()
+        fig.savefig(path, format="png", dpi=100)
+        plt.close(fig)
+
+
+def _union(intervals):
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _intersect(a, b):
+    # Both sorted and disjoint (from _union).
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append([start, end])
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(intervals):
+    return sum(end - start for start, end in intervals)
+
+
+def track_names(devices):
+    """{canonical device: "tower k"} for the towers' devices, in order."""
+    return {canonical_or_empty(d): f"tower {k}" for k, d in enumerate(devices)}
+
+
+def placement(graph):
+    """{op name: canonical device} of the ops of a graph."""
+    return {op.name: canonical_or_empty(op.device) for op in graph.get_operations()}
+
+
+def _device_of(name, placed):
+    # The op itself, else its nearest enclosing op (a lowered cond's branch
+    # ops carry the cond's name as a prefix).
+    while name:
+        if name in placed:
+            return placed[name]
+        name = name.rpartition("/")[0]
+    return ""
+
+
+def read_xspace(path):
+    """The TF ops an XPlane file recorded: list of (op name, op type, start ns, duration ns).
+
+    Start times are ns since the epoch, as ``time.time_ns()``.
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    # Lines count from the session's start (the "Task Environment" plane's
+    # profile_start_time, ns since the epoch, as time.time_ns()).
+    origin = 0
+    for plane in space.planes:
+        for stat in plane.stats:
+            if plane.stat_metadata[stat.metadata_id].name == "profile_start_time":
+                origin = stat.uint64_value or stat.int64_value
+    ops = []
+    for plane in space.planes:
+        metadata = plane.event_metadata
+        for line in plane.lines:
+            for event in line.events:
+                label = metadata[event.metadata_id].name
+                # TF ops are recorded as "name:Type"; runtime events carry
+                # "::" or ": " (EagerLocalExecute: f).
+                if ":" not in label or "::" in label or ": " in label:
+                    continue
+                name, _, op_type = label.rpartition(":")
+                start = origin + line.timestamp_ns + event.offset_ps // 1000
+                ops.append((name, op_type, start, event.duration_ps // 1000))
+    return ops
+
+
+def from_ops(ops, placed, tracks, windows, source="measured", process="worker 0"):
+    """A Timeline of profiled ops.
+
+    Args:
+      ops: list of (op name, op type, start ns, duration ns), read_xspace's.
+      placed: {op name: canonical device}, see ``placement``.
+      tracks: {canonical device: track name}, see ``track_names``; other
+        devices go on "host".
+      windows: list of (label, start ns, end ns): only ops inside one are
+        kept, and each window becomes a "step" slice on the host track.
+    """
+    slices = []
+    for label, start, end in windows:
+        slices.append(Slice("host", label, "step", "other", start * 1e-9, (end - start) * 1e-9))
+    for name, op_type, start, duration in ops:
+        if not any(lo <= start < hi for _, lo, hi in windows):
+            continue
+        device = _device_of(name, placed)
+        tower = _TOWER.search(name)
+        if device in tracks:
+            track = tracks[device]
+        elif not device and tower:
+            track = f"tower {tower.group(2)}"  # placed at run time: its scope's tower
+        else:
+            track = "host"
+        slices.append(Slice(track, name, op_type, stage_of(name), start * 1e-9, duration * 1e-9))
+    return Timeline(slices, source, process)
+
+
+class StepProfiler:
+    """Runs steps under TensorFlow's profiler and makes their Timeline.
+
+    Use as a context manager around the steps; call ``step(label, fn)`` for
+    each step to time it (only ops inside a step's window are kept).
+
+    Args:
+      logdir: directory the profiler writes its XPlane file under
+        (``plugins/profile/<run>/``, where TensorBoard's profile plugin
+        finds it too); None: a temporary directory, removed afterwards.
+      devices: the towers' devices, in tower order.
+      placement: fn() -> {op name: canonical device} of the profiled ops
+        (``placement`` of the traced graphs; called once the steps ran).
+      process: str, the track group's name ("worker 0").
+
+    Attributes:
+      timeline: the Timeline, once the context has exited.
+    """
+
+    def __init__(self, logdir, devices, placement, process="worker 0"):
+        self._logdir = logdir
+        self._devices = list(devices)
+        self._placement = placement
+        self._process = process
+        self._windows = []
+        self._tmp = None
+        self.timeline = None
+
+    def __enter__(self):
+        if self._logdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="tfreduce_profile")
+            self._logdir = self._tmp.name
+        tf.profiler.experimental.start(self._logdir)
+        return self
+
+    def step(self, label, fn, *args):
+        start = time.time_ns()
+        try:
+            return fn(*args)
+        finally:
+            self._windows.append((label, start, time.time_ns()))
+
+    def __exit__(self, *exc):
+        try:
+            tf.profiler.experimental.stop()
+            if exc[0] is None:
+                files = glob.glob(os.path.join(self._logdir, "plugins", "profile", "*",
+                                               "*.xplane.pb"))
+                newest = max(files, key=os.path.getmtime)
+                self.timeline = from_ops(read_xspace(newest), self._placement(),
+                                         track_names(self._devices), self._windows,
+                                         process=self._process)
+        finally:
+            if self._tmp is not None:
+                self._tmp.cleanup()
+        return False

@@ -1,0 +1,106 @@
+"""The profiled steps of a fit: a timeline of steps a..b (``fit(profile_steps=)``).
+
+Keras' TensorBoard callback takes ``profile_batch=(a, b)``; ``fit`` takes
+``profile_steps=(a, b)``, 1-based global step numbers (as the step
+counter: a resumed fit goes on counting). Only those steps run under
+TensorFlow's profiler: with None, the default, nothing is added to a step.
+The profiler's own files stay in ``logdir`` (TensorBoard's profile tab
+reads them); tfreduce reads them into a ``tfreduce.timeline.Timeline`` and
+writes it beside them as ``timeline.json`` (Chrome trace format) and
+``timeline.png``; worker w > 0 of a cluster writes ``timeline-worker<w>``.
+"""
+
+import os
+
+from tfreduce.timeline import StepProfiler, placement
+
+__all__ = ["ProfiledSteps", "check_profile_steps"]
+
+
+def check_profile_steps(profile_steps, logdir):
+    """(first, last) step numbers to profile, or None.
+
+    Args:
+      profile_steps: None, an int a (step a alone) or a pair (a, b) of
+        ints 1 <= a <= b.
+      logdir: where the timeline goes; must be given with profile_steps.
+
+    Raises:
+      TypeError: profile_steps of another type.
+      ValueError: steps below 1, a > b, or no logdir.
+    """
+    if profile_steps is None:
+        return None
+    steps = (profile_steps, profile_steps) if isinstance(profile_steps, int) else profile_steps
+    if (not isinstance(steps, (tuple, list)) or len(steps) != 2
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps)):
+        raise TypeError(f"profile_steps must be an int step or a pair (first, last) of int "
+                        f"steps, got {profile_steps!r}")
+    first, last = steps
+    if not 1 <= first <= last:
+        raise ValueError(f"profile_steps must be 1 <= first <= last (1-based step numbers), "
+                         f"got {profile_steps!r}")
+    if logdir is None:
+        raise ValueError(f"profile_steps={profile_steps!r} needs logdir: the profile and its "
+                         f"timeline are written there")
+    return first, last
+
+
+class ProfiledSteps:
+    """Runs a fit's steps, the steps first..last under the profiler.
+
+    Args:
+      steps: (first, last) from check_profile_steps, or None (no profiling).
+      logdir: str directory of the profile and the timeline.
+      devices: the towers' devices, in tower order.
+      graphs: fn() -> list of the traced step graphs (they place the ops).
+      rank: int, this worker's rank.
+
+    Attributes:
+      timeline: the Timeline of the profiled steps, once written; or None.
+    """
+
+    def __init__(self, steps, logdir, devices, graphs, rank):
+        self._steps = steps
+        self._logdir = logdir
+        self._devices = devices
+        self._graphs = graphs
+        self._rank = rank
+        self._profiler = None
+        self.timeline = None
+
+    def run(self, run_step, number, x, y):
+        """run_step(x, y) for step ``number`` (1-based), profiled when in the window."""
+        if self._steps is None or self.timeline is not None:
+            return run_step(x, y)
+        first, last = self._steps
+        if self._profiler is None and first <= number <= last:
+            self._profiler = StepProfiler(self._logdir, self._devices, self._placement,
+                                          process=f"worker {self._rank}")
+            self._profiler.__enter__()
+        if self._profiler is None:
+            return run_step(x, y)
+        try:
+            return self._profiler.step(f"step {number}", run_step, x, y)
+        finally:
+            if number >= last:
+                self.close()
+
+    def _placement(self):
+        placed = {}
+        for graph in self._graphs():
+            placed.update(placement(graph))
+        return placed
+
+    def close(self, failed=False):
+        """Stops the profiler (at the window's end or the fit's) and writes the timeline."""
+        if self._profiler is None:
+            return
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(RuntimeError if failed else None, None, None)
+        if failed:
+            return
+        self.timeline = profiler.timeline
+        name = "timeline" if self._rank == 0 else f"timeline-worker{self._rank}"
+        for suffix in (".json", ".png"):
+            self.timeline.save(os.path.join(self._logdir, name + suffix))
