@@ -281,6 +281,9 @@ def test_format_bytes():
     (["--zero-stage", "1"], "--zero-stage runs the train mode, not --mode allreduce"),
     (["--mode", "train", "--zero-stage", "1", "--train-model", "resnet5"],
      "unknown Keras application 'resnet5'"),
+    (["--trace", "t.json"], "--trace records the train mode (--mode train), not --mode allreduce"),
+    (["--mode", "train", "--overlap", "--zero-stage", "1"],
+     "--overlap runs the train mode, without --zero-stage"),
 ])
 def test_bad_arguments_exit_with_a_usage_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -301,3 +304,26 @@ def test_soak_mode_traces_once_and_keeps_memory_flat(tmp_path, capsys):
     assert all(s["traces"]["train"] == 1 for s in result["samples"])
     assert abs(summary["growth_mb_after_first_epoch"]) < 50
     assert "resident MB" in capsys.readouterr().out
+
+
+def test_train_mode_overlap_reports_exposed_communication_and_writes_a_trace(tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    result = run(tmp_path, "--mode", "train", "--trace", str(trace), "--grid-devices", "2",
+                 "--steps", "2", "--rounds", "1", "--warmup", "1", "--batch-size", "8",
+                 "--image-size", "8")
+    assert result["mode"] == "overlap"
+    (row,) = result["results"]
+    steps = row["step_ms"]
+    assert set(steps) == {"overlap", "no overlap", "compute only"}
+    assert all(ms > 0 for ms in steps.values())
+    # One round: the medians are that round's differences.
+    for name in ("overlap", "no overlap"):
+        assert row["exposed_ms"][name] == pytest.approx(steps[name] - steps["compute only"])
+        seen = row["timeline"][name]
+        assert seen["compute_ms"] > 0 and 0 <= seen["exposed_ms"] <= seen["communication_ms"]
+    assert row["exposed_ratio"] == pytest.approx(
+        row["exposed_ms"]["overlap"] / row["exposed_ms"]["no overlap"])
+    doc = json.loads(trace.read_text())
+    names = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert {"tower 0", "tower 1"} <= names
+    assert "exposed communication with overlap / without" in capsys.readouterr().out

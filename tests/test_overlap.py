@@ -16,6 +16,7 @@ import tensorflow as tf
 import tfreduce
 from helpers import CPU_DEVICES, GPU_DEVICES, placeholders
 from test_trainer import LOSS, sgd
+from tfreduce.bench.overlap_mode import _AfterEveryGradient
 from tfreduce.timeline import COMMUNICATION, STAGES, Slice, Timeline, stage_of
 from tfreduce.trainer import ReplicatedTrainer
 
@@ -41,7 +42,7 @@ def gradient_ancestors(graph, marked):
     return found
 
 
-def traced_step(algorithm, monkeypatch, **options):
+def traced_step(monkeypatch, **options):
     """A trained step's graph and {gradient op: variable index} of every tower."""
     marked = {}
     original = tf.GradientTape.gradient
@@ -53,8 +54,7 @@ def traced_step(algorithm, monkeypatch, **options):
         return grads
 
     monkeypatch.setattr(tf.GradientTape, "gradient", recording)
-    trainer = ReplicatedTrainer(deep_mlp, LOSS, sgd, devices=CPU_DEVICES[:4],
-                                algorithm=algorithm, **options)
+    trainer = ReplicatedTrainer(deep_mlp, LOSS, sgd, devices=CPU_DEVICES[:4], **options)
     rng = np.random.default_rng(0)
     trainer.train_step(rng.normal(size=(16, 8)).astype("float32"), rng.integers(0, 4, 16))
     monkeypatch.undo()
@@ -68,7 +68,7 @@ def test_each_bucket_reduction_depends_only_on_its_own_gradients(algorithm, monk
     # bytes), 4 and 2 (1,024-byte kernels) passed through, [1] (464 > 400
     # opens another), 0 (512) passed through. The buckets are read from
     # the graph: the largest sets of gradients some reduction op reads.
-    graph, marked = traced_step(algorithm, monkeypatch, pack_bytes=400)
+    graph, marked = traced_step(monkeypatch, algorithm=algorithm, pack_bytes=400)
     assert sorted(set(marked.values())) == list(range(8))
     ancestors = gradient_ancestors(graph, marked)
     reduction = [op for op in graph.get_operations() if "allreduce_" in op.name]
@@ -82,6 +82,16 @@ def test_each_bucket_reduction_depends_only_on_its_own_gradients(algorithm, monk
     # not wait for the first layer's gradients (its kernel 0 and bias 1).
     first = next(op for op in reduction if op.name.endswith("dev0_pack0"))
     assert ancestors[first] == {3, 5, 6, 7}
+
+
+def test_the_benchs_no_overlap_contender_reduces_after_every_gradient(monkeypatch):
+    # tfreduce-bench --overlap's baseline: the same reduction behind a barrier.
+    graph, marked = traced_step(monkeypatch, reduction=_AfterEveryGradient("ring", pack_bytes=400))
+    ancestors = gradient_ancestors(graph, marked)
+    # Constants (the padding's zeros, split sizes) read no gradient.
+    reduction = [op for op in graph.get_operations()
+                 if "allreduce_" in op.name and op.type != "Const"]
+    assert reduction and all(ancestors[op] == set(range(8)) for op in reduction)
 
 
 # ------------------------------------------------------------------ timelines

@@ -138,9 +138,18 @@ def parse_args(argv):
                         default=None, metavar="S[,S]",
                         help="train mode: ReplicatedTrainer at these ZeRO stages (0, 1, 2) "
                              "beside MirroredStrategy.fit, with state bytes per device")
+    parser.add_argument("--overlap", action="store_true",
+                        help="train mode: ReplicatedTrainer with its reduction overlapping the "
+                        "backward pass, behind a barrier, and without one (compute only): "
+                        "exposed communication per K (default K 4 and 8)")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="train mode (implies --overlap): write the overlapping trainer's "
+                        "timeline of a few steps: Chrome trace JSON, or a Gantt chart for .png; "
+                        "FILE-K<k> for each K of several")
     parser.add_argument("--train-model", default="cnn", metavar="NAME",
-                        help="--zero-stage's model: the example's cnn (default) or a "
-                             "keras.applications name (weights=None), e.g. mobilenetv2")
+                        help="--zero-stage's and --overlap's model: the example's cnn "
+                             "(default) or a keras.applications name (weights=None), e.g. "
+                             "mobilenetv2")
     parser.add_argument("--image-size", type=_positive_int, default=28,
                         help="train mode: side of the square one-channel images; default "
                              "%(default)s")
@@ -172,6 +181,12 @@ def parse_args(argv):
             parser.error(f"--zero-stage runs the train mode, not --mode {args.mode}")
         if not set(args.zero_stage) <= {0, 1, 2}:
             parser.error(f"--zero-stage: stages are 0, 1 and 2, got {args.zero_stage}")
+    if args.trace is not None:
+        if args.mode != "train":
+            parser.error(f"--trace records the train mode (--mode train), not --mode {args.mode}")
+        args.overlap = True
+    if args.overlap and (args.mode != "train" or args.zero_stage):
+        parser.error("--overlap runs the train mode, without --zero-stage")
     if args.devices is None:
         args.devices = 2 if args.mode == "multiworker" else 8
     if args.warmup < 0:
@@ -252,13 +267,15 @@ def _run(parser, args):
         except ValueError as error:
             parser.error(str(error))
     for model in ([args.model] if args.mode == "allreduce" and args.model != "synthetic"
-                  else []) + ([args.train_model] if args.zero_stage and
+                  else []) + ([args.train_model] if (args.zero_stage or args.overlap) and
                               args.train_model != "cnn" else []):
         try:
             keras_application(model)
         except ValueError as error:
             parser.error(str(error))
-    name = "zero" if args.mode == "train" and args.zero_stage else args.mode
+    name = args.mode
+    if args.mode == "train" and (args.zero_stage or args.overlap):
+        name = "zero" if args.zero_stage else "overlap"
     mode = importlib.import_module(f"tfreduce.bench.{name}_mode")
     result = mode.run(args, log)
     mode.print_result(result)

@@ -185,8 +185,31 @@ def cnn_builder(input_shape, num_classes):
     return lambda: image_cnn(input_shape, num_classes)
 
 
+def image_side(args):
+    """The side of --train-model's square images (keras.applications take at least 32)."""
+    return args.image_size if args.train_model == "cnn" else max(args.image_size, 32)
+
+
+def model_builder(args, input_shape, num_classes):
+    """() -> --train-model for these images: the example's CNN or a keras.applications model.
+
+    A keras.applications model is built with weights=None and outputs
+    logits, as the trainer's loss takes them.
+    """
+    if args.train_model == "cnn":
+        return cnn_builder(input_shape, num_classes)
+    from tfreduce.bench.workloads import keras_application
+
+    application = keras_application(args.train_model)
+    return lambda: application(weights=None, input_shape=input_shape, classes=num_classes,
+                               classifier_activation=None)
+
+
 def trainer_rounds(devices, algorithm, x, y, batch, make_model, zero_stage=0):
     """A ReplicatedTrainer (Adam) on the devices, built on the first batch.
+
+    Args:
+      algorithm: str, the trainer's algorithm, or a tfreduce.Reduction.
 
     Returns:
       (the trainer, round(steps) -> seconds of `steps` train steps).
@@ -198,7 +221,9 @@ def trainer_rounds(devices, algorithm, x, y, batch, make_model, zero_stage=0):
     num_batches = len(x) // batch
     trainer = ReplicatedTrainer(
         model_fn=make_model, loss=_loss(), optimizer_fn=lambda: keras.optimizers.Adam(1e-3),
-        devices=devices, algorithm=algorithm, average=True, zero_stage=zero_stage)
+        devices=devices, average=True, zero_stage=zero_stage,
+        **({"reduction": algorithm} if isinstance(algorithm, tfreduce.Reduction)
+           else {"algorithm": algorithm}))
     batches = [(tf.constant(x[i * batch:(i + 1) * batch]),
                 tf.constant(y[i * batch:(i + 1) * batch])) for i in range(num_batches)]
 

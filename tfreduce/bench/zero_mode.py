@@ -18,9 +18,8 @@ import numpy as np
 
 from tfreduce.bench.harness import environment
 from tfreduce.bench.tables import print_table
-from tfreduce.bench.train_mode import (alternate_rounds, cnn_builder, fit_rounds, row_in_child,
-                                       trainer_rounds)
-from tfreduce.bench.workloads import keras_application
+from tfreduce.bench.train_mode import (alternate_rounds, fit_rounds, image_side, model_builder,
+                                       row_in_child, trainer_rounds)
 from tfreduce.devices import logical_devices
 
 __all__ = ["run", "print_result"]
@@ -49,18 +48,13 @@ def run(args, log):
         rows = [_in_child(args, num_devices, log) for num_devices in counts]
     return {
         "mode": "zero",
-        "config": {"model": args.train_model, "image_size": _side(args),
+        "config": {"model": args.train_model, "image_size": image_side(args),
                    "batch_size": args.batch_size, "steps_per_round": args.steps,
                    "rounds": args.rounds, "algorithm": (args.algorithms or ["auto"])[0],
                    "zero_stages": args.zero_stage, "device_type": args.device_type},
         "results": rows,
         "environment": environment(),
     }
-
-
-def _side(args):
-    # keras.applications models take 3 channels of at least 32 x 32.
-    return args.image_size if args.train_model == "cnn" else max(args.image_size, 32)
 
 
 def _in_child(args, num_devices, log):
@@ -72,24 +66,15 @@ def _in_child(args, num_devices, log):
     return row
 
 
-def _builder(args, input_shape):
-    if args.train_model == "cnn":
-        return cnn_builder(input_shape, _CLASSES)
-    application = keras_application(args.train_model)
-    # Logits out, as the trainer's loss takes them.
-    return lambda: application(weights=None, input_shape=input_shape, classes=_CLASSES,
-                               classifier_activation=None)
-
-
 def _one(args, num_devices, log):
     # Times every contender for one K in this process; returns the result row.
     devices = logical_devices(num_devices, args.device_type)
-    side, batch = _side(args), args.batch_size
+    side, batch = image_side(args), args.batch_size
     channels = 1 if args.train_model == "cnn" else 3
     rng = np.random.default_rng(0)
     x = rng.random((batch * 4, side, side, channels), dtype=np.float32)
     y = rng.integers(0, _CLASSES, size=batch * 4).astype(np.int32)
-    make_model = _builder(args, x.shape[1:])
+    make_model = model_builder(args, x.shape[1:], _CLASSES)
     algorithm = (args.algorithms or ["auto"])[0]
     rounds, state = {}, {}
     for stage in args.zero_stage:
