@@ -55,6 +55,7 @@ IMAGE_EXTENSIONS = tuple(IMAGE_SIGNATURES)
 
 # What this run writes under --logdir; --overwrite removes exactly these.
 RUN_FILES = ("checkpoints", "history.json", "curves.png",
+             "timeline.json", "timeline.png", "plugins",  # --profile-steps
              "backup", "train", "validation")  # --trainer keras: BackupAndRestore, TensorBoard
 EVENTS_PREFIX = "events.out.tfevents"
 
@@ -102,7 +103,8 @@ def parse_args(argv):
         "--overwrite",
         action="store_true",
         help="start afresh in a --logdir that holds a run: removes its checkpoints/, "
-        "history.json, curves.png, TensorBoard event files and, from --trainer keras, "
+        "history.json, curves.png, timeline.json, timeline.png, plugins/ (the "
+        "profile), TensorBoard event files and, from --trainer keras, "
         "backup/, train/ and validation/ (nothing else)",
     )
     parser.add_argument(
@@ -148,6 +150,15 @@ def parse_args(argv):
         default=None,
         help="Keras mixed precision policy (float32 variables, 16-bit compute); default float32",
     )
+    parser.add_argument(
+        "--profile-steps",
+        type=_steps,
+        default=None,
+        metavar="A[,B]",
+        help="run steps A to B (1-based) under TensorFlow's profiler and write their "
+        "timeline to --logdir/timeline.json (Perfetto, chrome://tracing) and timeline.png; "
+        "--trainer replicated",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     parser.add_argument(
         "--verbose",
@@ -162,7 +173,20 @@ def parse_args(argv):
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if not args.lr > 0:  # also refuses nan
         parser.error(f"--lr must be > 0, got {args.lr:g}")
+    if args.profile_steps is not None and args.trainer != "replicated":
+        parser.error(f"--profile-steps needs --trainer replicated, got --trainer {args.trainer}")
     return parser, args
+
+
+def _steps(text):
+    """--profile-steps: "A" or "A,B", 1 <= A <= B, as the (A, B) fit takes."""
+    try:
+        steps = [int(part) for part in text.split(",")]
+    except ValueError:
+        steps = []
+    if len(steps) not in (1, 2) or not 1 <= steps[0] <= steps[-1]:
+        raise argparse.ArgumentTypeError(f"expected A or A,B with 1 <= A <= B, got {text!r}")
+    return steps[0], steps[-1]
 
 
 def load_digits(seed):
@@ -599,6 +623,7 @@ def fit_replicated(parser, args, devices, cluster, restarted, data, towers):
         checkpoint_dir=checkpoint_dir,
         callbacks=[record],
         verbose=0 if args.quiet else 1,
+        profile_steps=args.profile_steps,
     )
     try:
         if isinstance(train, tuple):
