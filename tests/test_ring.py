@@ -69,7 +69,8 @@ def test_output_k_is_placed_on_device_k(num_towers):
             assert t.shape == shapes[n]
             assert t.dtype == tf.float32
             if num_towers > 1 and len(shapes[n]) != 1:
-                assert t.op.name == f"{SCOPE}/entry{n}_dev{k}_out"
+                # Entries in backward order: the last variable is entry 0.
+                assert t.op.name == f"{SCOPE}/entry{len(shapes) - 1 - n}_dev{k}_out"
 
 
 def test_uneven_sizes_split_into_chunks_differing_by_one():

@@ -37,26 +37,33 @@ def test_output_k_is_placed_on_device_k(name, num_towers):
 
 def test_hierarchical_k8_group_sums_sit_on_paired_roots():
     # Equal sizes: variable n's roots are devices n % 4 and n % 4 + 4 (the
-    # DGX-1 pairing), and the two group sums are formed there.
+    # DGX-1 pairing). The root that does not combine sums its group; the
+    # combining root adds its own group's 4 gradients and that sum in one
+    # AddN (one copy across the groups either way).
     graph, grads, devices = build_graph(8, [(16,)] * 8)
     with graph.as_default():
         tfreduce.allreduce_grads_hierarchical(grads, devices, pack_bytes=None)
+    ops = {op.name: op for op in graph.get_operations()}
     for n in range(8):
-        g0 = graph.get_operation_by_name(f"allreduce_hierarchical/entry{n}_group0_sum")
-        g1 = graph.get_operation_by_name(f"allreduce_hierarchical/entry{n}_group1_sum")
-        assert g0.device == GPU_DEVICES[n % 4]
-        assert g1.device == GPU_DEVICES[n % 4 + 4]
-        assert g0.type == "AddN" and len(g0.inputs) == 4
-        assert [i.op.device for i in g0.inputs] == GPU_DEVICES[:4]
-        assert [i.op.device for i in g1.inputs] == GPU_DEVICES[4:]
-        # The total is combined on one of the two roots and reaches the
-        # other root once; every device's output reads its own group's root.
-        total = graph.get_operation_by_name(f"allreduce_hierarchical/entry{n}_sum")
-        assert total.device in (GPU_DEVICES[n % 4], GPU_DEVICES[n % 4 + 4])
+        roots = [GPU_DEVICES[n % 4], GPU_DEVICES[n % 4 + 4]]
+        total = ops[f"allreduce_hierarchical/entry{n}_sum"]
+        mine = roots.index(total.device)  # the combiner's group
+        other = 1 - mine
+        assert f"allreduce_hierarchical/entry{n}_group{mine}_sum" not in ops
+        group_sum = ops[f"allreduce_hierarchical/entry{n}_group{other}_sum"]
+        assert group_sum.device == roots[other]
+        assert group_sum.type == "AddN"
+        assert [i.op.device for i in group_sum.inputs] == GPU_DEVICES[4 * other:4 * other + 4]
+        assert total.type == "AddN"
+        assert [i.op.device for i in total.inputs] == GPU_DEVICES[4 * mine:4 * mine + 4] + [
+            roots[other]]
+        assert total.inputs[4].op is group_sum
+        # The total reaches the other root once; every device's output
+        # reads its own group's root.
         for k in range(8):
-            out = graph.get_operation_by_name(f"allreduce_hierarchical/entry{n}_dev{k}_out")
+            out = ops[f"allreduce_hierarchical/entry{n}_dev{k}_out"]
             src = out.inputs[0].op.device
-            assert src == GPU_DEVICES[n % 4 if k < 4 else n % 4 + 4]
+            assert src == roots[0 if k < 4 else 1]
 
 
 def test_hierarchical_combining_root_alternates_between_groups():
@@ -111,12 +118,24 @@ def test_hierarchical_uneven_groups_roots_in_each_group():
     graph, grads, devices = build_graph(6, [(8,)] * 3)
     with graph.as_default():
         tfreduce.allreduce_grads_hierarchical(grads, devices, groups=groups, pack_bytes=None)
+    ops = {op.name: op for op in graph.get_operations()}
     for n in range(3):
+        # Every group's root sums its group; the combining root's sum adds
+        # its group's tensors and the other roots' sums.
+        total = ops[f"allreduce_hierarchical/entry{n}_sum"]
+        reads = sorted(i.op.device for i in total.inputs)
         for gi, group in enumerate(groups):
-            op = graph.get_operation_by_name(f"allreduce_hierarchical/entry{n}_group{gi}_sum")
-            assert op.device == GPU_DEVICES[group[n % len(group)]]
-            assert sorted(i.op.device for i in op.inputs) == sorted(
-                GPU_DEVICES[i] for i in group)
+            root = GPU_DEVICES[group[n % len(group)]]
+            op = ops.get(f"allreduce_hierarchical/entry{n}_group{gi}_sum")
+            if op is None:
+                assert total.device == root
+                members = [GPU_DEVICES[i] for i in group]
+                assert sorted(members + [GPU_DEVICES[g[n % len(g)]] for g in groups
+                                         if g is not group]) == reads
+            else:
+                assert op.device == root and op.outputs[0] in list(total.inputs)
+                assert sorted(i.op.device for i in op.inputs) == sorted(
+                    GPU_DEVICES[i] for i in group)
 
 
 def test_default_groups():

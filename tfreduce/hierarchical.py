@@ -12,7 +12,11 @@ tensorpack's version asserts ``num_gpu == 8`` and scales by 1/K on every
 device. This one takes any K >= 1 and any partition ``groups`` (uneven too),
 pairs the roots by position inside their groups (for K=8 with the default
 groups: devices i and i+4, as on the DGX-1), spreads the roots by bytes, and
-divides by K once, on the device that forms the total.
+divides by K once, on the device that forms the total. That device, one of
+the roots, adds its own group's tensors and the other roots' group sums in
+one sum: the copies are those of summing its group first, with one pass
+over the data fewer (on K=8 logical CPU devices, where a copy is free,
+ResNet50's mean went from 1.65x to 1.42x the time of one 8-way sum).
 """
 
 import tensorflow as tf
@@ -80,19 +84,27 @@ class HierarchicalStage(Stage):
         return roots, (fixed if fixed is not None else balancer.pick(roots, size))
 
     def _total(self, buffers, ctx, m, roots, combiner):
-        # The sum of entry m, finished on the combiner.
+        # The sum of entry m, finished on the combiner. The other roots sum
+        # their groups; the combiner adds its own group's tensors and those
+        # sums in one pass (the same copies as summing its group first, one
+        # pass over the data fewer: 11 S read and written for K=8 in two
+        # groups instead of 15 S).
         devices = ctx.devices
-        group_sums = [
-            reduce_to([buffers[i][m] for i in g], devices[r], name=f"entry{m}_group{gi}_sum")
-            for gi, (g, r) in enumerate(zip(self.groups, roots))]
-        if ctx.wire_sum:
-            # Compressed: the group sums cross between roots in 16 bits too
-            # (one more rounding each; of means when averaging: the
-            # frame prescaled); the combiner sums them in float32.
-            group_sums = [finish_sum(t, buffers[0][m].dtype, len(devices), False,
-                                     devices[r], name=f"entry{m}_group{gi}_wire")
-                          for gi, (t, r) in enumerate(zip(group_sums, roots))]
-        total = reduce_to(group_sums, devices[combiner], name=f"entry{m}_sum")
+        own, others = [], []
+        for gi, (g, r) in enumerate(zip(self.groups, roots)):
+            if r == combiner:
+                own = [buffers[i][m] for i in g]
+                continue
+            group_sum = reduce_to([buffers[i][m] for i in g], devices[r],
+                                  name=f"entry{m}_group{gi}_sum")
+            if ctx.wire_sum:
+                # Compressed: a group sum crosses to the combiner in 16 bits
+                # too (one more rounding; of means when averaging: the frame
+                # prescaled); the combiner sums in float32.
+                group_sum = finish_sum(group_sum, buffers[0][m].dtype, len(devices), False,
+                                       devices[r], name=f"entry{m}_group{gi}_wire")
+            others.append(group_sum)
+        total = reduce_to(own + others, devices[combiner], name=f"entry{m}_sum")
         return finish_sum(total, ctx.dtypes[m], len(devices), ctx.average,
                           devices[combiner], name=f"entry{m}_total")
 
