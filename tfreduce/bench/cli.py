@@ -148,8 +148,8 @@ def parse_args(argv):
                         "FILE-K<k> for each K of several")
     parser.add_argument("--train-model", default="cnn", metavar="NAME",
                         help="--zero-stage's and --overlap's model: the example's cnn "
-                             "(default) or a keras.applications name (weights=None), e.g. "
-                             "mobilenetv2")
+                             "(default), mlp (3 Dense layers of 1,024) or a keras.applications "
+                             "name (weights=None), e.g. mobilenetv2")
     parser.add_argument("--image-size", type=_positive_int, default=28,
                         help="train mode: side of the square one-channel images; default "
                              "%(default)s")
@@ -268,7 +268,7 @@ def _run(parser, args):
             parser.error(str(error))
     for model in ([args.model] if args.mode == "allreduce" and args.model != "synthetic"
                   else []) + ([args.train_model] if (args.zero_stage or args.overlap) and
-                              args.train_model != "cnn" else []):
+                              args.train_model not in ("cnn", "mlp") else []):
         try:
             keras_application(model)
         except ValueError as error:

@@ -119,7 +119,7 @@ def _one(args, num_devices, log):
     # Times the contenders for one K in this process; returns the result row.
     devices = logical_devices(num_devices, args.device_type)
     side, batch = image_side(args), args.batch_size
-    channels = 1 if args.train_model == "cnn" else 3
+    channels = 1 if args.train_model in ("cnn", "mlp") else 3
     rng = np.random.default_rng(0)
     x = rng.random((batch * 4, side, side, channels), dtype=np.float32)
     y = rng.integers(0, _CLASSES, size=batch * 4).astype(np.int32)

@@ -187,17 +187,26 @@ def cnn_builder(input_shape, num_classes):
 
 def image_side(args):
     """The side of --train-model's square images (keras.applications take at least 32)."""
-    return args.image_size if args.train_model == "cnn" else max(args.image_size, 32)
+    return args.image_size if args.train_model in ("cnn", "mlp") else max(args.image_size, 32)
 
 
 def model_builder(args, input_shape, num_classes):
-    """() -> --train-model for these images: the example's CNN or a keras.applications model.
+    """() -> --train-model: the example's CNN, an MLP or a keras.applications model.
 
-    A keras.applications model is built with weights=None and outputs
-    logits, as the trainer's loss takes them.
+    "mlp" is 3 Dense layers of 1,024 units on the flattened images (about
+    3 M parameters: much to reduce for little compute). A keras.applications
+    model is built with weights=None. Every model outputs logits, as the
+    trainer's loss takes them.
     """
     if args.train_model == "cnn":
         return cnn_builder(input_shape, num_classes)
+    if args.train_model == "mlp":
+        import keras
+
+        return lambda: keras.Sequential(
+            [keras.Input(input_shape), keras.layers.Flatten()]
+            + [keras.layers.Dense(1024, activation="relu") for _ in range(3)]
+            + [keras.layers.Dense(num_classes)])
     from tfreduce.bench.workloads import keras_application
 
     application = keras_application(args.train_model)
