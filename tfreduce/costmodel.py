@@ -33,7 +33,6 @@ reduces.
 
 import collections
 import heapq
-import itertools
 import math
 
 import tensorflow as tf
@@ -43,6 +42,7 @@ from tfreduce.graphwalk import as_graph, static_bytes, tensors, walk_back
 from tfreduce.hostprobe import resolve_topology
 from tfreduce.packing import SLICING_OPS, hands_out_slices
 from tfreduce.timeline import Slice, Timeline, stage_of
+from tfreduce.topology import best_ring, ring_time
 
 __all__ = ["Prediction", "predict"]
 
@@ -51,7 +51,7 @@ FREE_OPS = frozenset({
     "NoOp", "Identity", "IdentityN", "Const", "Placeholder", "Reshape", "Squeeze", "ExpandDims",
     "VarHandleOp", "ReadVariableOp", "Shape", "ShapeN", "StopGradient", "Size", "Rank",
     "_Arg", "_Retval", "PlaceholderWithDefault"})
-# Collective ops -> the ring collective NCCL runs for them (``_ring_time``).
+# Collective ops -> the ring collective NCCL runs for them (``topology.ring_time``).
 RING_KINDS = {"NcclAllReduce": "all_reduce", "CollectiveReduceV2": "all_reduce",
               "CollectiveGatherV2": "all_gather", "CollectiveBcastSendV2": "broadcast",
               "CollectiveBcastRecvV2": "broadcast"}
@@ -319,13 +319,13 @@ class _Simulation:
         devices = {self.device[op] for op in ops if self.device[op] is not None}
         size = max((static_bytes(op.outputs[0] if op.type == "CollectiveBcastRecvV2" else
                                  op.inputs[0]) or 0) for op in ops)
-        ring = _best_ring(self.topology, sorted(devices), self.rings)
+        ring = best_ring(self.topology, sorted(devices), self.rings)
         links = [link for a, b in zip(ring, ring[1:] + ring[:1])
                  for link in self.topology.route(a, b)]
         # The ring's links carry 2(G-1)/G of S each: collectives that share
         # links wait for each other, like transfers.
         start = max([now] + [self.link_free[link.name] for link in links])
-        seconds, hold = _ring_time(self.topology, ring, size, RING_KINDS[ops[0].type])
+        seconds, hold = ring_time(self.topology, ring, size, RING_KINDS[ops[0].type])
         for link in links:
             self.link_free[link.name] = start + hold
             self.link_busy[link.name] += hold
@@ -412,35 +412,3 @@ class _Simulation:
 def _moved(op):
     # The bytes an op reads and writes.
     return sum(static_bytes(t) or 0 for t in list(op.inputs) + list(op.outputs))
-
-
-def _ring_time(topology, ring, size, kind="all_reduce"):
-    # NCCL's ring collectives (the module docstring). Returns (seconds,
-    # seconds each ring link carries data).
-    count = len(ring)
-    if count < 2:
-        return 0.0, 0.0
-    routes = [topology.route(a, b) for a, b in zip(ring, ring[1:] + ring[:1])]
-    bandwidth = min([link.bandwidth for route in routes for link in route]
-                    + [topology.collective_bandwidth])
-    latency = max(sum(link.latency for link in route) for route in routes)
-    steps, carried = {"all_reduce": (2 * (count - 1), 2 * (count - 1) * size / count),
-                      "all_gather": (count - 1, (count - 1) * size),
-                      "broadcast": (count - 1, size)}[kind]
-    hold = carried / bandwidth
-    return steps * latency + hold, hold
-
-
-def _best_ring(topology, devices, cache):
-    # The ring order with the widest narrowest link, as NCCL searches for
-    # its rings: every order for up to 8 devices, the given order beyond.
-    key = tuple(devices)
-    if key not in cache:
-        def narrowest(order):
-            return min(min(link.bandwidth for link in topology.route(a, b))
-                       for a, b in zip(order, order[1:] + order[:1]))
-        orders = ([devices[:1] + list(rest) for rest in itertools.permutations(devices[1:])]
-                  if 2 < len(devices) <= 8 else [devices])
-        # One member (a collective over one device) has no ring to search.
-        cache[key] = max(orders, key=narrowest) if len(devices) > 1 else list(devices)
-    return cache[key]

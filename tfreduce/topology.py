@@ -23,9 +23,10 @@ per-op launch cost (5 us) are round estimates, stated as such.
 """
 
 import heapq
+import itertools
 import math
 
-__all__ = ["Link", "Topology", "PRESETS", "check_topology"]
+__all__ = ["Link", "Topology", "PRESETS", "best_ring", "check_topology", "ring_time"]
 
 GB = 1e9
 US = 1e-6
@@ -353,3 +354,42 @@ def check_topology(topology, num_devices=None):
         raise ValueError(f"topology {topology.name!r} has {topology.num_devices} devices, "
                          f"fewer than the {num_devices} given")
     return topology
+
+
+def ring_time(topology, ring, size, kind="all_reduce"):
+    """(seconds, seconds each ring link carries data) of NCCL's ring collective.
+
+    2(G-1) steps for an all-reduce of S (each link carries 2(G-1)/G S),
+    G-1 for an all-gather of S per member, a pipelined broadcast of S; the
+    narrowest link of the ring sets the bandwidth (costmodel's docstring).
+    """
+    count = len(ring)
+    if count < 2:
+        return 0.0, 0.0
+    routes = [topology.route(a, b) for a, b in zip(ring, ring[1:] + ring[:1])]
+    bandwidth = min([link.bandwidth for route in routes for link in route]
+                    + [topology.collective_bandwidth])
+    latency = max(sum(link.latency for link in route) for route in routes)
+    steps, carried = {"all_reduce": (2 * (count - 1), 2 * (count - 1) * size / count),
+                      "all_gather": (count - 1, (count - 1) * size),
+                      "broadcast": (count - 1, size)}[kind]
+    hold = carried / bandwidth
+    return steps * latency + hold, hold
+
+
+def best_ring(topology, devices, cache):
+    """The ring order of ``devices`` with the widest narrowest link (cached in ``cache``).
+
+    As NCCL searches for its rings: every order for up to 8 devices, the
+    given order beyond.
+    """
+    key = tuple(devices)
+    if key not in cache:
+        def narrowest(order):
+            return min(min(link.bandwidth for link in topology.route(a, b))
+                       for a, b in zip(order, order[1:] + order[:1]))
+        orders = ([devices[:1] + list(rest) for rest in itertools.permutations(devices[1:])]
+                  if 2 < len(devices) <= 8 else [devices])
+        # One member (a collective over one device) has no ring to search.
+        cache[key] = max(orders, key=narrowest) if len(devices) > 1 else list(devices)
+    return cache[key]
