@@ -36,12 +36,12 @@ def packs(graph):
 def unpacks(graph):
     """The first split of each buffer (not the split of its unaligned tail)."""
     return [op for op in graph.get_operations()
-            if op.type == "SplitV" and "_unpack" in op.name and not op.name.endswith("_tail")]
+            if op.type == "SplitV" and "_unpack" in op.name and "_tail" not in op.name]
 
 
 def pieces(op):
-    """The inputs of one pack concat that are gradients (not the padding zeros)."""
-    return [t for t in op.inputs[:-1] if "zeros" not in t.op.name]
+    """The gradients one pack concat joins (its inputs but the axis)."""
+    return list(op.inputs[:-1])
 
 
 def packed_members(op):
@@ -95,58 +95,30 @@ def test_the_first_buffer_holds_the_last_variables():
 
 def test_aligned_gradients_are_handed_out_as_slices():
     # 64 and 128 bytes (multiples of ALIGN_BYTES) first, then 20 and 12
-    # bytes, then 32 bytes of zeros: the buffer's split hands out 64, 128
-    # and the 64-byte tail at aligned offsets (no copy), and only the tail
-    # is cut by a copying split.
+    # bytes: a slice and a split hand out the 192 aligned bytes without a
+    # copy; only the 32-byte tail is sliced and split with copies.
     graph, out = build(2, [f32(5), f32(16), f32(3), f32(32)], pack_bytes=1024)
     pack = [op for op in packs(graph) if op.device == GPU_DEVICES[0]][0]
     assert packed_members(pack) == ["3", "1", "2", "0"]
-    assert pack.outputs[0].shape == (16 + 32 + 3 + 5 + 8,)
-    free = graph.get_operation_by_name("allreduce_flat/dev0_unpack0")
-    tail = graph.get_operation_by_name("allreduce_flat/dev0_unpack0_tail")
-    assert [t.shape[0] for t in free.outputs] == [32, 16, 16]
-    assert [t.shape[0] for t in tail.outputs] == [3, 5, 8]
-    assert tail.inputs[0] is free.outputs[-1]
-    assert hands_out_slices(free) and not hands_out_slices(tail)
+    assert pack.outputs[0].shape == (32 + 16 + 3 + 5,)
+    ops = {op.name: op for op in graph.get_operations()}
+    name = "allreduce_flat/dev0_unpack0"
+    head, free = ops[f"{name}_head"], ops[name]
+    tail, cut = ops[f"{name}_tail_slice"], ops[f"{name}_tail"]
+    assert free.inputs[0] is head.outputs[0] and cut.inputs[0] is tail.outputs[0]
+    assert [t.shape[0] for t in free.outputs] == [32, 16]
+    assert [t.shape[0] for t in cut.outputs] == [3, 5]
+    assert hands_out_slices(head) and hands_out_slices(free)
+    assert not hands_out_slices(tail) and not hands_out_slices(cut)
     assert [t.shape for t in out[1]] == [(5,), (16,), (3,), (32,)]
 
 
-def test_a_buffer_of_aligned_gradients_needs_no_padding_or_tail():
+def test_a_buffer_of_aligned_gradients_is_one_free_split():
     graph, _ = build(2, [f32(16), f32(32)], pack_bytes=1024)
     pack = [op for op in packs(graph) if op.device == GPU_DEVICES[0]][0]
     assert len(pack.inputs) - 1 == 2 and pack.outputs[0].shape == (48,)
-    assert not [op for op in graph.get_operations() if op.name.endswith("_tail")]
+    assert not [op for op in graph.get_operations() if "_tail" in op.name or "_head" in op.name]
     assert all(hands_out_slices(op) for op in unpacks(graph))
-
-
-def test_dtypes_are_packed_separately():
-    specs = [f32(4), ((4,), tf.float16), f32(4), ((4,), tf.float16), ((2,), tf.float64)]
-    graph, out = build(2, specs, pack_bytes=1024)
-    dev0 = [op for op in packs(graph) if op.device == GPU_DEVICES[0]]
-    assert sorted(op.outputs[0].dtype.name for op in dev0) == ["float16", "float32"]
-    assert sorted(packed_members(op) for op in dev0) == [["2", "0"], ["3", "1"]]
-    assert [t.dtype for t in out[1]] == [s[1] for s in specs]
-
-
-def test_unknown_shapes_large_tensors_and_slices_pass_through():
-    devices = GPU_DEVICES[:2]
-    graph = tf.Graph()
-    with graph.as_default():
-        grads = []
-        for k, d in enumerate(devices):
-            with tf.device(d):
-                grads.append([
-                    tf.compat.v1.placeholder(tf.float32, [3], name=f"t{k}_g0"),
-                    tf.compat.v1.placeholder(tf.float32, [None], name=f"t{k}_g1"),
-                    tf.compat.v1.placeholder(tf.float32, [1000], name=f"t{k}_g2"),
-                    tf.IndexedSlices(tf.ones([2, 3]), tf.constant([0, 1]), tf.constant([5, 3])),
-                    tf.compat.v1.placeholder(tf.float32, [2], name=f"t{k}_g4"),
-                ])
-        out = tfreduce.allreduce_grads_flat(grads, devices, pack_bytes=256)
-    assert [packed_members(op) for op in packs(graph)] == [["4", "0"], ["4", "0"]]
-    assert out[0][1].shape.as_list() == [None]
-    assert isinstance(out[1][3], tf.IndexedSlices)
-    assert out[1][2].shape == (1000,)
 
 
 @pytest.mark.parametrize("pack_bytes", [None, 0])

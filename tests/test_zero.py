@@ -376,15 +376,24 @@ def test_the_shard_layout_balances_each_dtype_to_one_element():
     variables = [tf.Variable(tf.zeros(s, d)) for s, d in
                  [([3, 5], tf.float32), ([3], tf.float32), ([2], tf.float64), ([1], tf.float32)]]
     layout = ShardLayout.build(variables, 8, 4, 4)  # towers 4..7 of 8
-    assert layout.dtypes == [tf.float32, tf.float64] and layout.members == [[0, 1, 3], [2]]
+    # A packed buffer's order: backward, sizes of 64-byte multiples first
+    # (none here).
+    assert layout.dtypes == [tf.float32, tf.float64] and layout.members == [[3, 1, 0], [2]]
     # 19 float32 elements over 8 towers: 3, 3, 3, 2, 2, 2, 2, 2; towers 4..7
-    # own elements 11..18: the kernel's last 4, the bias, the last variable;
-    # the 2 float64 elements belong to towers 0 and 1.
+    # own elements 11..18 of [variable 3 (1), variable 1 (3), the kernel
+    # (15)]: the kernel's elements 7..14; the 2 float64 elements belong to
+    # towers 0 and 1.
     assert layout.shard_lengths == [[2, 0], [2, 0], [2, 0], [2, 0]]
-    assert layout.pieces == [[(11, 2), (0, 0), (0, 0), (0, 0)],
-                             [(13, 2), (0, 0), (0, 0), (0, 0)],
-                             [(0, 0), (0, 2), (0, 0), (0, 0)],
-                             [(0, 0), (2, 1), (0, 0), (0, 1)]]
+    assert layout.pieces == [[(7, 2), (0, 0), (0, 0), (0, 0)],
+                             [(9, 2), (0, 0), (0, 0), (0, 0)],
+                             [(11, 2), (0, 0), (0, 0), (0, 0)],
+                             [(13, 2), (0, 0), (0, 0), (0, 0)]]
+    # Towers 0..3 of 8 hold the float64 variable and the starts of the others.
+    first = ShardLayout.build(variables, 8, 0, 4)
+    assert first.pieces == [[(0, 0), (0, 2), (0, 1), (0, 1)],
+                            [(0, 2), (2, 1), (1, 1), (0, 0)],
+                            [(2, 3), (0, 0), (0, 0), (0, 0)],
+                            [(5, 2), (0, 0), (0, 0), (0, 0)]]
 
 
 

@@ -18,15 +18,14 @@ all-reduced, and each tower splits them back on its own device. Gradients
 with an unknown static shape, ``tf.IndexedSlices`` and gradients larger
 than ``pack_bytes`` pass through unpacked, as buffers of their own.
 
-Unpacking is free where TensorFlow allows: a split along the first axis
-hands out slices of its input without a copy when every piece starts and
-ends on a multiple of ``ALIGN_BYTES`` (EIGEN_MAX_ALIGN_BYTES; any other
-piece makes the whole split copy). So a buffer holds first the gradients
-whose size is a multiple of 64 bytes (each then starts at a 64-byte
-offset), then the others, then zeros up to the next 64 bytes: the first
-split hands out the aligned gradients and the tail as slices, and only the
-tail, the gradients that no layout could hand out free, is copied by a
-second split.
+Unpacking is free where TensorFlow allows: a split or slice along the
+first axis hands out pieces of its input without a copy when every piece
+starts and ends on a multiple of ``ALIGN_BYTES`` (EIGEN_MAX_ALIGN_BYTES; one
+other piece makes a whole split copy). So a buffer holds first the
+gradients whose size is a multiple of 64 bytes, each then at a 64-byte
+offset, then the others (``buffer_order``): a slice and a split hand out the
+aligned ones free, and only the others, which no layout could hand out
+free, are copied (a slice of the tail and its split).
 """
 
 import itertools
@@ -37,7 +36,7 @@ import tensorflow as tf
 from tfreduce.choices import DEFAULT_PACK_BYTES
 from tfreduce.contract import nbytes
 
-__all__ = ["ALIGN_BYTES", "DEFAULT_PACK_BYTES", "PackPlan", "check_pack_bytes",
+__all__ = ["ALIGN_BYTES", "DEFAULT_PACK_BYTES", "PackPlan", "buffer_order", "check_pack_bytes",
            "hands_out_slices"]
 
 #: Bytes of the alignment TensorFlow's split and slice kernels need to hand
@@ -59,6 +58,19 @@ def check_pack_bytes(pack_bytes):
                         f"got {pack_bytes!r}")
     if pack_bytes is not None and pack_bytes < 0:
         raise ValueError(f"pack_bytes must be >= 0 bytes, got {pack_bytes}")
+
+
+def buffer_order(members, nbytes_of):
+    """The order of gradients in one flat buffer: 64-byte multiples first, each part in order.
+
+    Args:
+      members: list of variable indices, in the order they are added.
+      nbytes_of: fn(n) -> int bytes of variable n's gradient.
+
+    Returns:
+      list of the same indices.
+    """
+    return sorted(members, key=lambda n: nbytes_of(n) % ALIGN_BYTES != 0)
 
 
 class PackPlan:
@@ -99,30 +111,22 @@ class PackPlan:
                 m, used = current
                 self.entries[m].append(n)
                 open_buffers[g.dtype] = (m, used + size)
-        # Aligned sizes first (a stable sort keeps the backward order in each part).
-        self.entries = [sorted(members, key=lambda n: not self._aligned(n))
+        self.entries = [buffer_order(members, lambda n: nbytes(grads.grads[0][n]))
                         for members in self.entries]
 
-    def _aligned(self, n):
-        return nbytes(self._grads.grads[0][n]) % ALIGN_BYTES == 0
-
     def _layout(self, members):
-        # (element counts of the aligned members, of the others, padding
-        # elements after them).
+        # (element counts of the aligned members, of the others).
         g0 = self._grads.grads[0]
-        aligned = [g0[n].shape.num_elements() for n in members if self._aligned(n)]
-        others = [g0[n].shape.num_elements() for n in members if not self._aligned(n)]
-        itemsize = g0[members[0]].dtype.size
-        pad = -sum(others) * itemsize % ALIGN_BYTES // itemsize
-        return aligned, others, pad
+        counts = [(g0[n].shape.num_elements(), nbytes(g0[n]) % ALIGN_BYTES == 0)
+                  for n in members]
+        return [c for c, aligned in counts if aligned], [c for c, aligned in counts if not aligned]
 
     def pack(self):
         """Builds the K x M list of buffers, each on its tower's device.
 
         Returns:
           list of K lists of M tensors (or IndexedSlices passed through);
-          a packed buffer is 1-D, its gradients flattened in entry order,
-          then zeros up to a multiple of ``ALIGN_BYTES``.
+          a packed buffer is 1-D, its gradients flattened in entry order.
         """
         g = self._grads
         out = []
@@ -136,9 +140,6 @@ class PackPlan:
                     # A 1-D gradient (bias, BatchNorm scale: most small
                     # tensors) goes in as it is: no reshape op per tensor.
                     flat = [_flat(g.grads[k][n]) for n in members]
-                    pad = self._layout(members)[2]
-                    if pad:
-                        flat.append(tf.zeros([pad], flat[0].dtype))
                     row.append(tf.concat(flat, axis=0, name=f"dev{k}_pack{m}"))
             out.append(row)
         return out
@@ -168,31 +169,31 @@ class PackPlan:
         return out
 
     def _split(self, buffer, members, name):
-        # The flat pieces of one buffer: the aligned ones and the tail as
-        # slices (one split), the tail cut by a second, copying split.
-        aligned, others, pad = self._layout(members)
-        tail = sum(others) + pad
-        if not aligned:
-            return tf.split(buffer, others + [pad] if pad else others, name=name)[:len(others)]
-        if not others:
-            return tf.split(buffer, aligned, name=name)
-        parts = tf.split(buffer, aligned + [tail], name=name)
-        cut = tf.split(parts[-1], others + [pad] if pad else others, name=f"{name}_tail")
-        return parts[:-1] + cut[:len(others)]
+        # The flat pieces of one buffer: the aligned head sliced and split
+        # without a copy, the tail sliced and split with one.
+        aligned, others = self._layout(members)
+        if not aligned or not others:
+            return tf.split(buffer, aligned + others, name=name)
+        head = sum(aligned)
+        parts = tf.split(tf.slice(buffer, [0], [head], name=f"{name}_head"), aligned, name=name)
+        tail = tf.slice(buffer, [head], [sum(others)], name=f"{name}_tail_slice")
+        return parts + tf.split(tail, others, name=f"{name}_tail")
 
 
-# Split and SplitV into one piece forward their input; splits along the
-# first axis hand out slices of the input buffer without copying when every
-# piece starts and ends on a multiple of EIGEN_MAX_ALIGN_BYTES (64 in TF's
-# builds); otherwise they copy (split_v_op.cc; IsDim0SliceAligned and
-# IsInnerDimsSizeAligned, tensorflow/core/framework/ops_util.h).
-SLICING_OPS = frozenset({"Split", "SplitV", "Unpack"})
+# Split and SplitV into one piece forward their input; splits (and slices)
+# along the first axis hand out slices of the input buffer without copying
+# when every piece starts and ends on a multiple of EIGEN_MAX_ALIGN_BYTES (64
+# in TF's builds); otherwise they copy (split_v_op.cc, slice_op.cc;
+# IsDim0SliceAligned and IsInnerDimsSizeAligned, ops_util.h).
+SLICING_OPS = frozenset({"Split", "SplitV", "Unpack", "Slice"})
 
 
 def hands_out_slices(op):
     """True for a split along axis 0 whose pieces TF hands out as aligned slices."""
     if op.type not in SLICING_OPS:
         return False
+    if op.type == "Slice":
+        return _slice_is_aligned(op)
     if op.type != "Unpack" and len(op.outputs) == 1:
         return True  # a split into one piece forwards its input
     if op.type == "Unpack":
@@ -216,3 +217,14 @@ def hands_out_slices(op):
 
 def _flat(tensor):
     return tensor if tensor.shape.rank == 1 else tf.reshape(tensor, [-1])
+
+
+def _slice_is_aligned(op):
+    # A slice of a 1-D buffer starting and ending at 64-byte multiples (as
+    # PackPlan's head), which TF's SliceOp hands out without a copy.
+    value = op.inputs[0]
+    begin, size = (tf.get_static_value(t) for t in op.inputs[1:3])
+    if value.shape.rank != 1 or begin is None or size is None:
+        return False
+    itemsize = value.dtype.size
+    return all(int(x[0]) * itemsize % ALIGN_BYTES == 0 for x in (begin, size))

@@ -2,12 +2,13 @@
 
 ZeRO (Rajbhandari et al., SC 2020, arXiv 1910.02054) keeps each optimizer
 slot once across the T towers of a run instead of T times. tfreduce's
-layout: the trainable variables of each dtype, flattened and joined in
-model order, form one flat view of S elements; tower t (of all T, tower k of
-rank w is t = w * K + k) owns elements [start_t, start_t + S_t) of it, with
-S_t from the one shard rule (``contract.shard_sizes``: the first S % T
-towers own one element more). Shards are therefore balanced to one element.
-Where tower t's range meets variable n it holds a *piece*: a 1-D
+layout: the trainable variables of each dtype, flattened and joined in the
+order of a packed buffer (``packing.buffer_order``), form one flat view of S
+elements; tower t (of all T, tower k of rank w is t = w * K + k) owns
+elements [start_t, start_t + S_t) of it, with S_t from the one shard rule
+(``contract.shard_sizes``: the first S % T towers own one element more).
+Shards are therefore balanced to one element. Where tower t's range meets
+variable n it holds a *piece*: a 1-D
 ``keras.Variable`` of that many elements (0 included), named like the
 variable, that its optimizer is built on. Optimizer k thus has the same
 variables, in the same order, as an unsharded one, each slot 1/T of the size.
@@ -45,6 +46,7 @@ import tensorflow as tf
 
 from tfreduce.collectives import all_gather, reduce_scatter
 from tfreduce.contract import shard_sizes
+from tfreduce.packing import buffer_order
 from tfreduce.trainer.update import locate_nonfinite, scales_loss
 
 ZERO_STAGES = (0, 1, 2)
@@ -104,7 +106,9 @@ class ShardLayout:
 
     Attributes:
       dtypes: list of D tf.DTypes, the flat views, in order of first variable.
-      members: D lists of variable indices, each view's variables in model order.
+      members: D lists of variable indices, each view's variables in the
+        order of a packed buffer (``packing.buffer_order`` of the reversed
+        model order).
       sizes: list of N ints, each variable's element count.
       pieces: K x N list of (start, length): tower k's piece of variable n,
         as a range of its flattened elements (length 0: none).
@@ -138,6 +142,11 @@ class ShardLayout:
                 dtypes.append(dtype)
                 members.append([])
             members[dtypes.index(dtype)].append(n)
+        # The order of a packed buffer (backward, 64-byte multiples first), so
+        # that the reduce-scatter sums each element as stage 0's all-reduce
+        # of one buffer does.
+        members = [buffer_order(group[::-1], lambda n: sizes[n] * tf.as_dtype(
+            variables[n].dtype).size) for group in members]
         pieces = [[(0, 0)] * len(variables) for _ in range(num_towers)]
         shard_lengths = [[0] * len(dtypes) for _ in range(num_towers)]
         for d, group in enumerate(members):
