@@ -30,13 +30,19 @@ def test_hierarchical_equals_tensorpack_for_k8(average):
                                                                average=average)
         with tf.compat.v1.Session(graph=graph, config=v1_session_config()) as sess:
             ours_v, theirs_v = sess.run([ours, [list(row) for row in theirs]])
+    eps = np.finfo(np.float32).eps
+    scale = 0.125 if average else 1.0
     for k in range(8):
         for n in range(len(SHAPES)):
-            # Both sum each group with one add_n over the same inputs in the
-            # same order and add the two group sums; 1/8 is exact, so the
-            # results agree to the bit, not just approximately.
-            np.testing.assert_array_equal(ours_v[k][n], theirs_v[k][n],
-                                          err_msg=f"tower {k} variable {n}")
+            # tensorpack sums each group with one add_n and adds the two
+            # group sums; tfreduce's combining root adds its own group's 4
+            # gradients and the other group's sum in one add_n (one pass
+            # fewer). Either sum of 8 terms is within 7 eps sum|x| of the
+            # exact one, so they are within twice that of each other (1/8
+            # is exact).
+            bound = 14 * eps * np.sum([np.abs(a[n]) for a in arrays], axis=0) * scale
+            assert np.all(np.abs(ours_v[k][n] - theirs_v[k][n]) <= bound), (k, n)
+            np.testing.assert_array_equal(ours_v[k][n], ours_v[0][n])  # one result for all
     np.testing.assert_allclose(
         ours_v[3][4], np.sum([a[4] for a in arrays], axis=0) * (0.125 if average else 1.0),
         rtol=1e-5)
