@@ -86,13 +86,14 @@ def const(tensor):
 def test_structure_roots_keys_and_placement(graph):
     cluster = Cluster(SPEC, "worker", 1, timeout=42)
     first_key = Cluster(SPEC, "worker", 1).keys.instance_key()
-    # 4000, 40, 48 and 28 bytes: roots by bytes, largest first.
+    # 4000, 40, 48 and 28 bytes, entries in backward order (variable 4 is
+    # entry 0, variable 0 entry 3): roots by bytes, largest first.
     grads = grads_on(GPUS, [(1000,), (10,), None, (3, 4), (7,)])
     out = allreduce_grads_multiworker(grads, GPUS, average=True, cluster=cluster,
                                       local_algorithm="flat", pack_bytes=None)
     ops = sorted(cross_ops(graph), key=lambda op: const(op.inputs[3]))
     assert [op.name for op in ops] == [f"allreduce_multiworker/entry{m}_cross_worker"
-                                       for m in (0, 2, 1, 3)]
+                                       for m in (3, 1, 2, 0)]
     assert [op.device for op in ops] == [full(d) for d in GPUS]
     assert [const(op.inputs[3]) for op in ops] == list(range(first_key, first_key + 4))
     for r, op in enumerate(ops):
@@ -409,7 +410,8 @@ def trainer_runs(tmp_path_factory):
     """One epoch on 2 workers x 2 devices, then a resumed second epoch."""
     logdir = tmp_path_factory.mktemp("trainer_logs")
     first, second = tmp_path_factory.mktemp("epoch1"), tmp_path_factory.mktemp("epoch2")
-    code, out, err, _ = launch_workers("trainer_worker.py", "--out", first, "--logdir", logdir)
+    code, out, err, _ = launch_workers("trainer_worker.py", "--out", first, "--logdir", logdir,
+                                       "--profile-steps", "2,3")
     assert code == 0, err[-3000:]
     resumed = launch_workers("trainer_worker.py", "--out", second, "--logdir", logdir,
                              "--epochs", 2, "--resume")
@@ -429,6 +431,24 @@ def assert_matches(got, want, rank):
             expected = expected[len(expected) - len(got[key]):]
         np.testing.assert_allclose(got[key], expected, rtol=1e-5, atol=2e-5,
                                    err_msg=f"rank {rank} {key}")
+
+
+@pytest.mark.slow
+def test_each_worker_writes_the_timeline_of_its_towers(trainer_runs):
+    # The first run profiled steps 2 and 3 on both workers, each into its
+    # own logdir here (trainer_worker gives rank r logdir/rank<r>).
+    logdir = trainer_runs[3]
+    for rank, name in [(0, "timeline.json"), (1, "timeline-worker1.json")]:
+        doc = json.loads((logdir / f"rank{rank}" / name).read_text())
+        meta = {(e["name"], e["tid"]): e["args"] for e in doc["traceEvents"] if e["ph"] == "M"}
+        assert meta[("process_name", 0)]["name"] == f"worker {rank}"
+        tracks = {args["name"] for (kind, _), args in meta.items() if kind == "thread_name"}
+        assert {"tower 0", "tower 1"} <= tracks
+        steps = [e["name"] for e in doc["traceEvents"] if e.get("args", {}).get("type") == "step"]
+        assert steps == ["step 2", "step 3"]
+        stages = {e["cat"] for e in doc["traceEvents"] if e["ph"] == "X"}
+        assert {"forward", "backward", "apply"} <= stages
+    assert list((logdir / "rank1" / "worker1").glob("plugins/profile/*/*.xplane.pb"))
 
 
 @pytest.mark.slow

@@ -110,11 +110,13 @@ class Timeline:
       slices: iterable of Slice (any order).
       source: str, "measured" or "predicted: <topology>", saved with the trace.
       process: str, the name of the trace's process (one per worker).
+      origin: float seconds that become time 0; None: the first slice's start.
     """
 
-    def __init__(self, slices, source, process="worker 0"):
+    def __init__(self, slices, source, process="worker 0", origin=None):
         slices = sorted(slices, key=lambda s: (s.start, s.track))
-        origin = slices[0].start if slices else 0.0
+        if origin is None:
+            origin = slices[0].start if slices else 0.0
         self.slices = [dataclasses.replace(s, start=s.start - origin) for s in slices]
         self.source = source
         self.process = process
@@ -169,6 +171,12 @@ class Timeline:
         """Writes the Chrome trace JSON, or a Gantt chart for a path ending in ".png".
 
         The file is written whole or not at all (a temporary file renamed).
+
+        Returns:
+          str, the path.
+
+        Raises:
+          OSError: the directory cannot be made or written.
         """
         path = os.fspath(path)
         directory = os.path.dirname(os.path.abspath(path))
@@ -348,6 +356,10 @@ class StepProfiler:
 
     Attributes:
       timeline: the Timeline, once the context has exited.
+
+    Raises:
+      tf.errors.AlreadyExistsError: on entering, when another profiler runs
+        in this process (TensorBoard's profile callback, a profiler server).
     """
 
     def __init__(self, logdir, devices, placement, process="worker 0"):
@@ -367,6 +379,7 @@ class StepProfiler:
         return self
 
     def step(self, label, fn, *args):
+        """Returns fn(*args), timed as the step called ``label`` (a "step" slice on "host")."""
         start = time.time_ns()
         try:
             return fn(*args)

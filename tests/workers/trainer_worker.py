@@ -81,7 +81,7 @@ def make_trainer(devices, seed, cluster, hidden=HIDDEN, **options):
     )
 
 
-def run(trainer, epochs, logdir, shuffle=True, fit_data=None):
+def run(trainer, epochs, logdir, shuffle=True, fit_data=None, profile_steps=None):
     """Fits (on `fit_data`, or data()), evaluates and predicts; returns a dict of results."""
     x, y = data()
     history = trainer.fit(
@@ -93,6 +93,7 @@ def run(trainer, epochs, logdir, shuffle=True, fit_data=None):
         logdir=logdir,
         checkpoint_dir=None if logdir is None else os.path.join(logdir, "ckpt"),
         verbose=0,
+        profile_steps=profile_steps,
     )
     results = trainer.evaluate(x, y, batch_size=16)
     out = {
@@ -147,6 +148,7 @@ def main(argv=None):
     parser.add_argument("--zero-stage", type=int, default=0)
     parser.add_argument("--mixed", action="store_true", help="Keras' mixed_float16 policy")
     parser.add_argument("--no-shuffle", action="store_true")
+    parser.add_argument("--profile-steps", default=None, help="A,B: fit's profile_steps")
     parser.add_argument("--nan-row", type=int, default=None)
     parser.add_argument("--drop-rows", default=None, help="A:B, rows A..B-1 left out of fit")
     parser.add_argument("--rank1-devices", type=int, default=None,
@@ -177,8 +179,10 @@ def main(argv=None):
         restored = trainer.restore(os.path.join(logdir, "ckpt"))
         print(f"rank {rank}: restored {restored} at step {trainer.step}", flush=True)
     drop = None if args.drop_rows is None else [int(r) for r in args.drop_rows.split(":")]
+    steps = None if args.profile_steps is None else tuple(
+        int(s) for s in args.profile_steps.split(","))
     out = run(trainer, args.epochs, logdir, shuffle=not args.no_shuffle,
-              fit_data=data(args.nan_row, drop))
+              fit_data=data(args.nan_row, drop), profile_steps=steps)
     np.savez(os.path.join(args.out, f"rank{rank}.npz"), **out)
     print(f"rank {rank}: finished at step {trainer.step}", flush=True)
 

@@ -5,9 +5,10 @@ Keras' TensorBoard callback takes ``profile_batch=(a, b)``; ``fit`` takes
 counter: a resumed fit goes on counting). Only those steps run under
 TensorFlow's profiler: with None, the default, nothing is added to a step.
 The profiler's own files stay in ``logdir`` (TensorBoard's profile tab
-reads them); tfreduce reads them into a ``tfreduce.timeline.Timeline`` and
-writes it beside them as ``timeline.json`` (Chrome trace format) and
-``timeline.png``; worker w > 0 of a cluster writes ``timeline-worker<w>``.
+reads them; worker w > 0 of a cluster profiles under ``logdir/worker<w>``);
+tfreduce reads them into a ``tfreduce.timeline.Timeline`` and writes it as
+``logdir/timeline.json`` (Chrome trace format) and ``timeline.png``; worker
+w > 0 writes ``timeline-worker<w>.json`` and ``.png``.
 """
 
 import os
@@ -75,7 +76,11 @@ class ProfiledSteps:
             return run_step(x, y)
         first, last = self._steps
         if self._profiler is None and first <= number <= last:
-            self._profiler = StepProfiler(self._logdir, self._devices, self._placement,
+            # The profiler names its file after the host: workers on one
+            # machine each write under their own directory.
+            where = self._logdir if self._rank == 0 else os.path.join(
+                self._logdir, f"worker{self._rank}")
+            self._profiler = StepProfiler(where, self._devices, self._placement,
                                           process=f"worker {self._rank}")
             self._profiler.__enter__()
         if self._profiler is None:
