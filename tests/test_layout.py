@@ -28,7 +28,7 @@ LAYERS = {
     "registry": 5, "costmodel": 5, "hostprobe": 5, "planner": 5, "powersgd": 5,
     "failures": 5, "cluster": 5, "localcluster": 5, "crossworker": 5, "consistency": 5,
     "reduction": 6, "collective_build": 6,
-    "allreduce": 7, "multiworker": 7, "models": 7, "collectives": 7,
+    "allreduce": 7, "multiworker": 7, "models": 7, "collectives": 7, "stepmodel": 7,
     "trainer": 8, "distribute": 8, "tensorflow": 8,
     "launch": 9, "bench": 9,
 }

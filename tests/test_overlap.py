@@ -17,6 +17,7 @@ import tfreduce
 from helpers import CPU_DEVICES, GPU_DEVICES, placeholders
 from test_trainer import LOSS, sgd
 from tfreduce.bench.overlap_mode import _AfterEveryGradient
+from tfreduce.stepmodel import layer_flops
 from tfreduce.timeline import COMMUNICATION, STAGES, Slice, Timeline, stage_of
 from tfreduce.trainer import ReplicatedTrainer
 
@@ -226,3 +227,51 @@ def test_the_predicted_timeline_has_the_tracks_and_stages_of_a_measured_one(tmp_
     assert max(e["ts"] + e["dur"] for e in slices) == pytest.approx(prediction.seconds * 1e6,
                                                                    abs=2e-3)
     assert prediction.timeline.stages == ["pack", "local reduce", "broadcast", "unpack"]
+
+
+# ------------------------------------------------------------------ a predicted step
+
+def test_predict_step_reduces_each_gradient_once_its_layers_backward_pass_is_done(tmp_path):
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
+                              keras.layers.Dense(10)])
+    rate = 1e12
+    step = tfreduce.predict_step(model, 32, "dgx1-v100", num_towers=4, flops_per_s=rate,
+                                 reduction=tfreduce.Reduction("nccl", pack_bytes=None),
+                                 trace=tmp_path / "step.json")
+    first, last = 2 * 64 * 128 * 32 / rate, 2 * 128 * 10 * 32 / rate
+    forward = first + last
+    assert step.compute_seconds == pytest.approx(3 * forward)
+    # The last layer's kernel and bias exist after its backward pass, the
+    # first layer's after both.
+    assert step.ready == pytest.approx([forward + 2 * last + 2 * first] * 2
+                                       + [forward + 2 * last] * 2)
+    assert step.seconds == pytest.approx(step.compute_seconds + step.exposed_seconds)
+    assert 0 < step.exposed_seconds < step.exposed_without_overlap
+    assert step.exposed_fraction == pytest.approx(step.exposed_seconds / step.seconds)
+    doc = json.loads((tmp_path / "step.json").read_text())
+    check_chrome_trace(doc)
+    tracks = tracks_of(doc)
+    slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert {"tower 0", "tower 1", "tower 2", "tower 3"} <= set(tracks.values())
+    backward_end = max(e["ts"] + e["dur"] for e in slices if e["cat"] == "backward")
+    assert backward_end == pytest.approx(step.compute_seconds * 1e6, abs=2e-3)
+    # The last layer's gradients are on their way while the first layer's
+    # backward pass runs.
+    assert min(e["ts"] for e in slices if e["cat"] in COMMUNICATION) < backward_end
+
+
+def test_layer_flops_and_the_rate_a_topology_needs():
+    model = keras.Sequential([keras.Input((16, 16, 3)),
+                              keras.layers.Conv2D(8, 3, padding="same"),
+                              keras.layers.BatchNormalization(),
+                              keras.layers.DepthwiseConv2D(3, padding="valid"),
+                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(5)])
+    conv, norm, depthwise, pool, dense = model.layers
+    assert layer_flops(conv) == 2 * 16 * 16 * 8 * 3 * 3 * 3
+    assert layer_flops(norm) == 0 and layer_flops(pool) == 0
+    assert layer_flops(depthwise) == 2 * 14 * 14 * 8 * 3 * 3
+    assert layer_flops(dense) == 2 * 8 * 5
+    with pytest.raises(ValueError, match=r"predict_step needs flops_per_s for topology "
+                                         r"'pcie3x8': only \['dgx-a100', 'dgx1-v100'\] have a "
+                                         r"published estimate"):
+        tfreduce.predict_step(model, 8, "pcie3x8")

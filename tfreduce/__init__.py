@@ -46,6 +46,7 @@ _EXPORTS = {
     "bus_bandwidth": "tfreduce.traffic",
     "plan_allreduce": "tfreduce.allreduce",
     "predict": "tfreduce.costmodel",
+    "predict_step": "tfreduce.stepmodel",
     "ReplicatedTrainer": "tfreduce.trainer",
     "Reduction": "tfreduce.reduction",
     "reduce_scatter": "tfreduce.collectives",

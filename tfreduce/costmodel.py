@@ -94,7 +94,7 @@ class Prediction:
                 f"GB/s, {len(self.critical_path)} steps on the critical path)")
 
 
-def predict(target, topology, inputs=None, devices_per_task=None, trace=None):
+def predict(target, topology, inputs=None, devices_per_task=None, trace=None, ready=None):
     """Predicts the time of a built reduction on a machine (see the module docstring).
 
     Args:
@@ -109,6 +109,9 @@ def predict(target, topology, inputs=None, devices_per_task=None, trace=None):
         device k is topology device w*G + k), or None.
       trace: None, or a path: the predicted timeline is written there
         (Chrome trace JSON, or a Gantt chart for ".png"; Timeline.save).
+      ready: None, or {tf.Operation: float seconds}: when each input's op
+        (of ``inputs``) is ready; the others at 0 (``predict_step`` gives
+        the times a backward pass produces each gradient).
 
     Returns:
       Prediction.
@@ -124,9 +127,9 @@ def predict(target, topology, inputs=None, devices_per_task=None, trace=None):
     _check_known_sizes(ops)
     used = {topology_index(op.device, devices_per_task) for op in ops} - {None}
     topology = resolve_topology(topology, max(used, default=0) + 1, at_least=False)
-    sim = _Simulation(ops, topology, devices_per_task, sources=stop)
+    sim = _Simulation(ops, topology, devices_per_task, sources=stop, ready=ready)
     seconds = sim.run()
-    timeline = Timeline(sim.slices(), f"predicted: {topology.name}")
+    timeline = Timeline(sim.slices(), f"predicted: {topology.name}", origin=0.0)
     if trace is not None:
         timeline.save(trace)
     return Prediction(seconds, sim.critical_path(), dict(sim.link_busy),
@@ -181,9 +184,10 @@ def _bytes_per_device(outputs, inputs):
 class _Simulation:
     """The event-driven run of one graph on one topology."""
 
-    def __init__(self, ops, topology, devices_per_task, sources=()):
+    def __init__(self, ops, topology, devices_per_task, sources=(), ready=None):
         self.topology = topology
         self.sources = set(sources)
+        self.ready = ready or {}
         self.per_task = devices_per_task
         self.ops = ops
         members = set(ops)
@@ -245,7 +249,7 @@ class _Simulation:
 
         for op in self.ops:
             if self.pending[op] == 0:
-                push(0.0, "ready", (op, None))
+                push(self.ready.get(op, 0.0), "ready", (op, None))
         waiting = collections.defaultdict(list)  # collective group id -> ready members
         while events:
             now, _, kind, payload = heapq.heappop(events)
