@@ -321,6 +321,7 @@ def test_train_mode_overlap_reports_exposed_communication_and_writes_a_trace(tmp
         assert row["exposed_ms"][name] == pytest.approx(steps[name] - steps["compute only"])
         seen = row["timeline"][name]
         assert seen["compute_ms"] > 0 and 0 <= seen["exposed_ms"] <= seen["communication_ms"]
+        assert seen["step_ms"] > 0  # the profiled steps were timed
     assert row["exposed_ratio"] == pytest.approx(
         row["exposed_ms"]["overlap"] / row["exposed_ms"]["no overlap"])
     doc = json.loads(trace.read_text())
