@@ -32,6 +32,7 @@ reduces.
 """
 
 import collections
+import functools
 import heapq
 import math
 
@@ -81,13 +82,17 @@ class Prediction:
     def __init__(self, seconds, critical_path, link_busy, bytes_per_device, num_devices,
                  timeline=None):
         self.seconds = seconds
-        self.timeline = timeline
+        self._timeline = timeline  # a Timeline, or fn() -> Timeline made on first use
         self.critical_path = critical_path
         self.link_busy = link_busy
         self.bytes_per_device = bytes_per_device
         self.num_devices = num_devices
         factor = 2 * (num_devices - 1) / num_devices if num_devices else 0.0
         self.bus_bandwidth = bytes_per_device * factor / seconds if seconds > 0 else math.inf
+
+    @functools.cached_property
+    def timeline(self):
+        return self._timeline() if callable(self._timeline) else self._timeline
 
     def __repr__(self):
         return (f"Prediction({self.seconds * 1e3:.3f} ms, bus {self.bus_bandwidth / 1e9:.1f} "
@@ -129,12 +134,14 @@ def predict(target, topology, inputs=None, devices_per_task=None, trace=None, re
     topology = resolve_topology(topology, max(used, default=0) + 1, at_least=False)
     sim = _Simulation(ops, topology, devices_per_task, sources=stop, ready=ready)
     seconds = sim.run()
-    timeline = Timeline(sim.slices(), f"predicted: {topology.name}", origin=0.0)
+    # The timeline only when asked for: plan_allreduce predicts many candidates.
+    prediction = Prediction(
+        seconds, sim.critical_path(), dict(sim.link_busy), _bytes_per_device(outputs, inputs),
+        sim.num_output_devices(outputs),
+        lambda: Timeline(sim.slices(), f"predicted: {topology.name}", origin=0.0))
     if trace is not None:
-        timeline.save(trace)
-    return Prediction(seconds, sim.critical_path(), dict(sim.link_busy),
-                      _bytes_per_device(outputs, inputs), sim.num_output_devices(outputs),
-                      timeline)
+        prediction.timeline.save(trace)
+    return prediction
 
 
 def _ops(target, inputs):

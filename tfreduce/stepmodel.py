@@ -158,8 +158,8 @@ def predict_step(model, batch_per_tower, topology, num_towers=8, reduction="auto
     forward, layers, ready_of = _schedule(model, batch_per_tower, flops_per_s)
     ready = [ready_of.get(id(v), forward) for v in variables]
     compute = forward + sum(backward for _, _, backward in layers)
-    overlapped = _reduce(variables, ready, reduction, topology, num_towers)
-    alone = _reduce(variables, [compute] * len(variables), reduction, topology, num_towers)
+    overlapped, alone = _reduce(variables, [ready, [compute] * len(variables)], reduction,
+                                topology, num_towers)
     end = max(compute, overlapped.seconds)
     slices = list(overlapped.timeline.slices)
     for k in range(num_towers):
@@ -181,9 +181,10 @@ def predict_step(model, batch_per_tower, topology, num_towers=8, reduction="auto
                           max(0.0, alone.seconds - compute), ready, timeline)
 
 
-def _reduce(variables, ready, reduction, topology, num_towers):
+def _reduce(variables, readies, reduction, topology, num_towers):
     # The reduction of K x N float32 gradients of the variables' shapes on
-    # "/gpu:k", simulated with variable n's gradients ready at ready[n].
+    # "/gpu:k", built once and simulated for each list of ready times
+    # (variable n's gradients ready at ready[n]); one Prediction each.
     devices = [f"/gpu:{k}" for k in range(num_towers)]
     with tf.Graph().as_default():
         grads = []
@@ -192,5 +193,6 @@ def _reduce(variables, ready, reduction, topology, num_towers):
                 grads.append([tf.compat.v1.placeholder(tf.float32, v.shape, name=f"t{k}_g{n}")
                               for n, v in enumerate(variables)])
         out = reduction(grads, devices, average=True)
-        times = {g.op: ready[n] for row in grads for n, g in enumerate(row)}
-        return predict(out, topology, inputs=grads, ready=times)
+        return [predict(out, topology, inputs=grads,
+                        ready={g.op: ready[n] for row in grads for n, g in enumerate(row)})
+                for ready in readies]

@@ -262,9 +262,10 @@ def track_names(devices):
     return {canonical_or_empty(d): f"tower {k}" for k, d in enumerate(devices)}
 
 
-def placement(graph):
-    """{op name: canonical device} of the ops of a graph."""
-    return {op.name: canonical_or_empty(op.device) for op in graph.get_operations()}
+def placement(graphs):
+    """{op name: canonical device} of the ops of the graphs (a step's traced functions)."""
+    return {op.name: canonical_or_empty(op.device)
+            for graph in graphs for op in graph.get_operations()}
 
 
 def _device_of(name, placed):
@@ -351,7 +352,7 @@ class StepProfiler:
         finds it too); None: a temporary directory, removed afterwards.
       devices: the towers' devices, in tower order.
       placement: fn() -> {op name: canonical device} of the profiled ops
-        (``placement`` of the traced graphs; called once the steps ran).
+        (``placement`` of the traced graphs, called once the steps ran).
       process: str, the track group's name ("worker 0").
 
     Attributes:

@@ -25,13 +25,12 @@ overlap contender's timeline (Chrome trace JSON, or a Gantt chart for
 import os
 import statistics
 
-import numpy as np
 import tensorflow as tf
 
 import tfreduce
 from tfreduce.bench.harness import environment
 from tfreduce.bench.tables import print_table
-from tfreduce.bench.train_mode import (alternate_rounds, image_side, model_builder,
+from tfreduce.bench.train_mode import (alternate_rounds, image_side, image_workload,
                                        row_in_child, trainer_rounds)
 from tfreduce.devices import logical_devices
 from tfreduce.timeline import StepProfiler, placement
@@ -119,12 +118,8 @@ def _summary(row):
 def _one(args, num_devices, log):
     # Times the contenders for one K in this process; returns the result row.
     devices = logical_devices(num_devices, args.device_type)
-    side, batch = image_side(args), args.batch_size
-    channels = 1 if args.train_model in ("cnn", "mlp") else 3
-    rng = np.random.default_rng(0)
-    x = rng.random((batch * 4, side, side, channels), dtype=np.float32)
-    y = rng.integers(0, _CLASSES, size=batch * 4).astype(np.int32)
-    make_model = model_builder(args, x.shape[1:], _CLASSES)
+    batch = args.batch_size
+    x, y, make_model = image_workload(args, _CLASSES)
     algorithm = (args.algorithms or ["auto"])[0]
     reductions = {"overlap": tfreduce.Reduction(algorithm),
                   "no overlap": _AfterEveryGradient(algorithm),
@@ -163,13 +158,8 @@ def _one(args, num_devices, log):
 
 def _profile(trainer, x, y):
     # _PROFILED_STEPS train steps of a trainer already traced, profiled.
-    def placed():
-        found = {}
-        for graph in trainer._steps.graphs():
-            found.update(placement(graph))
-        return found
-
-    with StepProfiler(None, trainer.devices, placed) as profiler:
+    with StepProfiler(None, trainer.devices,
+                      lambda: placement(trainer._steps.graphs())) as profiler:
         for step in range(_PROFILED_STEPS):
             profiler.step(f"step {step + 1}", trainer.train_step, x, y)
     return profiler.timeline

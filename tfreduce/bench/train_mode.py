@@ -190,6 +190,22 @@ def image_side(args):
     return args.image_size if args.train_model in ("cnn", "mlp") else max(args.image_size, 32)
 
 
+def image_workload(args, num_classes, num_batches=4):
+    """--train-model's random data and builder: (x, y, make_model).
+
+    x: float32 [num_batches * --batch-size, side, side, channels] in [0, 1)
+    (one channel for cnn and mlp, three for keras.applications), y: int32
+    labels below num_classes, both from seed 0.
+    """
+    side = image_side(args)
+    channels = 1 if args.train_model in ("cnn", "mlp") else 3
+    count = args.batch_size * num_batches
+    rng = np.random.default_rng(0)
+    x = rng.random((count, side, side, channels), dtype=np.float32)
+    y = rng.integers(0, num_classes, size=count).astype(np.int32)
+    return x, y, model_builder(args, x.shape[1:], num_classes)
+
+
 def model_builder(args, input_shape, num_classes):
     """() -> --train-model: the example's CNN, an MLP or a keras.applications model.
 

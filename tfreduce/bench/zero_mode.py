@@ -14,11 +14,9 @@ Without accumulation stage 2 is stage 1.
 
 import statistics
 
-import numpy as np
-
 from tfreduce.bench.harness import environment
 from tfreduce.bench.tables import print_table
-from tfreduce.bench.train_mode import (alternate_rounds, fit_rounds, image_side, model_builder,
+from tfreduce.bench.train_mode import (alternate_rounds, fit_rounds, image_side, image_workload,
                                        row_in_child, trainer_rounds)
 from tfreduce.devices import logical_devices
 
@@ -69,12 +67,8 @@ def _in_child(args, num_devices, log):
 def _one(args, num_devices, log):
     # Times every contender for one K in this process; returns the result row.
     devices = logical_devices(num_devices, args.device_type)
-    side, batch = image_side(args), args.batch_size
-    channels = 1 if args.train_model in ("cnn", "mlp") else 3
-    rng = np.random.default_rng(0)
-    x = rng.random((batch * 4, side, side, channels), dtype=np.float32)
-    y = rng.integers(0, _CLASSES, size=batch * 4).astype(np.int32)
-    make_model = model_builder(args, x.shape[1:], _CLASSES)
+    batch = args.batch_size
+    x, y, make_model = image_workload(args, _CLASSES)
     algorithm = (args.algorithms or ["auto"])[0]
     rounds, state = {}, {}
     for stage in args.zero_stage:

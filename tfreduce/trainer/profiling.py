@@ -92,10 +92,7 @@ class ProfiledSteps:
                 self.close()
 
     def _placement(self):
-        placed = {}
-        for graph in self._graphs():
-            placed.update(placement(graph))
-        return placed
+        return placement(self._graphs())
 
     def close(self, failed=False):
         """Stops the profiler (at the window's end or the fit's) and writes the timeline."""
