@@ -21,8 +21,9 @@ setup(
         # pytest-markdown-docs runs the Python blocks of the README and
         # docs/; its runner API (conftest.py) is pinned to the minor version
         # tested. mkdocs and mkdocstrings build the manual (tests/test_docs.py).
-        "test": ["pytest", "pytest-timeout", "pytest-markdown-docs>=0.9,<0.10", "hypothesis",
-                 "tensorpack", "scikit-learn", "mlxtend", "matplotlib",
+        # pytest-xdist runs the suite in two processes (README: pytest -n 2).
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "pytest-markdown-docs>=0.9,<0.10",
+                 "hypothesis", "tensorpack", "scikit-learn", "mlxtend", "matplotlib",
                  "mkdocs>=1.6", "mkdocstrings[python]>=0.26"],
         "tensorpack": ["tensorpack"],
         "examples": ["scikit-learn", "mlxtend", "matplotlib"],
