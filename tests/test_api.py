@@ -108,7 +108,7 @@ EXPORTS = {
     'max_replica_difference': '(all_vars)',
     'plan_allreduce': '(shapes, devices, topology, dtype=tf.float32, average=True, **options)',
     'predict': '(target, topology, inputs=None, devices_per_task=None, trace=None, ready=None)',
-    'predict_step': "(model, batch_per_tower, topology, num_towers=8, reduction='auto', flops_per_s=None, trace=None)",
+    'predict_step': "(model, batch_per_tower, topology, num_towers=8, reduction='auto', flops_per_s=None, trace=None, compute=None)",
     'merge_grad_list': '(all_grads, all_vars)',
     'split_grad_list': '(grad_list)',
 }

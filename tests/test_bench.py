@@ -327,4 +327,13 @@ def test_train_mode_overlap_reports_exposed_communication_and_writes_a_trace(tmp
     doc = json.loads(trace.read_text())
     names = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
     assert {"tower 0", "tower 1"} <= names
-    assert "exposed communication with overlap / without" in capsys.readouterr().out
+    # The overlap contender's step predicted on this host from its own
+    # profiled layers: the compute is theirs, the step at least that.
+    predicted = row["predicted"]
+    assert predicted["compute_ms"] > 0 and predicted["exposed_ms"] >= 0
+    assert predicted["apply_ms"] > 0
+    assert predicted["step_ms"] == pytest.approx(predicted["compute_ms"]
+                                                 + predicted["exposed_ms"] + predicted["apply_ms"])
+    out = capsys.readouterr().out
+    assert "exposed communication with overlap / without" in out
+    assert "predicted on this host from the profiled layers: step" in out

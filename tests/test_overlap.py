@@ -7,6 +7,7 @@ produced them.
 """
 
 import json
+import re
 
 import keras
 import numpy as np
@@ -17,7 +18,7 @@ import tfreduce
 from helpers import CPU_DEVICES, GPU_DEVICES, placeholders
 from test_trainer import LOSS, sgd
 from tfreduce.bench.overlap_mode import _AfterEveryGradient
-from tfreduce.stepmodel import layer_flops
+from tfreduce.stepmodel import layer_flops, layer_seconds
 from tfreduce.timeline import COMMUNICATION, STAGES, Slice, Timeline, stage_of
 from tfreduce.trainer import ReplicatedTrainer
 
@@ -148,6 +149,66 @@ def test_a_profiled_fit_shows_the_reduction_start_before_the_backward_pass_ends(
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # TensorBoard's profile tab finds the profiler's own file beside it.
     assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))
+    predicted_from_the_measured_compute(trainer.models, tmp_path / "timeline.json", slices,
+                                        tracks)
+
+
+def predicted_from_the_measured_compute(models, path, slices, tracks):
+    # Each tower's ops of layer i are under the scope the profile found
+    # for it (replica k's layer name, with TF's _N); a layer's time is their
+    # durations averaged over 4 towers and 2 steps.
+    loaded = Timeline.load(path)
+    assert loaded.tracks[:4] == ["tower 0", "tower 1", "tower 2", "tower 3"]
+    assert len(loaded.slices) == len(slices)
+    names = [layer.name for layer in models[0].layers]
+    for k, model in enumerate(models):
+        for i, layer in enumerate(model.layers):
+            (scope,) = [s for s, index in loaded.layers.items()
+                        if index == i and s.startswith(f"tower{k}/")]
+            assert re.fullmatch(rf"{layer.name}(_\d+)*", scope.rsplit("/", 1)[1])
+    times = layer_seconds(loaded, models[0])
+    assert set(times) == set(names) | {None}  # None: the loss and its gradient
+    # In each step, a tower's compute ops are stretched to their span.
+    want = {(name, stage): 0.0 for name in names for stage in ("forward", "backward")}
+    for step in [e for e in slices if e["args"]["type"] == "step"]:
+        for k in range(4):
+            ops = [e for e in slices if tracks[e["tid"]] == f"tower {k}"
+                   and e["cat"] in ("forward", "backward")
+                   and step["ts"] <= e["ts"] < step["ts"] + step["dur"]]
+            span = max(e["ts"] + e["dur"] for e in ops) - min(e["ts"] for e in ops)
+            stretch = span / sum(e["dur"] for e in ops)
+            assert stretch >= 1
+            for i, name in enumerate(names):
+                scopes = tuple(s + "/" for s, index in loaded.layers.items() if index == i)
+                for e in ops:
+                    if e["name"].removeprefix("gradient_tape/").startswith(scopes):
+                        want[(name, e["cat"])] += e["dur"] * stretch * 1e-6 / 8
+    for (name, stage), seconds in want.items():
+        measured = times[name][stage == "backward"]
+        assert seconds > 0 and measured == pytest.approx(seconds, rel=1e-6)
+    step = tfreduce.predict_step(models[0], 32, "dgx1-v100", num_towers=4, compute=loaded)
+    assert step.compute_seconds == pytest.approx(sum(f + b for f, b in times.values()))
+    # The update: the span of a tower's apply ops, averaged over its steps.
+    spans = []
+    for step_slice in [e for e in slices if e["args"]["type"] == "step"]:
+        for k in range(4):
+            ops = [e for e in slices if tracks[e["tid"]] == f"tower {k}" and e["cat"] == "apply"
+                   and step_slice["ts"] <= e["ts"] < step_slice["ts"] + step_slice["dur"]]
+            spans.append((max(e["ts"] + e["dur"] for e in ops) - min(e["ts"] for e in ops)) * 1e-6)
+    assert step.apply_seconds == pytest.approx(sum(spans) / 8, rel=1e-6)
+    assert step.seconds == pytest.approx(step.compute_seconds + step.exposed_seconds
+                                         + step.apply_seconds)
+    # The first layer's gradients exist last, at the backward pass's end;
+    # the last layer's once the loss's gradient and its own backward ran.
+    assert step.ready[0] == pytest.approx(step.compute_seconds)
+    assert step.ready[-1] == pytest.approx(
+        sum(f for f, _ in times.values()) + times[None][1] + times[names[-1]][1])
+    # A model built alike in another process (other layer names) reads it.
+    again = tfreduce.predict_step(wide_mlp(), 32, "dgx1-v100", num_towers=4, compute=path)
+    assert again.ready == pytest.approx(step.ready)
+    with pytest.raises(ValueError, match=r"the timeline has layer 4 but model '\w+' has 1 "
+                                         r"layers: pass the model the steps trained"):
+        layer_seconds(loaded, keras.Sequential([keras.Input((64,)), keras.layers.Dense(2)]))
 
 
 @pytest.mark.parametrize("steps, logdir, error, message", [
@@ -245,6 +306,7 @@ def test_predict_step_reduces_each_gradient_once_its_layers_backward_pass_is_don
     # first layer's after both.
     assert step.ready == pytest.approx([forward + 2 * last + 2 * first] * 2
                                        + [forward + 2 * last] * 2)
+    assert step.apply_seconds == 0  # not modelled from FLOPs
     assert step.seconds == pytest.approx(step.compute_seconds + step.exposed_seconds)
     assert 0 < step.exposed_seconds < step.exposed_without_overlap
     assert step.exposed_fraction == pytest.approx(step.exposed_seconds / step.seconds)
@@ -271,7 +333,25 @@ def test_layer_flops_and_the_rate_a_topology_needs():
     assert layer_flops(norm) == 0 and layer_flops(pool) == 0
     assert layer_flops(depthwise) == 2 * 14 * 14 * 8 * 3 * 3
     assert layer_flops(dense) == 2 * 8 * 5
-    with pytest.raises(ValueError, match=r"predict_step needs flops_per_s for topology "
-                                         r"'pcie3x8': only \['dgx-a100', 'dgx1-v100'\] have a "
-                                         r"published estimate"):
+    with pytest.raises(ValueError, match=r"predict_step needs flops_per_s or a measured "
+                                         r"compute timeline for topology 'pcie3x8': only "
+                                         r"\['dgx-a100', 'dgx1-v100'\] have a published estimate"):
         tfreduce.predict_step(model, 8, "pcie3x8")
+    with pytest.raises(ValueError, match=r"predict_step takes flops_per_s or a measured compute "
+                                         r"timeline, not both"):
+        tfreduce.predict_step(model, 8, "pcie3x8", flops_per_s=1e12, compute={})
+
+
+def test_a_timeline_without_a_profiled_step_or_in_another_format_is_refused(tmp_path):
+    compute = Timeline([Slice("tower 0", "tower0/m/d/MatMul", "MatMul", "forward", 0, 1)],
+                       "measured")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match=r"the measured timeline has 0 profiled step\(s\), 1 "
+                                         r"tower track\(s\) with forward or backward ops and 0 "
+                                         r"layer scope\(s\): predict_step needs the profiled "
+                                         r"steps of a ReplicatedTrainer"):
+        layer_seconds(compute, model)
+    (tmp_path / "other.json").write_text('{"traceEvents": []}')
+    with pytest.raises(ValueError, match=r"other.json is not a timeline tfreduce wrote "
+                                         r"\(KeyError: 'otherData'\)"):
+        Timeline.load(tmp_path / "other.json")

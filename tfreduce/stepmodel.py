@@ -8,7 +8,10 @@
   (the gradients of its input and of its weights), at a sustained rate
   of FLOP/s per device. Layers without multiply-adds (normalisation,
   activations, pooling) are left out: they are memory-bound and short
-  beside convolutions on GPUs;
+  beside convolutions on GPUs. Or, measured (``compute=``): each layer's
+  forward and backward time from the timeline of profiled steps on this
+  host (``layer_seconds``: the towers' ops, stretched to the span they
+  took, so the executor's gaps count);
 - gradients: a layer's gradients exist once the backward pass has gone
   through it, so the last layer's are ready first;
 - the reduction: tfreduce builds the chosen reduction on the devices of
@@ -18,8 +21,8 @@
 
 Exposed communication is the part of the step during which the reduction
 runs and no tower computes: the reduction's end minus the backward pass's
-end, when later. The optimizer's update after the reduction is not
-modelled.
+end, when later. The optimizer's update then follows on every tower: its
+measured time with ``compute=``; with FLOPs it is not modelled (0).
 
 The sustained rates of the GPU presets (``SUSTAINED_FLOPS``) come from
 NVIDIA's published ResNet-50 v1.5 training throughput on one GPU
@@ -32,6 +35,7 @@ A100's 156 TFLOP/s TF32 peak: an estimate of what a whole step sustains,
 not of each layer.
 """
 
+import collections
 import dataclasses
 import math
 
@@ -41,7 +45,7 @@ from tfreduce.costmodel import predict
 from tfreduce.reduction import Reduction
 from tfreduce.timeline import Slice, Timeline
 
-__all__ = ["SUSTAINED_FLOPS", "StepPrediction", "layer_flops", "predict_step"]
+__all__ = ["SUSTAINED_FLOPS", "StepPrediction", "layer_flops", "layer_seconds", "predict_step"]
 
 #: FLOP/s one device of a preset sustains on a training step (module docstring).
 SUSTAINED_FLOPS = {
@@ -56,8 +60,11 @@ class StepPrediction:
 
     Attributes:
       seconds: float, the step: the later of the backward pass's end and
-        the reduction's.
+        the reduction's, then the update.
       compute_seconds: float, forward and backward pass of one tower.
+      apply_seconds: float, the optimizer's update on one tower once every
+        reduced gradient is there: measured with ``compute=``, else 0 (not
+        modelled).
       exposed_seconds: float, the reduction's time after the backward pass.
       exposed_fraction: float, exposed_seconds / seconds.
       exposed_without_overlap: float, the same reduction started only once
@@ -69,6 +76,7 @@ class StepPrediction:
 
     seconds: float
     compute_seconds: float
+    apply_seconds: float
     exposed_seconds: float
     exposed_fraction: float
     exposed_without_overlap: float
@@ -107,78 +115,202 @@ def layer_flops(layer):
     return 2 * math.prod(out[1:]) * math.prod(kernel[:-1])
 
 
-def _schedule(model, batch, flops_per_s):
-    # (forward end, [(layer, forward s, backward s)], {variable id: ready s}).
-    layers = [(layer, layer_flops(layer) * batch / flops_per_s) for layer in model.layers]
-    forward = sum(seconds for _, seconds in layers)
+def layer_seconds(timeline, model):
+    """Each layer's forward and backward time on one tower and step, from a measured Timeline.
+
+    A tower's forward op belongs to layer i when its name is inside a
+    scope the timeline names for layer i (``Timeline.layers``, found when
+    the steps were profiled: ``timeline.layer_scopes``), its backward op
+    likewise after "gradient_tape/". The ops of no such scope (the loss
+    and its gradient, the ops of layers without variables) go under None.
+    In each step, a tower's ops are stretched to the span they took, from
+    its first forward op's start to its last backward op's end, so the
+    executor's time between ops (and, on logical CPU devices that share
+    the cores, each op's wait for one) counts as the layers' own; a
+    layer's time is then the sum of its ops', averaged over the tower
+    tracks and the profiled steps.
+
+    Args:
+      timeline: a tfreduce.timeline.Timeline of profiled steps
+        (``fit(profile_steps=)``; ``Timeline.load`` reads its
+        timeline.json), or the path of that JSON.
+      model: the keras.Model the steps trained, or one built alike: layer
+        i of the timeline is ``model.layers[i]``.
+
+    Returns:
+      dict {layer name or None: (forward seconds, backward seconds)};
+      ``predict_step(..., compute=)`` takes it.
+
+    Raises:
+      ValueError: the timeline has no profiled step, no forward or
+        backward op on a tower track, no layer scope, or a layer index
+        ``model`` does not have.
+    """
+    if not isinstance(timeline, Timeline):
+        timeline = Timeline.load(timeline)
+    steps = sum(1 for s in timeline.slices if s.op_type == "step")
+    towers = {s.track for s in timeline.slices
+              if s.track.startswith("tower ") and s.stage in ("forward", "backward")}
+    if not steps or not towers or not timeline.layers:
+        raise ValueError(f"the {timeline.source} timeline has {steps} profiled step(s), "
+                         f"{len(towers)} tower track(s) with forward or backward ops and "
+                         f"{len(timeline.layers)} layer scope(s): predict_step needs the "
+                         f"profiled steps of a ReplicatedTrainer (fit(profile_steps=))")
+    deepest = max(timeline.layers.values())
+    if deepest >= len(model.layers):
+        raise ValueError(f"the timeline has layer {deepest} but model {model.name!r} has "
+                         f"{len(model.layers)} layers: pass the model the steps trained")
+    totals = collections.defaultdict(lambda: [0.0, 0.0])
+    for ops in _tower_steps(timeline, towers, ("forward", "backward")).values():
+        # Stretched to the tower's span: the executor's time between its
+        # ops and, on shared cores, the wait for one count as the layers'.
+        span = max(s.end for s in ops) - min(s.start for s in ops)
+        stretch = span / max(sum(s.duration for s in ops), 1e-12)
+        for s in ops:
+            scope = s.name.removeprefix("gradient_tape/")
+            while scope and scope not in timeline.layers:
+                scope = scope.rpartition("/")[0]
+            layer = model.layers[timeline.layers[scope]].name if scope else None
+            totals[layer][s.stage == "backward"] += s.duration * stretch
+    scale = 1.0 / (steps * len(towers))
+    return {name: (forward * scale, backward * scale) for name, (forward, backward)
+            in totals.items()}
+
+
+def _tower_steps(timeline, towers, stages):
+    # {(tower track, step): its slices of these stages in that step}.
+    windows = [s for s in timeline.slices if s.op_type == "step"]
+    ops = collections.defaultdict(list)
+    for s in timeline.slices:
+        if s.stage in stages and s.track in towers:
+            step = next((w.name for w in windows if w.start <= s.start < w.end), None)
+            ops[(s.track, step)].append(s)
+    return ops
+
+
+def _apply_seconds(timeline):
+    # The span of a tower's update ops in a step, averaged over the
+    # towers' steps (0 without any).
+    towers = {s.track for s in timeline.slices if s.track.startswith("tower ")}
+    spans = [max(s.end for s in ops) - min(s.start for s in ops)
+             for ops in _tower_steps(timeline, towers, ("apply",)).values()]
+    return sum(spans) / len(spans) if spans else 0.0
+
+
+def _flop_times(model, batch, flops_per_s):
+    # [(name, trainable variables, forward s, backward s)] in layer order.
+    out = []
+    for layer in model.layers:
+        seconds = layer_flops(layer) * batch / flops_per_s
+        out.append((layer.name, layer.trainable_variables, seconds, 2 * seconds))
+    return out
+
+
+def _measured_times(model, timeline):
+    # As _flop_times, from layer_seconds; the ops of no layer (the loss)
+    # run after the last layer's forward pass and before its backward pass.
+    times = layer_seconds(timeline, model)
+    out = [(layer.name, layer.trainable_variables, *times.get(layer.name, (0.0, 0.0)))
+           for layer in model.layers]
+    if None in times:
+        out.append(("(no layer)", [], *times[None]))
+    return out
+
+
+def _schedule(layers):
+    # (forward end, {variable id: ready s}): the backward pass runs the
+    # layers in reverse; a variable's gradient exists once its layer's has run.
+    forward = sum(entry[2] for entry in layers)
     ready, now = {}, forward
-    timed = []
-    for layer, seconds in reversed(layers):
-        now += 2 * seconds
-        timed.append((layer, seconds, 2 * seconds))
-        for v in layer.trainable_variables:
+    for _, variables, _, backward in reversed(layers):
+        now += backward
+        for v in variables:
             ready.setdefault(id(v), now)
-    return forward, timed[::-1], ready
+    return forward, ready
 
 
 def predict_step(model, batch_per_tower, topology, num_towers=8, reduction="auto",
-                 flops_per_s=None, trace=None):
+                 flops_per_s=None, trace=None, compute=None):
     """Predicts one training step of ``model`` on ``num_towers`` devices of a machine.
 
     Args:
       model: a built keras.Model (keras.applications models with
         weights=None build without a download).
-      batch_per_tower: int, examples per tower and step.
-      topology: a tfreduce.Topology or a preset name ("dgx1-v100").
+      batch_per_tower: int, examples per tower and step (with ``compute``,
+        the batch its steps were measured at).
+      topology: a tfreduce.Topology, a preset name ("dgx1-v100") or "host"
+        (this machine's logical CPU devices, probed now).
       num_towers: int K, the first K devices of the topology ("/gpu:0"...).
       reduction: a tfreduce.Reduction or an algorithm name; its pack_bytes
         makes the buckets.
       flops_per_s: float FLOP/s each device sustains; None: the preset's
         ``SUSTAINED_FLOPS``.
       trace: None, or a path for the step's timeline (Timeline.save).
+      compute: None, or a Timeline of profiled steps of this model, or of
+        one built alike (or the path of its JSON): the layers' forward and
+        backward times are then the measured ones (``layer_seconds``)
+        instead of FLOPs at a rate, and the update takes its measured time.
 
     Returns:
       StepPrediction.
 
     Raises:
-      ValueError: no flops_per_s for this topology, a model with no
-        trainable variable or a layer without an output shape, and
-        predict's errors.
+      ValueError: no flops_per_s and no compute for a topology without a
+        published rate, both flops_per_s and compute, a model with no
+        trainable variable or a layer without an output shape,
+        layer_seconds' and predict's errors.
     """
     name = topology if isinstance(topology, str) else topology.name
-    if flops_per_s is None:
+    if compute is not None and flops_per_s is not None:
+        raise ValueError("predict_step takes flops_per_s or a measured compute timeline, "
+                         "not both")
+    if compute is None and flops_per_s is None:
         if name not in SUSTAINED_FLOPS:
-            raise ValueError(f"predict_step needs flops_per_s for topology {name!r}: only "
-                             f"{sorted(SUSTAINED_FLOPS)} have a published estimate")
+            raise ValueError(f"predict_step needs flops_per_s or a measured compute timeline "
+                             f"for topology {name!r}: only {sorted(SUSTAINED_FLOPS)} have a "
+                             f"published estimate")
         flops_per_s = SUSTAINED_FLOPS[name]
     variables = model.trainable_variables
     if not variables:
         raise ValueError(f"model {model.name!r} has no trainable variable to reduce")
     reduction = reduction if isinstance(reduction, Reduction) else Reduction(reduction)
-    forward, layers, ready_of = _schedule(model, batch_per_tower, flops_per_s)
+    apply = 0.0
+    if compute is None:
+        layers = _flop_times(model, batch_per_tower, flops_per_s)
+    else:
+        compute = compute if isinstance(compute, Timeline) else Timeline.load(compute)
+        layers, apply = _measured_times(model, compute), _apply_seconds(compute)
+    forward, ready_of = _schedule(layers)
     ready = [ready_of.get(id(v), forward) for v in variables]
-    compute = forward + sum(backward for _, _, backward in layers)
-    overlapped, alone = _reduce(variables, [ready, [compute] * len(variables)], reduction,
-                                topology, num_towers)
-    end = max(compute, overlapped.seconds)
-    slices = list(overlapped.timeline.slices)
-    for k in range(num_towers):
-        start = 0.0
-        for layer, seconds, _ in layers:
-            if seconds:
-                slices.append(Slice(f"tower {k}", layer.name, "layer", "forward", start, seconds))
-            start += seconds
-        for layer, _, seconds in reversed(layers):
-            if seconds:
-                slices.append(Slice(f"tower {k}", layer.name, "layer", "backward", start,
-                                    seconds))
-            start += seconds
+    compute_seconds = forward + sum(entry[3] for entry in layers)
+    overlapped, alone = _reduce(variables, [ready, [compute_seconds] * len(variables)],
+                                reduction, topology, num_towers)
+    reduced = max(compute_seconds, overlapped.seconds)
+    slices = overlapped.timeline.slices + _compute_slices(layers, num_towers)
+    if apply:
+        slices += [Slice(f"tower {k}", "apply", "update", "apply", reduced, apply)
+                   for k in range(num_towers)]
     timeline = Timeline(slices, f"predicted step: {name}", origin=0.0)
     if trace is not None:
         timeline.save(trace)
-    exposed = max(0.0, overlapped.seconds - compute)
-    return StepPrediction(end, compute, exposed, exposed / end,
-                          max(0.0, alone.seconds - compute), ready, timeline)
+    exposed = reduced - compute_seconds
+    step = reduced + apply
+    return StepPrediction(step, compute_seconds, apply, exposed, exposed / step,
+                          max(0.0, alone.seconds - compute_seconds), ready, timeline)
+
+
+def _compute_slices(layers, num_towers):
+    # Every tower's forward slices, then its backward slices in reverse.
+    slices = []
+    for k in range(num_towers):
+        start = 0.0
+        for stage, order in (("forward", layers), ("backward", layers[::-1])):
+            for layer, _, forward, backward in order:
+                seconds = forward if stage == "forward" else backward
+                if seconds:
+                    slices.append(Slice(f"tower {k}", layer, "layer", stage, start, seconds))
+                start += seconds
+    return slices
 
 
 def _reduce(variables, readies, reduction, topology, num_towers):

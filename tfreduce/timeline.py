@@ -41,7 +41,7 @@ import tensorflow as tf
 from tfreduce.devices import canonical_or_empty
 
 __all__ = ["COMMUNICATION", "COMPUTE", "STAGES", "Slice", "StepProfiler", "Timeline", "from_ops",
-           "placement", "read_xspace", "stage_of", "track_names"]
+           "layer_scopes", "placement", "read_xspace", "stage_of", "track_names"]
 
 #: The stages of a step, in the order they run.
 STAGES = ("forward", "backward", "pack", "local reduce", "cross-worker", "broadcast", "unpack",
@@ -111,15 +111,19 @@ class Timeline:
       source: str, "measured" or "predicted: <topology>", saved with the trace.
       process: str, the name of the trace's process (one per worker).
       origin: float seconds that become time 0; None: the first slice's start.
+      layers: dict {name scope: int layer index}, the scopes of the towers'
+        forward ops of each layer of the model (``layer_scopes``), saved with
+        the trace; None: {}.
     """
 
-    def __init__(self, slices, source, process="worker 0", origin=None):
+    def __init__(self, slices, source, process="worker 0", origin=None, layers=None):
         slices = sorted(slices, key=lambda s: (s.start, s.track))
         if origin is None:
             origin = slices[0].start if slices else 0.0
         self.slices = [dataclasses.replace(s, start=s.start - origin) for s in slices]
         self.source = source
         self.process = process
+        self.layers = dict(layers or {})
 
     @property
     def tracks(self):
@@ -165,7 +169,32 @@ class Timeline:
                            "tid": tids[s.track], "ts": round(s.start * 1e6, 3),
                            "dur": round(s.duration * 1e6, 3), "args": {"type": s.op_type}})
         return {"traceEvents": events, "displayTimeUnit": "ms",
-                "otherData": {"source": self.source, "stages": list(STAGES)}}
+                "otherData": {"source": self.source, "stages": list(STAGES),
+                              "layers": self.layers}}
+
+    @classmethod
+    def load(cls, path):
+        """The Timeline a ``save`` wrote as JSON (``fit(profile_steps=)``'s timeline.json).
+
+        Raises:
+          OSError: the file cannot be read.
+          ValueError: the file is not a timeline tfreduce wrote (no JSON,
+            or no "traceEvents" and "otherData.source").
+        """
+        with open(path) as f:
+            try:
+                doc = json.load(f)
+                events, source = doc["traceEvents"], doc["otherData"]["source"]
+            except (ValueError, KeyError, TypeError) as error:
+                raise ValueError(f"{os.fspath(path)} is not a timeline tfreduce wrote "
+                                 f"({type(error).__name__}: {error})") from None
+        names = {(e["name"], e["tid"]): e["args"] for e in events if e["ph"] == "M"}
+        tracks = {tid: args["name"] for (name, tid), args in names.items()
+                  if name == "thread_name"}
+        slices = [Slice(tracks[e["tid"]], e["name"], e["args"]["type"], e["cat"],
+                        e["ts"] * 1e-6, e["dur"] * 1e-6) for e in events if e["ph"] == "X"]
+        return cls(slices, source, names[("process_name", 0)]["name"], origin=0.0,
+                   layers=doc["otherData"].get("layers"))
 
     def save(self, path):
         """Writes the Chrome trace JSON, or a Gantt chart for a path ending in ".png".
@@ -268,6 +297,46 @@ def placement(graphs):
             for graph in graphs for op in graph.get_operations()}
 
 
+def layer_scopes(graphs, models):
+    """{name scope: layer index} of the towers' forward ops, found through the layers' variables.
+
+    Keras names a layer's ops after the layer, and TensorFlow adds ``_N``
+    to keep a name scope unique in a graph ("dense" becomes "dense_1",
+    which another layer may be called), so names alone are ambiguous. A
+    ``ReadVariableOp`` of a variable of layer i of replica k, inside tower
+    k's scope, is not: its name up to the deepest part that is the layer's
+    name (with any ``_N``) is layer i's scope. Layers without variables
+    (activations, pooling) have none.
+
+    Args:
+      graphs: the traced step graphs (their captures are the variables).
+      models: the replicas, one keras.Model per tower, in tower order.
+    """
+    owner = {}
+    for model in models:
+        for i, layer in enumerate(model.layers):
+            for variable in layer.weights:
+                handle = getattr(getattr(variable, "value", variable), "handle", None)
+                if handle is not None:
+                    owner[handle.ref()] = (i, layer.name)
+    scopes = {}
+    for graph in graphs:
+        inner = {internal.ref(): owner[external.ref()]
+                 for external, internal in getattr(graph, "captures", ())
+                 if external.ref() in owner}
+        for op in graph.get_operations():
+            if (op.type != "ReadVariableOp" or stage_of(op.name) != "forward"
+                    or op.inputs[0].ref() not in inner):
+                continue
+            index, name = inner[op.inputs[0].ref()]
+            parts = op.name.split("/")
+            scope = re.compile(re.escape(name) + r"(_\d+)*")
+            hits = [j for j, part in enumerate(parts) if scope.fullmatch(part)]
+            if hits:
+                scopes["/".join(parts[:hits[-1] + 1])] = index
+    return scopes
+
+
 def _device_of(name, placed):
     # The op itself, else its nearest enclosing op (a lowered cond's branch
     # ops carry the cond's name as a prefix).
@@ -311,7 +380,7 @@ def read_xspace(path):
     return ops
 
 
-def from_ops(ops, placed, tracks, windows, source="measured", process="worker 0"):
+def from_ops(ops, placed, tracks, windows, source="measured", process="worker 0", layers=None):
     """A Timeline of profiled ops.
 
     Args:
@@ -321,6 +390,7 @@ def from_ops(ops, placed, tracks, windows, source="measured", process="worker 0"
         devices go on "host".
       windows: list of (label, start ns, end ns): only ops inside one are
         kept, and each window becomes a "step" slice on the host track.
+      source, process, layers: as Timeline's.
     """
     slices = []
     for label, start, end in windows:
@@ -337,7 +407,7 @@ def from_ops(ops, placed, tracks, windows, source="measured", process="worker 0"
         else:
             track = "host"
         slices.append(Slice(track, name, op_type, stage_of(name), start * 1e-9, duration * 1e-9))
-    return Timeline(slices, source, process)
+    return Timeline(slices, source, process, layers=layers)
 
 
 class StepProfiler:
@@ -351,8 +421,9 @@ class StepProfiler:
         (``plugins/profile/<run>/``, where TensorBoard's profile plugin
         finds it too); None: a temporary directory, removed afterwards.
       devices: the towers' devices, in tower order.
-      placement: fn() -> {op name: canonical device} of the profiled ops
-        (``placement`` of the traced graphs, called once the steps ran).
+      graphs: fn() -> the traced step graphs, called once the steps ran:
+        they place each op (``placement``) and name each layer's scope.
+      models: the replicas, one keras.Model per tower (``layer_scopes``).
       process: str, the track group's name ("worker 0").
 
     Attributes:
@@ -363,10 +434,11 @@ class StepProfiler:
         in this process (TensorBoard's profile callback, a profiler server).
     """
 
-    def __init__(self, logdir, devices, placement, process="worker 0"):
+    def __init__(self, logdir, devices, graphs, models, process="worker 0"):
         self._logdir = logdir
         self._devices = list(devices)
-        self._placement = placement
+        self._graphs = graphs
+        self._models = list(models)
         self._process = process
         self._windows = []
         self._tmp = None
@@ -394,9 +466,11 @@ class StepProfiler:
                 files = glob.glob(os.path.join(self._logdir, "plugins", "profile", "*",
                                                "*.xplane.pb"))
                 newest = max(files, key=os.path.getmtime)
-                self.timeline = from_ops(read_xspace(newest), self._placement(),
+                graphs = self._graphs()
+                self.timeline = from_ops(read_xspace(newest), placement(graphs),
                                          track_names(self._devices), self._windows,
-                                         process=self._process)
+                                         process=self._process,
+                                         layers=layer_scopes(graphs, self._models))
         finally:
             if self._tmp is not None:
                 self._tmp.cleanup()

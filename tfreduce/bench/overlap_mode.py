@@ -17,7 +17,9 @@ step's (round by round, the median over rounds): the part of the step the
 reduction adds. Besides, a few steps of the first two run under the
 profiler, and their timelines give the time a reduction op runs while no
 tower computes (``Timeline.exposed_communication``), and their median
-step time under the profiler (its cost). --trace FILE writes the
+step time under the profiler (its cost). On CPU, ``predict_step``
+then predicts the overlap contender's step on this host from its
+profiled layers' times and the probed "host" topology. --trace FILE writes the
 overlap contender's timeline (Chrome trace JSON, or a Gantt chart for
 ".png"). Each K runs in its own process when several are asked for.
 """
@@ -33,7 +35,7 @@ from tfreduce.bench.tables import print_table
 from tfreduce.bench.train_mode import (alternate_rounds, image_side, image_workload,
                                        row_in_child, trainer_rounds)
 from tfreduce.devices import logical_devices
-from tfreduce.timeline import StepProfiler, placement
+from tfreduce.timeline import StepProfiler
 
 __all__ = ["run", "print_result"]
 
@@ -153,13 +155,27 @@ def _one(args, num_devices, log):
             "compute_ms": timeline.busy(tfreduce.timeline.COMPUTE) / steps * 1e3}
         if name == "overlap" and args.trace:
             log(f"K={num_devices}: wrote {timeline.save(args.trace)}")
+        if name == "overlap" and args.device_type == "cpu":
+            log(f"K={num_devices}: probing the host for the predicted step")
+            row["predicted"] = _predicted(trainers[name], timeline, reductions[name],
+                                          batch // num_devices)
     return row
+
+
+def _predicted(trainer, timeline, reduction, batch_per_tower):
+    # predict_step on this host: each layer's time from the profiled
+    # steps, the reduction on the host's probed topology.
+    step = tfreduce.predict_step(trainer.models[0], batch_per_tower, "host",
+                                 num_towers=len(trainer.devices), reduction=reduction,
+                                 compute=timeline)
+    return {"step_ms": step.seconds * 1e3, "exposed_ms": step.exposed_seconds * 1e3,
+            "compute_ms": step.compute_seconds * 1e3, "apply_ms": step.apply_seconds * 1e3}
 
 
 def _profile(trainer, x, y):
     # _PROFILED_STEPS train steps of a trainer already traced, profiled.
-    with StepProfiler(None, trainer.devices,
-                      lambda: placement(trainer._steps.graphs())) as profiler:
+    with StepProfiler(None, trainer.devices, trainer._steps.graphs,
+                      trainer.models) as profiler:
         for step in range(_PROFILED_STEPS):
             profiler.step(f"step {step + 1}", trainer.train_step, x, y)
     return profiler.timeline
@@ -196,3 +212,9 @@ def print_result(result, out=None):
     for r in result["results"]:
         print(f"K={r['devices']}: exposed communication with overlap / without: "
               f"{r['exposed_ratio']:.2f}", file=out)
+        if "predicted" in r:
+            p = r["predicted"]
+            print(f"K={r['devices']}: predicted on this host from the profiled layers: step "
+                  f"{p['step_ms']:.1f} ms ({p['step_ms'] / r['step_ms']['overlap']:.2f}x the "
+                  f"measured), compute {p['compute_ms']:.1f} ms, exposed "
+                  f"{p['exposed_ms']:.1f} ms, update {p['apply_ms']:.1f} ms", file=out)

@@ -122,7 +122,7 @@ def fit_loop(
     x, y, steps_per_epoch = fit_data(x, y, batch_size, total_towers)
     # Every worker profiles its own towers, into the one logdir.
     profiled = ProfiledSteps(check_profile_steps(profile_steps, logdir), logdir,
-                             trainer.devices, hooks.graphs, hooks.rank)
+                             trainer.devices, hooks.graphs, trainer.models, hooks.rank)
     if not trainer.is_chief:
         # Rank 0 writes and reports for the whole cluster; the others' saves
         # write nothing (with ZeRO their shards are gathered for rank 0's).

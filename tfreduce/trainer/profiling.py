@@ -13,7 +13,7 @@ w > 0 writes ``timeline-worker<w>.json`` and ``.png``.
 
 import os
 
-from tfreduce.timeline import StepProfiler, placement
+from tfreduce.timeline import StepProfiler
 
 __all__ = ["ProfiledSteps", "check_profile_steps"]
 
@@ -55,17 +55,19 @@ class ProfiledSteps:
       logdir: str directory of the profile and the timeline.
       devices: the towers' devices, in tower order.
       graphs: fn() -> list of the traced step graphs (they place the ops).
+      models: the replicas, one keras.Model per tower (they name the layers).
       rank: int, this worker's rank.
 
     Attributes:
       timeline: the Timeline of the profiled steps, once written; or None.
     """
 
-    def __init__(self, steps, logdir, devices, graphs, rank):
+    def __init__(self, steps, logdir, devices, graphs, models, rank):
         self._steps = steps
         self._logdir = logdir
         self._devices = devices
         self._graphs = graphs
+        self._models = models
         self._rank = rank
         self._profiler = None
         self.timeline = None
@@ -80,7 +82,7 @@ class ProfiledSteps:
             # machine each write under their own directory.
             where = self._logdir if self._rank == 0 else os.path.join(
                 self._logdir, f"worker{self._rank}")
-            self._profiler = StepProfiler(where, self._devices, self._placement,
+            self._profiler = StepProfiler(where, self._devices, self._graphs, self._models,
                                           process=f"worker {self._rank}")
             self._profiler.__enter__()
         if self._profiler is None:
@@ -90,9 +92,6 @@ class ProfiledSteps:
         finally:
             if number >= last:
                 self.close()
-
-    def _placement(self):
-        return placement(self._graphs())
 
     def close(self, failed=False):
         """Stops the profiler (at the window's end or the fit's) and writes the timeline."""
