@@ -120,8 +120,8 @@ def layer_seconds(timeline, model):
 
     A tower's forward op belongs to layer i when its name is inside a
     scope the timeline names for layer i (``Timeline.layers``, found when
-    the steps were profiled: ``timeline.layer_scopes``), its backward op
-    likewise after "gradient_tape/". The ops of no such scope (the loss
+    the steps were profiled: ``tfreduce.profiler.layer_scopes``), its
+    backward op likewise after "gradient_tape/". The ops of no such scope (the loss
     and its gradient, the ops of layers without variables) go under None.
     In each step, a tower's ops are stretched to the span they took, from
     its first forward op's start to its last backward op's end, so the

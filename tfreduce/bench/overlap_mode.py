@@ -35,7 +35,7 @@ from tfreduce.bench.tables import print_table
 from tfreduce.bench.train_mode import (alternate_rounds, image_side, image_workload,
                                        row_in_child, trainer_rounds)
 from tfreduce.devices import logical_devices
-from tfreduce.timeline import StepProfiler
+from tfreduce.profiler import StepProfiler
 
 __all__ = ["run", "print_result"]
 

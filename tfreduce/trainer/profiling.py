@@ -13,7 +13,7 @@ w > 0 writes ``timeline-worker<w>.json`` and ``.png``.
 
 import os
 
-from tfreduce.timeline import StepProfiler
+from tfreduce.profiler import StepProfiler
 
 __all__ = ["ProfiledSteps", "check_profile_steps"]
 
