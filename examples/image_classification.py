@@ -55,7 +55,7 @@ IMAGE_EXTENSIONS = tuple(IMAGE_SIGNATURES)
 
 # What this run writes under --logdir; --overwrite removes exactly these.
 RUN_FILES = ("checkpoints", "history.json", "curves.png",
-             "timeline.json", "timeline.png", "plugins",  # --profile-steps
+             "timeline.json.gz", "timeline.png", "plugins",  # --profile-steps
              "backup", "train", "validation")  # --trainer keras: BackupAndRestore, TensorBoard
 EVENTS_PREFIX = "events.out.tfevents"
 
@@ -103,7 +103,7 @@ def parse_args(argv):
         "--overwrite",
         action="store_true",
         help="start afresh in a --logdir that holds a run: removes its checkpoints/, "
-        "history.json, curves.png, timeline.json, timeline.png, plugins/ (the "
+        "history.json, curves.png, timeline.json.gz, timeline.png, plugins/ (the "
         "profile), TensorBoard event files and, from --trainer keras, "
         "backup/, train/ and validation/ (nothing else)",
     )
@@ -156,7 +156,7 @@ def parse_args(argv):
         default=None,
         metavar="A[,B]",
         help="run steps A to B (1-based) under TensorFlow's profiler and write their "
-        "timeline to --logdir/timeline.json (Perfetto, chrome://tracing) and timeline.png; "
+        "timeline to --logdir/timeline.json.gz (Perfetto, chrome://tracing) and timeline.png; "
         "--trainer replicated",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress output")

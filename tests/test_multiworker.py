@@ -21,6 +21,7 @@ limit here (which stops the launcher, and so its workers, if it is reached):
   from rank 0's checkpoint, and only rank 0 writes.
 """
 
+import gzip
 import json
 import os
 import re
@@ -438,8 +439,8 @@ def test_each_worker_writes_the_timeline_of_its_towers(trainer_runs):
     # The first run profiled steps 2 and 3 on both workers, each into its
     # own logdir here (trainer_worker gives rank r logdir/rank<r>).
     logdir = trainer_runs[3]
-    for rank, name in [(0, "timeline.json"), (1, "timeline-worker1.json")]:
-        doc = json.loads((logdir / f"rank{rank}" / name).read_text())
+    for rank, name in [(0, "timeline.json.gz"), (1, "timeline-worker1.json.gz")]:
+        doc = json.loads(gzip.decompress((logdir / f"rank{rank}" / name).read_bytes()))
         meta = {(e["name"], e["tid"]): e["args"] for e in doc["traceEvents"] if e["ph"] == "M"}
         assert meta[("process_name", 0)]["name"] == f"worker {rank}"
         tracks = {args["name"] for (kind, _), args in meta.items() if kind == "thread_name"}
@@ -479,7 +480,7 @@ def test_trainer_resume_reads_rank_0_checkpoint_and_only_rank_0_writes(trainer_r
     # its timeline and profile.
     assert sorted(os.listdir(logdir)) == ["rank0", "rank1"]
     assert sorted(os.listdir(logdir / "rank1")) == [
-        "timeline-worker1.json", "timeline-worker1.png", "worker1"]
+        "timeline-worker1.json.gz", "timeline-worker1.png", "worker1"]
     assert tf.train.latest_checkpoint(logdir / "rank0" / "ckpt").endswith("ckpt-2")
     assert any(n.startswith("events.out.tfevents") for n in os.listdir(logdir / "rank0"))
 

@@ -6,6 +6,7 @@ TensorFlow's executor can start it as soon as the backward pass has
 produced them.
 """
 
+import gzip
 import json
 import re
 
@@ -129,7 +130,7 @@ def test_a_profiled_fit_shows_the_reduction_start_before_the_backward_pass_ends(
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(512, 64)).astype("float32"), rng.integers(0, 10, 512)
     trainer.fit(x, y, batch_size=128, verbose=0, logdir=str(tmp_path), profile_steps=(2, 3))
-    doc = json.loads((tmp_path / "timeline.json").read_text())
+    doc = json.loads(gzip.decompress((tmp_path / "timeline.json.gz").read_bytes()))
     check_chrome_trace(doc)
     assert doc["otherData"]["source"] == "measured"
     tracks = tracks_of(doc)
@@ -149,7 +150,7 @@ def test_a_profiled_fit_shows_the_reduction_start_before_the_backward_pass_ends(
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # TensorBoard's profile tab finds the profiler's own file beside it.
     assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))
-    predicted_from_the_measured_compute(trainer.models, tmp_path / "timeline.json", slices,
+    predicted_from_the_measured_compute(trainer.models, tmp_path / "timeline.json.gz", slices,
                                         tracks)
 
 
@@ -245,7 +246,7 @@ def test_stage_of_names_the_stage_of_every_op_tfreduce_builds(name, stage):
     assert stage_of(name) == stage
 
 
-def test_exposed_communication_is_the_reduction_time_no_compute_covers():
+def test_exposed_communication_is_the_reduction_time_no_compute_covers(tmp_path):
     # Backward 0-4 ms on tower 0, the reduction 3-6 ms on tower 1, apply
     # 5-7: of the reduction, 3-4 overlaps the backward pass and 5-6 the
     # apply; 4-5 is exposed.
@@ -262,6 +263,16 @@ def test_exposed_communication_is_the_reduction_time_no_compute_covers():
     assert timeline.tracks == ["tower 0", "tower 1"]
     doc = timeline.to_chrome()
     check_chrome_trace(doc)
+    # Saved plain or gzipped, it reads back the same.
+    for name in ("t.json", "t.json.gz"):
+        path = timeline.save(tmp_path / name)
+        assert (open(path, "rb").read(2) == b"\x1f\x8b") == name.endswith(".gz")
+        again = Timeline.load(path)
+        assert (again.source, again.process) == (timeline.source, timeline.process)
+        assert [(s.track, s.name, s.op_type, s.stage) for s in again.slices] == [
+            (s.track, s.name, s.op_type, s.stage) for s in timeline.slices]
+        assert [t for s in again.slices for t in (s.start, s.duration)] == pytest.approx(
+            [t for s in timeline.slices for t in (s.start, s.duration)], abs=1e-9)
     assert [(e["name"], e["ts"], e["dur"]) for e in doc["traceEvents"] if e["ph"] == "X"] == [
         ("b", 0.0, 4000.0), ("r", 3000.0, 3000.0), ("o", 4000.0, 1000.0), ("a", 5000.0, 2000.0)]
 

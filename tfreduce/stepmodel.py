@@ -133,7 +133,7 @@ def layer_seconds(timeline, model):
     Args:
       timeline: a tfreduce.timeline.Timeline of profiled steps
         (``fit(profile_steps=)``; ``Timeline.load`` reads its
-        timeline.json), or the path of that JSON.
+        timeline.json.gz), or the path of that file.
       model: the keras.Model the steps trained, or one built alike: layer
         i of the timeline is ``model.layers[i]``.
 

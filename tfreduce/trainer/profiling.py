@@ -7,8 +7,9 @@ TensorFlow's profiler: with None, the default, nothing is added to a step.
 The profiler's own files stay in ``logdir`` (TensorBoard's profile tab
 reads them; worker w > 0 of a cluster profiles under ``logdir/worker<w>``);
 tfreduce reads them into a ``tfreduce.timeline.Timeline`` and writes it as
-``logdir/timeline.json`` (Chrome trace format) and ``timeline.png``; worker
-w > 0 writes ``timeline-worker<w>.json`` and ``.png``.
+``logdir/timeline.json.gz`` (Chrome trace format, gzipped) and
+``timeline.png``; worker w > 0 writes ``timeline-worker<w>.json.gz`` and
+``.png``.
 """
 
 import os
@@ -103,5 +104,5 @@ class ProfiledSteps:
             return
         self.timeline = profiler.timeline
         name = "timeline" if self._rank == 0 else f"timeline-worker{self._rank}"
-        for suffix in (".json", ".png"):
+        for suffix in (".json.gz", ".png"):
             self.timeline.save(os.path.join(self._logdir, name + suffix))

@@ -312,7 +312,7 @@ class ReplicatedTrainer:
             per epoch when stdout is a file or a pipe; 2 one line per epoch.
           profile_steps: None, or steps (a, b) (1-based, as Keras'
             profile_batch) to run under TF's profiler; writes
-            logdir/timeline.json (Chrome trace) and .png (trainer/profiling.py).
+            logdir/timeline.json.gz (Chrome trace) and .png (trainer/profiling.py).
 
         Returns:
           dict of lists, one entry per epoch run by this call: "epoch",
