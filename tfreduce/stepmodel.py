@@ -121,8 +121,9 @@ def layer_seconds(timeline, model):
     A tower's forward op belongs to layer i when its name is inside a
     scope the timeline names for layer i (``Timeline.layers``, found when
     the steps were profiled: ``tfreduce.profiler.layer_scopes``), its
-    backward op likewise after "gradient_tape/". The ops of no such scope (the loss
-    and its gradient, the ops of layers without variables) go under None.
+    backward op likewise after "gradient_tape/". The ops of no such scope
+    (the loss and its gradient, the ops of layers without variables) go
+    under None.
     In each step, a tower's ops are stretched to the span they took, from
     its first forward op's start to its last backward op's end, so the
     executor's time between ops (and, on logical CPU devices that share
@@ -138,8 +139,8 @@ def layer_seconds(timeline, model):
         i of the timeline is ``model.layers[i]``.
 
     Returns:
-      dict {layer name or None: (forward seconds, backward seconds)};
-      ``predict_step(..., compute=)`` takes it.
+      dict {layer name or None: (forward seconds, backward seconds)}, the
+      times ``predict_step(..., compute=timeline)`` schedules.
 
     Raises:
       ValueError: the timeline has no profiled step, no forward or
@@ -247,9 +248,10 @@ def predict_step(model, batch_per_tower, topology, num_towers=8, reduction="auto
         ``SUSTAINED_FLOPS``.
       trace: None, or a path for the step's timeline (Timeline.save).
       compute: None, or a Timeline of profiled steps of this model, or of
-        one built alike (or the path of its JSON): the layers' forward and
-        backward times are then the measured ones (``layer_seconds``)
-        instead of FLOPs at a rate, and the update takes its measured time.
+        one built alike (or the path of its saved file): the layers'
+        forward and backward times are then the measured ones
+        (``layer_seconds``) instead of FLOPs at a rate, and the update
+        takes its measured time.
 
     Returns:
       StepPrediction.

@@ -191,7 +191,7 @@ class Timeline:
                    layers=doc["otherData"].get("layers"))
 
     def save(self, path):
-        """Writes the Chrome trace JSON (gzipped for a path ending in ".gz"), or a Gantt chart (".png").
+        """Writes the Chrome trace JSON (gzipped for a ".gz" path), or a Gantt chart (".png").
 
         Perfetto, chrome://tracing and ``load`` read the gzipped JSON as
         they read the plain one (TensorFlow's profiler writes its trace so
