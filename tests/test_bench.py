@@ -328,7 +328,7 @@ def test_train_mode_overlap_reports_exposed_communication_and_writes_a_trace(tmp
     names = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
     assert {"tower 0", "tower 1"} <= names
     # The overlap contender's step predicted on this host from its own
-    # profiled layers: the compute is theirs, the step at least that.
+    # profiled steps: compute, then the exposed reduction, then the update.
     predicted = row["predicted"]
     assert predicted["compute_ms"] > 0 and predicted["exposed_ms"] >= 0
     assert predicted["apply_ms"] > 0
