@@ -70,7 +70,12 @@ def buffer_order(members, nbytes_of):
     Returns:
       list of the same indices.
     """
-    return sorted(members, key=lambda n: nbytes_of(n) % ALIGN_BYTES != 0)
+    return sorted(members, key=lambda n: not _aligned(nbytes_of(n)))
+
+
+def _aligned(size):
+    # A piece of ``size`` bytes keeps the next one at a 64-byte offset.
+    return size % ALIGN_BYTES == 0
 
 
 class PackPlan:
@@ -117,8 +122,7 @@ class PackPlan:
     def _layout(self, members):
         # (element counts of the aligned members, of the others).
         g0 = self._grads.grads[0]
-        counts = [(g0[n].shape.num_elements(), nbytes(g0[n]) % ALIGN_BYTES == 0)
-                  for n in members]
+        counts = [(g0[n].shape.num_elements(), _aligned(nbytes(g0[n]))) for n in members]
         return [c for c, aligned in counts if aligned], [c for c, aligned in counts if not aligned]
 
     def pack(self):

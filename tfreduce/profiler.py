@@ -56,7 +56,8 @@ def layer_scopes(graphs, models):
             for variable in layer.weights:
                 handle = getattr(getattr(variable, "value", variable), "handle", None)
                 if handle is not None:
-                    owner[handle.ref()] = (i, layer.name)
+                    # The layer's scope: its name, with any _N TF added.
+                    owner[handle.ref()] = (i, re.compile(re.escape(layer.name) + r"(_\d+)*"))
     scopes = {}
     for graph in graphs:
         inner = {internal.ref(): owner[external.ref()]
@@ -66,9 +67,8 @@ def layer_scopes(graphs, models):
             if (op.type != "ReadVariableOp" or stage_of(op.name) != "forward"
                     or op.inputs[0].ref() not in inner):
                 continue
-            index, name = inner[op.inputs[0].ref()]
+            index, scope = inner[op.inputs[0].ref()]
             parts = op.name.split("/")
-            scope = re.compile(re.escape(name) + r"(_\d+)*")
             hits = [j for j, part in enumerate(parts) if scope.fullmatch(part)]
             if hits:
                 scopes["/".join(parts[:hits[-1] + 1])] = index
