@@ -144,24 +144,6 @@ def test_allreduce_mode_predicts_on_presets_and_the_host(tmp_path, capsys):
         assert check["ratios"][name] == pytest.approx(step / row["median_ms"])
 
 
-@pytest.mark.slow
-def test_the_host_model_follows_the_measurement(tmp_path):
-    # The issue's check, loosely (a shared 2-core machine is noisy; the
-    # README's table has the 1.5x figures): ResNet50's shapes at 1 MB per
-    # tower on 4 devices, op-bound, where the contenders differ by up to 20x.
-    result = run(tmp_path, "--model", "resnet50", "--total-bytes", "1MB", "--devices", "4",
-                 "--steps", "5", "--contenders", "flat,ring,collective", "--predict", "host")
-    check = result["host_check"]
-    assert len(check["ratios"]) == 6
-    assert all(1 / 3 < r < 3 for r in check["ratios"].values()), check["ratios"]
-    measured = {r["name"]: r["median_ms"] for r in result["results"] if "family" in r}
-    step = check["step_ms"]
-    for a in measured:
-        for b in measured:
-            if measured[a] > 2 * measured[b]:
-                assert step[a] > step[b], (a, b, measured, step)
-
-
 def test_scaling_mode(tmp_path, capsys):
     result = run(tmp_path, "--mode", "scaling", "--grid-devices", "2,3", "--grid-tensors",
                  "4,8", "--algorithms", "flat,ring+pack", "--steps", "2")
