@@ -286,12 +286,12 @@ def _broadcast_build(all_vars, devices, cluster, keys, options, root_rank):
             values[n] = (part, shape)
     ops = []
     for k, tower in enumerate(all_vars):
-        if k == 0 and sends:
-            continue
+        # The root's tower 0 takes back the values it sent: inside a user's
+        # tf.function, whose return value drops these ops, a send that feeds
+        # no assignment is pruned and every receiver waits forever.
         for n, v in enumerate(tower):
             part, shape = values[n]
             with tf.device(devices[k]):
                 ops.append(v.assign(tf.reshape(part, shape), read_value=False,
                                     name=f"dev{k}_var{n}_assign"))
-    # The root with one tower assigns nothing: its sends must be run anyway.
     return ops + [b.op for b in buffers]

@@ -23,6 +23,7 @@ import sys
 
 import tensorflow as tf
 
+from tfreduce.multiworker import broadcast_variables_multiworker
 from tfreduce.trainer.optimizer_state import OptimizerState
 
 _CHECKPOINT_NAME = "ckpt"
@@ -296,3 +297,24 @@ def find_prefix(path):
             return prefix
         damaged.append(f"{prefix} is damaged ({why})")
     raise ValueError(f"restore: no intact checkpoint at {path!r}: {'; '.join(damaged)}")
+
+
+def read_counters(prefix, step, epoch_totals, cluster):
+    """Restores only the step counter and epoch totals of checkpoint `prefix`, on every worker.
+
+    ``fit`` picks its first epoch and batch from the step counter before the
+    first batch has built a model whose variables appear on its first call;
+    the rest of the checkpoint waits for that build. Rank 0 reads, then
+    broadcasts both counters to every worker (call it at the same point on
+    every worker).
+
+    Args:
+      prefix: str, the checkpoint ("" on the workers other than rank 0).
+      step: the int64 step counter tf.Variable.
+      epoch_totals: the float64 [3] tf.Variable of the epoch's running totals
+        (left as it is by a checkpoint that predates them).
+      cluster: the trainer's started Cluster or LocalCluster.
+    """
+    if prefix:
+        tf.train.Checkpoint(step=step, epoch_totals=epoch_totals).read(prefix).expect_partial()
+    broadcast_variables_multiworker([[step, epoch_totals]], cluster)

@@ -2,7 +2,7 @@
 
 from tfreduce.devices import tower_devices
 from tfreduce.trainer.batching import eval_batches, input_batches, worker_batch
-from tfreduce.trainer.checkpoints import find_prefix
+from tfreduce.trainer.checkpoints import find_prefix, read_counters
 from tfreduce.trainer.loop import FitHooks, evaluate_loop, fit_loop, predict_loop
 from tfreduce.trainer.losses import per_example_loss_fn, takes_class_indices
 from tfreduce.trainer.options import StepOptions, check_trainer_options, trainer_reduction
@@ -330,7 +330,8 @@ class ReplicatedTrainer:
             run_step=lambda x_batch, y_batch: self._run_train_step(x_batch, y_batch),
             stop=self._stop, epoch_totals=self._epoch_totals,
             reports_skipped=self._options.on_nonfinite == "skip", finish=self._cluster.finish,
-            graphs=self._steps.graphs, rank=self._cluster.rank)
+            # Looked up after the first step: it builds a model that has no Input.
+            graphs=lambda: self._steps.graphs(), rank=self._cluster.rank)
         return fit_loop(
             self, hooks, x, y, self._options.total_towers, epochs=epochs, batch_size=batch_size,
             shuffle=shuffle, seed=seed, validation_data=validation_data, logdir=logdir,
@@ -438,7 +439,8 @@ class ReplicatedTrainer:
         # The other ranks ("") receive rank 0's values with the broadcast.
         prefix = find_prefix(path) if self.is_chief else ""
         if self._steps is None:
-            # Restored once the first batch has built the models.
+            # The counters now, for fit; the rest once a batch builds the models.
+            read_counters(prefix, self._step, self._epoch_totals, self._cluster)
             self._pending_restore = prefix
             return prefix or None
         self._checkpoint.restore(prefix)

@@ -12,8 +12,9 @@ import tensorflow as tf
 
 from tfreduce.consistency import check_workers_agree, describe_variables
 from tfreduce.tensorflow.keras.data import follow_fit_epoch
-from tfreduce.tensorflow.keras.optimizer import describe_optimizer
-from tfreduce.tensorflow.ops import broadcast, broadcast_variables, grouped_allreduce
+from tfreduce.tensorflow.keras.optimizer import describe_optimizer, own_sums
+from tfreduce.tensorflow.ops import (allgather, broadcast, broadcast_variables,
+                                     grouped_allreduce)
 from tfreduce.tensorflow.process import cluster, rank, size
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
@@ -23,21 +24,24 @@ __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Makes every process start from root_rank's model and optimizer state.
 
-    At the start of ``fit`` (the model and its optimizer are built by then),
-    every variable of the model and of its optimizer is broadcast from
-    root_rank, so processes that initialised differently (other seeds, or a
-    checkpoint restored on rank 0 only) take the same first step. Horovod
-    broadcasts after the first batch instead, so that the optimizer exists;
-    here even the first update equals a single process's. First, every
-    process checks that all have the same variables and optimizer settings:
-    a process that built another model fails on every process with a
-    ValueError naming the ranks and the first difference, instead of
-    hanging in a collective.
+    The variables of the model and of its optimizer are broadcast from
+    root_rank twice in the first ``fit``: at its start when the model is
+    built by then (so even the first update equals a single process's), and
+    after its first batch, as Horovod does (so a model built on its first
+    batch, a Sequential without ``keras.Input`` or a subclassed model, and a
+    restore by a callback placed after this one are covered too). Before
+    the first broadcast every process checks that all have the same
+    variables and optimizer settings: a process that built another model
+    fails on every process with a ValueError naming the ranks and the first
+    difference, instead of hanging in a collective.
 
-    A run resumed on root_rank only (Keras' ``BackupAndRestore``, placed
-    before this callback, on that rank) resumes on every process: the
-    epoch it restored is broadcast with the variables. While ``fit`` runs,
-    ``DistributedBatches`` follow its epoch.
+    A run resumed on root_rank only (Keras' ``BackupAndRestore`` on that
+    rank, placed before this callback) resumes on every process: the epoch
+    it restored is broadcast at the start of ``fit``. If the processes still
+    start ``fit`` at different epochs (a restore placed after this callback
+    on some ranks only), every process raises a ValueError naming each
+    rank's epoch before the first batch, instead of hanging. While ``fit``
+    runs, ``DistributedBatches`` follow its epoch.
 
     Args:
       root_rank: int, the rank whose values every process takes.
@@ -56,8 +60,12 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             local_variables = [local_variables]
         self._local = {id(v) for v in local_variables}
         self.broadcast_done = False
+        self._first_epoch = False  # the next on_epoch_begin is fit's first
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self._first_epoch:
+            self._first_epoch = False
+            _check_same_epoch(epoch)
         follow_fit_epoch(epoch)
 
     def on_train_end(self, logs=None):
@@ -66,24 +74,50 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         if self.broadcast_done:
             return
+        self._first_epoch = True
         # The epoch a BackupAndRestore on the root restored (Keras keeps it
         # in the model's _initial_epoch for fit's loop, read after this).
         start = getattr(self.model, "_initial_epoch", None)
         start = int(broadcast(tf.constant(-1 if start is None else start, tf.int64),
                               self.root_rank))
         self.model._initial_epoch = None if start < 0 else start
+        if self.model.built:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.broadcast_done:
+            # The model and optimizer exist now, and every callback's restore is done.
+            self._broadcast(mid_cycle=True)
+            self.broadcast_done = True
+
+    def _broadcast(self, mid_cycle=False):
         variables = list(self.model.variables)
         optimizer = self.model.optimizer
+        local = set(self._local)
         if optimizer is not None:
             if not optimizer.built:
                 # Its slots too: a root that restored them sends them.
                 optimizer.build(self.model.trainable_variables)
             variables += list(optimizer.variables)
-        variables = [v for v in variables if id(v) not in self._local]
+            if mid_cycle:
+                # After a batch, each process's own gradient sums of
+                # backward_passes_per_step hold its own batches: they stay.
+                local.update(id(v) for v in own_sums(optimizer))
+        variables = [v for v in variables if id(v) not in local]
         check_workers_agree(cluster(), 1, describe_optimizer(optimizer),
                             describe_variables(variables))
         broadcast_variables(variables, self.root_rank)
-        self.broadcast_done = True
+
+
+def _check_same_epoch(epoch):
+    """Raises ValueError on every process unless all begin fit at `epoch`."""
+    epochs = allgather(tf.constant([epoch], tf.int64)).numpy().tolist()
+    if len(set(epochs)) > 1:
+        starts = ", ".join(f"rank {r} at epoch {e + 1}" for r, e in enumerate(epochs))
+        raise ValueError(
+            f"fit begins {starts}: a callback restored a checkpoint on some ranks only, after "
+            "BroadcastGlobalVariablesCallback sent the first epoch; put BackupAndRestore "
+            "before BroadcastGlobalVariablesCallback, or give it to every rank")
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

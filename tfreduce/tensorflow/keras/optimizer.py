@@ -13,7 +13,7 @@ from tfreduce.compression import Compression
 from tfreduce.tensorflow.ops import Average, global_process_set
 from tfreduce.tensorflow.tape import GradientReduction
 
-__all__ = ["DistributedOptimizer", "describe_optimizer"]
+__all__ = ["DistributedOptimizer", "describe_optimizer", "own_sums"]
 
 
 def _distributed_class(base):
@@ -151,3 +151,13 @@ def describe_optimizer(optimizer):
     passes = getattr(optimizer, "_tfreduce_passes_per_step", None)
     return (f"optimizer {type(optimizer).__name__}, reduction {settings!r}, "
             f"backward_passes_per_step {passes}")
+
+
+def own_sums(optimizer):
+    """The variables in which a DistributedOptimizer sums this process's gradients between updates.
+
+    With backward_passes_per_step > 1 they hold this process's own batches,
+    which no broadcast may overwrite mid-cycle; otherwise, and for other
+    optimizers, an empty list.
+    """
+    return list(getattr(optimizer, "_tfreduce_sums", ()))
