@@ -71,6 +71,38 @@ def test_collectives_equal_numpy(ranks):
                                           "ranks of the 2 processes), got 2")
 
 
+def test_horovods_semantics_beyond_float_sums(ranks):
+    for r, got in enumerate(ranks):
+        # 8-bit sums wrap as in the narrow type (220 -> -36); an integer
+        # mean is that sum times 1/2 in float64, truncated (Horovod's).
+        assert got["int8_sum"].tolist() == [-36, 36, 8] and got["int8_sum"].dtype == np.int8
+        assert got["int8_mean"].tolist() == [-18, 18, 4]
+        assert got["uint8_mean"].tolist() == [22, 1, 7] and got["uint8_mean"].dtype == np.uint8
+        # 0.75 scales integers: [3, 6] + [4.5 -> 4, 6.75 -> 6].
+        assert got["int_prescale"].tolist() == [7, 12]
+        assert got["int_postscale"].tolist() == [2, 4]  # [10, 17] x 0.5 / 2, truncated
+        assert got["float_Min"].tolist() == [1.0, 2.0, -2.0]
+        assert got["float_Max"].tolist() == [3.0, 5.0, 4.0]
+        assert got["float_Product"].tolist() == [3.0, 10.0, -8.0]
+        assert got["int16_Max"].tolist() == [3, -5] and got["int16_Max"].dtype == np.int16
+        assert got["slices"].tolist() == [[1.0, 2.0], [2.0, 4.0]]
+        assert got["slices_rows"].tolist() == [0, 1] and bool(got["slices_shape"])
+        assert str(got["slices_min_error"]) == (
+            "allreduce: op='min' does not reduce tf.IndexedSlices, only Sum and Average do "
+            "(densify them first: tf.convert_to_tensor, or sparse_as_dense=True)")
+        assert got["gather_bool"].tolist() == [True, False]
+        assert got["gather_int8"].tolist() == [-3, 4] and got["gather_int8"].dtype == np.int8
+        assert got["gather_bfloat16"].tolist() == [1.5, 2.5]
+        assert got["bcast_int16"].tolist() == [4, 1] and got["bcast_int16"].dtype == np.int16
+        assert str(got["objects"]) == "[{'rank': 0, 's': 'xxx'}, {'rank': 1, 's': 'xxxx'}]"
+        assert str(got["object"]) == "{'rank': 1, 'l': [0, 1, 2]}"
+        assert got["rank_ops"].tolist() == [r, 2, r, 2]
+        assert got["broadcast_"].tolist() == [1.0]
+        # Means of [3, 5, 7] and [6, 10, 14], truncated: [4, 7] to rank 0, [10] to rank 1.
+        assert got["scatter_int_mean"].tolist() == [[[4], [7]], [[10]]][r]
+        assert got["alltoall_int8"].tolist() == [[1, 2], [2, 3]][r]
+
+
 def assert_equal_to_one_process(ranks, name, want, atol):
     weights, losses = want
     for r, got in enumerate(ranks):

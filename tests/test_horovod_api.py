@@ -51,6 +51,13 @@ HOROVOD = {
                              "postscale_factor=1.0)",
     "alltoall": "(tensor, splits=None, name=None, ignore_name_scope=False, "
                 "process_set=global_process_set)",
+    "allgather_object": "(obj, session=None, name=None, process_set=global_process_set)",
+    "broadcast_object": "(obj, root_rank=0, session=None, name=None, "
+                        "process_set=global_process_set)",
+    "broadcast_": "(variables, root_rank, name=None, process_set=global_process_set)",
+    "broadcast_global_variables": "(root_rank)",
+    "rank_op": "(name=None)", "local_rank_op": "(name=None)", "local_size_op": "(name=None)",
+    "size_op": "(process_set_id=0, name=None)",
     "DistributedGradientTape": "(gradtape, device_dense='', device_sparse='', "
                                "compression=Compression.none, sparse_as_dense=False, "
                                "op=Average, gradient_predivide_factor=1.0, num_groups=0, "
@@ -136,8 +143,9 @@ def test_the_error_before_init():
 @pytest.mark.parametrize("call, error, message", [
     (lambda: hvd.init(comm=[0, 1]), ValueError,
      "init(comm=[0, 1]): tfreduce has no MPI; processes find each other through TF_CONFIG"),
-    (lambda: hvd.allreduce(tf.ones([2]), op="max"), ValueError,
-     "allreduce: op must be tfreduce.tensorflow.Average or Sum, got 'max'"),
+    (lambda: hvd.allreduce(tf.ones([2]), op=hvd.Adasum), ValueError,
+     "allreduce: op must be tfreduce.tensorflow.Average, Sum, Min, Max or Product, got "
+     "'adasum' (Adasum is not supported)"),
     (lambda: hvd.allreduce(tf.ones([2]), op=hvd.Sum, average=True), ValueError,
      "allreduce: pass op= only"),
     (lambda: hvd.allgather(tf.constant(1.0)), ValueError,
@@ -168,9 +176,16 @@ def test_the_error_before_init():
      "DistributedOptimizer: gradient_predivide_factor=2.0 needs op=Average"),
     (lambda: hvdk.broadcast_global_variables(0), RuntimeError,
      "broadcast_global_variables(0): TensorFlow 2 has no global variables"),
+    (lambda: hvd.broadcast_global_variables(0), RuntimeError,
+     "broadcast_global_variables works in tf.compat.v1 graphs only: in TF2 call "
+     "broadcast_variables(model.variables, root_rank)"),
+    (lambda: hvd.allreduce(tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0])), op=hvd.Max),
+     NotImplementedError, "allreduce: op='max' does not reduce tf.IndexedSlices, only Sum and "
+     "Average do"),
 ], ids=["comm", "op", "op-and-average", "scalar-gather", "root", "process-set",
         "scalar-reducescatter", "splits-length", "splits-sum", "tape",
-        "keras2-optimizer", "passes", "groups", "predivide", "global-variables"])
+        "keras2-optimizer", "passes", "groups", "predivide", "global-variables",
+        "global-variables-tf2", "max-of-slices"])
 def test_errors_a_horovod_user_meets(one_process, call, error, message):
     with pytest.raises(error) as info:
         call()

@@ -164,8 +164,8 @@ def check_keys(keys, none_means=None):
 
 
 def all_reduce(x, group_size, group_key, instance_key, options, ordering_token=None,
-               name="all_reduce"):
-    """One member of a sum all-reduce (``CollectiveReduceV2``), on the current device.
+               name="all_reduce", merge_op="Add"):
+    """One member of an all-reduce (``CollectiveReduceV2``), on the current device.
 
     Args:
       x: tf.Tensor, this member's input; every member has its shape and dtype.
@@ -176,14 +176,16 @@ def all_reduce(x, group_size, group_key, instance_key, options, ordering_token=N
       ordering_token: resource tensor that orders this device's collectives
         in a tf.function (``CollectiveChain``), or None.
       name: str, the op's name.
+      merge_op: str, how members combine: "Add" (a sum), "Min", "Max" or "Mul".
 
     Returns:
-      tf.Tensor, the sum over the members, of x's shape and dtype.
+      tf.Tensor, the sum (min, max, product) over the members, of x's shape
+      and dtype.
     """
     return tf.raw_ops.CollectiveReduceV2(
         input=x, group_size=group_size, group_key=group_key, instance_key=instance_key,
         ordering_token=[] if ordering_token is None else [ordering_token],
-        merge_op="Add", final_op="Id", communication_hint=options.communication,
+        merge_op=merge_op, final_op="Id", communication_hint=options.communication,
         timeout_seconds=options.timeout_seconds, name=name)
 
 
@@ -327,8 +329,8 @@ class CollectiveChain:
         """
         return _gather_rows(self, x, device, group_size, group_key, keys, name)
 
-    def all_reduce(self, x, device, group_size, group_key, instance_key, name):
-        """A sum all-reduce member on ``device``, chained after the previous one.
+    def all_reduce(self, x, device, group_size, group_key, instance_key, name, merge_op="Add"):
+        """An all-reduce member on ``device``, chained after the previous one.
 
         Call it inside ``after_previous(device)``, after ``token(device, ...)``;
         the arguments are those of ``all_reduce``. Empty tensors never reach
@@ -337,7 +339,7 @@ class CollectiveChain:
         element appended and removed.
 
         Returns:
-          tf.Tensor, the sum over the group.
+          tf.Tensor, the sum (merge_op) over the group.
         """
         size = x.shape.num_elements()
         if size == 0:
@@ -349,10 +351,11 @@ class CollectiveChain:
             # kernel's input non-empty, and is cut off again.
             padded = tf.concat([tf.reshape(x, [-1]), tf.zeros([1], x.dtype)], axis=0)
             out = self._chained(device, lambda token: all_reduce(
-                padded, group_size, group_key, instance_key, self.options, token, name))
+                padded, group_size, group_key, instance_key, self.options, token, name,
+                merge_op))
             return tf.reshape(out[:-1], tf.shape(x))
         return self._chained(device, lambda token: all_reduce(
-            x, group_size, group_key, instance_key, self.options, token, name))
+            x, group_size, group_key, instance_key, self.options, token, name, merge_op))
 
 
 def _gather_rows(chain, x, device, group_size, group_key, keys, name):

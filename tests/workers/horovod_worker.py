@@ -128,6 +128,47 @@ def collectives(hvd, out):
         out["root_error"] = np.array(str(e))
 
 
+def semantics(hvd, out):
+    """Horovod's semantics beyond floats: narrow dtypes, integer means, Min/Max/Product, objects."""
+    r = hvd.rank()
+    x8 = tf.constant([[100, -100, 3], [120, -120, 5]][r], tf.int8)
+    out["int8_sum"] = hvd.allreduce(x8, op=hvd.Sum).numpy()
+    out["int8_mean"] = hvd.allreduce(x8).numpy()
+    out["uint8_mean"] = hvd.allreduce(tf.constant([[200, 1, 7], [100, 2, 8]][r], tf.uint8)).numpy()
+    i32 = tf.constant([[4, 8], [6, 9]][r], tf.int32)
+    out["int_prescale"] = hvd.allreduce(i32, op=hvd.Sum, prescale_factor=0.75).numpy()
+    out["int_postscale"] = hvd.allreduce(i32, postscale_factor=0.5).numpy()
+    f = tf.constant([[1.0, 5.0, -2.0], [3.0, 2.0, 4.0]][r])
+    for op in ("Min", "Max", "Product"):
+        out[f"float_{op}"] = hvd.allreduce(f, op=getattr(hvd, op)).numpy()
+    out["int16_Max"] = hvd.allreduce(tf.constant([[1, -5], [3, -7]][r], tf.int16),
+                                     op=hvd.Max).numpy()
+    # An embedding's gradient in a custom loop: IndexedSlices without dense_shape.
+    slices = hvd.allreduce(tf.IndexedSlices(tf.constant([[1.0, 2.0]]) * (r + 1),
+                                            tf.constant([r])), op=hvd.Sum)
+    out["slices"] = slices.values.numpy()
+    out["slices_rows"] = slices.indices.numpy()
+    out["slices_shape"] = np.array(slices.dense_shape is None)
+    try:
+        hvd.allreduce(tf.IndexedSlices(f[None], tf.constant([0])), op=hvd.Min)
+    except NotImplementedError as e:
+        out["slices_min_error"] = np.array(str(e))
+    out["gather_bool"] = hvd.allgather(tf.constant([[True], [False]][r])).numpy()
+    out["gather_int8"] = hvd.allgather(tf.constant([[-3], [4]][r], tf.int8)).numpy()
+    out["gather_bfloat16"] = tf.cast(hvd.allgather(tf.constant([[1.5], [2.5]][r], tf.bfloat16)),
+                                     tf.float32).numpy()
+    out["bcast_int16"] = hvd.broadcast(tf.constant([[-3, 9], [4, 1]][r], tf.int16), 1).numpy()
+    out["objects"] = np.array(repr(hvd.allgather_object({"rank": r, "s": "x" * (r + 3)})))
+    out["object"] = np.array(repr(hvd.broadcast_object({"rank": r, "l": list(range(r + 2))},
+                                                       root_rank=1)))
+    out["rank_ops"] = np.array([int(hvd.rank_op()), int(hvd.size_op()), int(hvd.local_rank_op()),
+                                int(hvd.local_size_op())])
+    v = tf.Variable([float(r)])
+    out["broadcast_"] = hvd.broadcast_([v], 1)[0].numpy()
+    out["scatter_int_mean"] = hvd.reducescatter(tf.constant([[3], [5], [7]]) * (r + 1)).numpy()
+    out["alltoall_int8"] = hvd.alltoall(tf.constant([1, 2], tf.int8) + r).numpy()
+
+
 def fit(hvdk, out, name, micro=1, dtype="float32", norm=None, hidden=8, **options):
     r = hvdk.rank()
     model = make_model(FIT_SEED + r, dtype, norm, hidden)  # other weights on every rank
@@ -234,6 +275,7 @@ def main(argv=None):
     hvd.init()
     out = {"init_error": np.array(with_init_error)}
     collectives(hvd, out)
+    semantics(hvd, out)
     fit(hvdk, out, "fit")
     fit(hvdk, out, "fp16", compression=hvd.Compression.fp16)
     fit(hvdk, out, "passes4", micro=4, backward_passes_per_step=4,

@@ -11,8 +11,11 @@ tfreduce's multi-worker one (packing, compression, TF's gRPC collectives).
 See docs/horovod.md for the migration table and what differs.
 """
 
-from tfreduce.tensorflow.ops import (Average, Compression, ProcessSet, Sum, allgather,
-                                     allreduce, broadcast, broadcast_variables,
+from tfreduce.tensorflow.functions import (allgather_object, broadcast_, broadcast_global_variables,
+                                           broadcast_object, local_rank_op, local_size_op,
+                                           rank_op, size_op)
+from tfreduce.tensorflow.ops import (Adasum, Average, Compression, Max, Min, Product, ProcessSet,
+                                     Sum, allgather, allreduce, broadcast, broadcast_variables,
                                      global_process_set, grouped_allgather, grouped_allreduce)
 from tfreduce.tensorflow.process import (cross_rank, cross_size, init, is_initialized,
                                          local_rank, local_size, rank, shutdown, size)
@@ -20,9 +23,11 @@ from tfreduce.tensorflow.scatter import alltoall, grouped_reducescatter, reduces
 from tfreduce.tensorflow.sync_batch_norm import SyncBatchNormalization
 from tfreduce.tensorflow.tape import DistributedGradientTape
 
-__all__ = ["Average", "Compression", "DistributedGradientTape", "ProcessSet", "Sum",
-           "SyncBatchNormalization",
-           "allgather", "allreduce", "alltoall", "broadcast", "broadcast_variables",
+__all__ = ["Adasum", "Average", "Compression", "DistributedGradientTape", "Max", "Min",
+           "ProcessSet", "Product", "Sum", "SyncBatchNormalization",
+           "allgather", "allgather_object", "allreduce", "alltoall", "broadcast", "broadcast_",
+           "broadcast_global_variables", "broadcast_object", "broadcast_variables",
            "cross_rank", "cross_size", "global_process_set", "grouped_allgather",
            "grouped_allreduce", "grouped_reducescatter", "init", "is_initialized",
-           "local_rank", "local_size", "rank", "reducescatter", "shutdown", "size"]
+           "local_rank", "local_rank_op", "local_size", "local_size_op", "rank", "rank_op",
+           "reducescatter", "shutdown", "size", "size_op"]

@@ -22,16 +22,27 @@ from tfreduce.contract import check_root_rank, tf_variables
 from tfreduce.devices import local_name
 from tfreduce.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
 from tfreduce.tensorflow.process import cluster, device, eager_functions
+from tfreduce.tensorflow.wire import narrow, scale, widen
 
-__all__ = ["Average", "Sum", "Compression", "ProcessSet", "global_process_set", "allreduce",
+__all__ = ["Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression", "ProcessSet", "global_process_set", "allreduce",
            "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
-           "broadcast_variables", "check_op", "check_process_set", "run_cached", "scaled"]
+           "broadcast_variables", "check_op", "check_process_set", "run_cached"]
 
 #: op= of a mean over the processes (Horovod's default).
 Average = "average"
 #: op= of a sum over the processes.
 Sum = "sum"
-_OPS = (Average, Sum)
+#: op= of the elementwise minimum over the processes.
+Min = "min"
+#: op= of the elementwise maximum over the processes.
+Max = "max"
+#: op= of the elementwise product over the processes.
+Product = "product"
+#: Horovod's Adasum, which tfreduce refuses with a ValueError that names it.
+Adasum = "adasum"
+_OPS = (Average, Sum, Min, Max, Product)
+# op -> the merge of TF's CollectiveReduceV2, for the ops built one tensor each.
+_ELEMENTWISE = {Min: "Min", Max: "Max", Product: "Mul"}
 
 
 class ProcessSet:
@@ -62,8 +73,8 @@ def check_op(op, average=None, where="allreduce"):
     if op is None:
         return Average
     if op not in _OPS:
-        raise ValueError(f"{where}: op must be tfreduce.tensorflow.Average or Sum, got {op!r} "
-                         "(Adasum, Min, Max and Product are not supported)")
+        raise ValueError(f"{where}: op must be tfreduce.tensorflow.Average, Sum, Min, Max or "
+                         f"Product, got {op!r} (Adasum is not supported)")
     return op
 
 
@@ -132,33 +143,63 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
     tensors = [_check_tensor(t) for t in tensors]
     if not tensors:
         return []
+    if op in _ELEMENTWISE and any(isinstance(t, tf.IndexedSlices) for t in tensors):
+        raise NotImplementedError(
+            f"{where}: op={op!r} does not reduce tf.IndexedSlices, only Sum and Average do "
+            "(densify them first: tf.convert_to_tensor, or sparse_as_dense=True)")
     found, place = cluster(), device()
     compression = as_compressor(compression)
 
     def build(tensors):
         with tf.device(place):
-            if prescale_factor != 1.0:
-                tensors = [scaled(t, prescale_factor) for t in tensors]
-            if found.is_local:
-                out = [t if isinstance(t, tf.IndexedSlices) else tf.identity(t)
-                       for t in tensors]
-            else:
-                out = allreduce_grads_multiworker([tensors], [place], average=op == Average,
-                                                  cluster=found, compression=compression)[0]
-            if postscale_factor != 1.0:
-                out = [scaled(t, postscale_factor) for t in out]
-        return out
+            out = _reduce(found, place, [scale(t, prescale_factor) for t in tensors], op,
+                          compression)
+            # An integer mean is Horovod's: the sum scaled once by
+            # postscale / size in float64, truncated.
+            return [scale(t, postscale_factor / found.num_workers if _integer_mean(t, op)
+                          else postscale_factor) for t in out]
 
     return run_cached(("allreduce", op, compression.name, prescale_factor, postscale_factor),
-                build, tensors)
+                      build, tensors)
 
 
-def scaled(t, factor):
-    """t times factor, in t's dtype; of IndexedSlices, their values (as Horovod scales them)."""
-    if isinstance(t, tf.IndexedSlices):
-        return tf.IndexedSlices(t.values * tf.cast(factor, t.values.dtype), t.indices,
-                                t.dense_shape)
-    return t * tf.cast(factor, t.dtype)
+def _integer_mean(t, op):
+    return op == Average and not isinstance(t, tf.IndexedSlices) and not t.dtype.is_floating
+
+
+def _reduce(found, place, tensors, op, compression):
+    """The op over the processes of each tensor (widened on the wire where TF needs it)."""
+    if found.is_local:
+        return [t if isinstance(t, tf.IndexedSlices) else tf.identity(t) for t in tensors]
+    dtypes = [t.dtype for t in tensors]
+    tensors = [t if isinstance(t, tf.IndexedSlices) else widen(t, keep=(tf.bfloat16,))
+               for t in tensors]
+    if op in _ELEMENTWISE:
+        chain, group_key, _ = _chain_for(found, place)
+        out = []
+        for n, t in enumerate(tensors):
+            wire, context = compression.compress(t)
+            with chain.after_previous(place):
+                reduced = chain.all_reduce(wire, place, found.num_workers, group_key,
+                                           found.keys.instance_key(), name=f"{op}{n}",
+                                           merge_op=_ELEMENTWISE[op])
+            out.append(compression.decompress(reduced, context))
+    else:
+        # Integers are summed; their mean is scaled after (_integer_mean).
+        means = [op == Average and not _integer_mean(t, op) for t in tensors]
+        out = [None] * len(tensors)
+        for average in (True, False):
+            picked = [n for n, m in enumerate(means) if m == average]
+            if picked:
+                with tf.control_dependencies([t for t in out if t is not None
+                                              and not isinstance(t, tf.IndexedSlices)]):
+                    reduced = allreduce_grads_multiworker(
+                        [[tensors[n] for n in picked]], [place], average=average,
+                        cluster=found, compression=compression)[0]
+                for n, t in zip(picked, reduced):
+                    out[n] = t
+    return [t if isinstance(t, tf.IndexedSlices) else narrow(t, dtype)
+            for t, dtype in zip(out, dtypes)]
 
 
 def allreduce(tensor, average=None, device_dense="", device_sparse="",
@@ -224,8 +265,9 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
         out = []
         for n, t in enumerate(tensors):
             with chain.after_previous(where):
-                out.append(chain.all_gather_rows(t, where, found.num_workers, group_key,
-                                                 found.keys, name=f"allgather{n}"))
+                out.append(narrow(chain.all_gather_rows(widen(t), where, found.num_workers,
+                                                        group_key, found.keys,
+                                                        name=f"allgather{n}"), t.dtype))
         return out
 
     # Row counts differ between processes: one trace for any count.
@@ -240,6 +282,9 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 def _spec(t, rows_vary):
     if isinstance(t, tf.IndexedSlices):  # rows differ from call to call
         shape = t.dense_shape
+        if shape is None:  # Horovod takes slices without a dense shape
+            return tf.IndexedSlicesSpec([None] + t.values.shape[1:].as_list(), t.values.dtype,
+                                        t.indices.dtype, None, [None])
         return tf.IndexedSlicesSpec(
             shape.numpy().tolist() if tf.is_tensor(shape) else shape, t.values.dtype,
             t.indices.dtype, None if shape is None else tf.as_dtype(shape.dtype), [None])
@@ -303,11 +348,14 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
         with tf.device(where):
             if tensor.shape.num_elements() == 0:
                 return [tf.identity(tensor)]  # TF's kernels crash on empty tensors
+            wire = widen(tensor)
             if found.rank == root_rank:
-                return [broadcast_send(tensor, found.num_workers, group_key,
-                                       found.keys.instance_key(), options, name="hvd_send")]
-            return [broadcast_recv(tensor.shape, tensor.dtype, found.num_workers, group_key,
-                                   found.keys.instance_key(), options, name="hvd_recv")]
+                out = broadcast_send(wire, found.num_workers, group_key,
+                                     found.keys.instance_key(), options, name="hvd_send")
+            else:
+                out = broadcast_recv(wire.shape, wire.dtype, found.num_workers, group_key,
+                                     found.keys.instance_key(), options, name="hvd_recv")
+            return [narrow(out, tensor.dtype)]
 
     return run_cached(("broadcast", root_rank), build, [tensor])[0]
 

@@ -19,8 +19,9 @@ from tfreduce.collectives import all_gather, all_to_all, reduce_scatter
 from tfreduce.compression import Compression, as_compressor
 from tfreduce.primitives import scale_by_reciprocal
 from tfreduce.tensorflow.ops import (Average, check_op, check_process_set,
-                                     global_process_set, run_cached, scaled)
+                                     global_process_set, run_cached)
 from tfreduce.tensorflow.process import cluster, device
+from tfreduce.tensorflow.wire import narrow, scale, widen
 
 __all__ = ["reducescatter", "grouped_reducescatter", "alltoall"]
 
@@ -66,20 +67,23 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
     found, place = cluster(), device()
 
     def build(tensors):
+        dtypes = [t.dtype for t in tensors]
+        # An integer mean is Horovod's: the sum, scaled by postscale / size in float64.
+        integer_mean = op == Average and not any(d.is_floating for d in dtypes)
         with tf.device(place):
-            if prescale_factor != 1.0:
-                tensors = [scaled(t, prescale_factor) for t in tensors]
+            tensors = [widen(scale(t, prescale_factor)) for t in tensors]
             # Compressed, a mean is formed of means: each process scales by
             # 1/size before the cast (Horovod's prescale), the wire only sums.
-            prescale = op == Average and compression.compresses
+            prescale = op == Average and compression.compresses and not integer_mean
             if prescale:
                 tensors = [scale_by_reciprocal(t, found.num_workers) for t in tensors]
             wire, contexts = zip(*[compression.compress(t) for t in tensors])
-            out = reduce_scatter([list(wire)], [place], average=op == Average and not prescale,
-                                 cluster=found)[0]
-            out = [compression.decompress(t, ctx) for t, ctx in zip(out, contexts)]
-            if postscale_factor != 1.0:
-                out = [scaled(t, postscale_factor) for t in out]
+            out = reduce_scatter([list(wire)], [place], cluster=found,
+                                 average=op == Average and not prescale and not integer_mean)[0]
+            out = [narrow(compression.decompress(t, ctx), d)
+                   for t, ctx, d in zip(out, contexts, dtypes)]
+            post = postscale_factor / found.num_workers if integer_mean else postscale_factor
+            out = [scale(t, post) for t in out]
         return out
 
     return run_cached(("reducescatter", op, compression.name, prescale_factor,
@@ -156,8 +160,9 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
 
     def build(tensors):
         with tf.device(place):
-            out = all_to_all([tensors], [place], splits=None if counts is None else [counts],
-                             cluster=found)[0]
+            out = all_to_all([[widen(t) for t in tensors]], [place],
+                             splits=None if counts is None else [counts], cluster=found)[0]
+            out = [narrow(t, tensor.dtype) for t in out]
             if counts is None:
                 return out
             sent = tf.constant([counts], tf.int32)

@@ -1,0 +1,132 @@
+"""Horovod's helper functions over the collectives: objects, in-place broadcast, rank ops.
+
+Built on ``tfreduce.tensorflow.ops`` (one engine): an object crosses as the
+bytes of its pickle (a uint8 tensor, widened on the wire), a variable list
+by ``broadcast_variables``.
+
+Sources: Horovod's API (horovod.tensorflow.functions: allgather_object,
+broadcast_object; horovod.tensorflow.mpi_ops: broadcast_, rank_op, size_op,
+local_rank_op, local_size_op; broadcast_global_variables of TF1 graphs).
+"""
+
+import pickle
+
+import numpy as np
+import tensorflow as tf
+
+from tfreduce.tensorflow.ops import (allgather, broadcast, broadcast_variables,
+                                     check_process_set, global_process_set)
+from tfreduce.tensorflow.process import local_rank, local_size, rank, size
+
+__all__ = ["allgather_object", "broadcast_object", "broadcast_", "broadcast_global_variables",
+           "rank_op", "local_rank_op", "size_op", "local_size_op"]
+
+
+def _as_bytes(obj):
+    return tf.constant(np.frombuffer(pickle.dumps(obj), np.uint8))
+
+
+def broadcast_object(obj, root_rank=0, session=None, name=None,
+                     process_set=global_process_set):
+    """root_rank's Python object on every process (pickled; call it on every process).
+
+    Args:
+      obj: any picklable object (only root_rank's is used).
+      root_rank: int in 0..size-1.
+      session: Horovod's TF1 session argument; must be None.
+      name: accepted for Horovod's signature.
+      process_set: global_process_set (the only one).
+
+    Returns:
+      root_rank's object, unpickled.
+
+    Raises:
+      ValueError: a session, a bad root_rank or process set.
+    """
+    del name
+    _no_session(session, "broadcast_object")
+    check_process_set(process_set, "broadcast_object")
+    data = _as_bytes(obj) if rank() == root_rank else tf.zeros([0], tf.uint8)
+    length = broadcast(tf.constant([int(data.shape[0])], tf.int64), root_rank)
+    if rank() != root_rank:
+        data = tf.zeros([int(length[0])], tf.uint8)
+    return pickle.loads(broadcast(data, root_rank).numpy().tobytes())
+
+
+def allgather_object(obj, session=None, name=None, process_set=global_process_set):
+    """Every process's Python object, in rank order (pickled; call it on every process).
+
+    Returns:
+      list of size() objects; item r is rank r's.
+
+    Raises:
+      ValueError: a session or an unsupported process set.
+    """
+    del name
+    _no_session(session, "allgather_object")
+    check_process_set(process_set, "allgather_object")
+    data = _as_bytes(obj)
+    lengths = allgather(tf.constant([int(data.shape[0])], tf.int64)).numpy()
+    joined = allgather(data).numpy().tobytes()
+    ends = np.cumsum(lengths)
+    return [pickle.loads(joined[end - length:end]) for end, length in zip(ends, lengths)]
+
+
+def _no_session(session, where):
+    if session is not None:
+        raise ValueError(f"{where}: session={session!r}: pass no session (objects cross "
+                         "eagerly, in TF2)")
+
+
+def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+    """Assigns root_rank's values to the variables in place; returns the variables.
+
+    Raises:
+      As ``broadcast_variables``.
+    """
+    del name
+    broadcast_variables(variables, root_rank, process_set=process_set)
+    return variables
+
+
+def broadcast_global_variables(root_rank):
+    """Broadcasts a TF1 graph's global variables from root_rank (``tf.compat.v1`` graphs only).
+
+    Returns:
+      the op that assigns them (run it on every process).
+
+    Raises:
+      RuntimeError: in eager mode (TF2 has no global variables).
+    """
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "broadcast_global_variables works in tf.compat.v1 graphs only: in TF2 call "
+            "broadcast_variables(model.variables, root_rank) (and the optimizer's variables)")
+    return tf.group(*(broadcast_variables(tf.compat.v1.global_variables(), root_rank) or []))
+
+
+def rank_op(name=None):
+    """int32 scalar tensor, this process's rank."""
+    return tf.constant(rank(), tf.int32, name=name)
+
+
+def local_rank_op(name=None):
+    """int32 scalar tensor, this process's rank on its machine."""
+    return tf.constant(local_rank(), tf.int32, name=name)
+
+
+def size_op(process_set_id=0, name=None):
+    """int32 scalar tensor, the number of processes.
+
+    Raises:
+      ValueError: a process_set_id other than 0 (the global set, the only one).
+    """
+    if process_set_id != 0:
+        raise ValueError(f"size_op: process_set_id={process_set_id!r}: only 0 (every "
+                         "process) is supported")
+    return tf.constant(size(), tf.int32, name=name)
+
+
+def local_size_op(name=None):
+    """int32 scalar tensor, the number of processes on this process's machine."""
+    return tf.constant(local_size(), tf.int32, name=name)

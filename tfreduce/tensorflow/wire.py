@@ -1,0 +1,66 @@
+"""Horovod's dtypes and scale factors on TensorFlow's collectives.
+
+TF's collective kernels (``CollectiveReduceV2``, ``CollectiveGatherV2``,
+``CollectiveBcastSendV2``/``RecvV2``) take float16, float32, float64, int32
+and int64 (bfloat16 only in the all-reduce, bool only in the broadcast).
+Horovod also reduces, gathers and broadcasts uint8, int8, uint16, int16 and
+bool, and gathers bfloat16. Those cross the wire widened (to int32, or
+float32 for bfloat16) and are narrowed back after, which is exact: a sum of
+8-bit integers taken in int32 and cast back is their sum modulo 2**8, what
+the narrow type's own sum gives; min, max and gathers never leave the
+narrow type's range.
+
+Scale factors follow Horovod's C++ ``ScaleBuffer``: an integer tensor is
+multiplied in float64 and cast back (truncated toward zero), so 0.75 scales
+ints instead of becoming 0; a float tensor is multiplied in its own dtype.
+"""
+
+import tensorflow as tf
+
+__all__ = ["widen", "narrow", "scale"]
+
+# dtype -> the dtype it crosses the wire in, for the collectives TF lacks.
+_WIDER = {tf.uint8: tf.int32, tf.int8: tf.int32, tf.uint16: tf.int32, tf.int16: tf.int32,
+          tf.bool: tf.int32, tf.bfloat16: tf.float32}
+
+
+def widen(t, keep=()):
+    """t in a dtype TF's collectives take (t itself when they take its own, or it is in `keep`).
+
+    Args:
+      t: tf.Tensor of any dtype.
+      keep: dtypes the caller's collective takes as they are (bfloat16 for
+        an all-reduce).
+
+    Returns:
+      tf.Tensor of t's values, int32 for 8- and 16-bit integers and bool,
+      float32 for bfloat16.
+    """
+    wider = _WIDER.get(t.dtype)
+    if wider is None or t.dtype in keep:
+        return t
+    return tf.cast(t, wider)
+
+
+def narrow(t, dtype):
+    """The result of a widened collective back in `dtype` (integers wrap, as the narrow sum does)."""
+    return t if t.dtype == dtype else tf.cast(t, dtype)
+
+
+def scale(t, factor):
+    """t times a Python float factor, as Horovod scales (see the module docstring).
+
+    Args:
+      t: tf.Tensor, or tf.IndexedSlices (its values are scaled).
+      factor: float.
+
+    Returns:
+      t's type, shape and dtype.
+    """
+    if isinstance(t, tf.IndexedSlices):
+        return tf.IndexedSlices(scale(t.values, factor), t.indices, t.dense_shape)
+    if factor == 1.0:
+        return t
+    if t.dtype.is_integer:
+        return tf.cast(tf.cast(t, tf.float64) * factor, t.dtype)
+    return t * tf.cast(factor, t.dtype)
