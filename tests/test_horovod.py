@@ -21,7 +21,9 @@ import horovod_worker  # noqa: E402
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("horovod")
-    code, _, err, _ = launch_workers("horovod_worker.py", "--out", out)
+    # Many scenarios in one run (two TF start-ups instead of a dozen): on a
+    # loaded 2-core machine it takes minutes.
+    code, _, err, _ = launch_workers("horovod_worker.py", "--out", out, timeout=400)
     assert code == 0, err[-3000:]
     return [np.load(out / f"rank{r}.npz") for r in range(2)]
 
@@ -101,6 +103,25 @@ def test_horovods_semantics_beyond_float_sums(ranks):
         # Means of [3, 5, 7] and [6, 10, 14], truncated: [4, 7] to rank 0, [10] to rank 1.
         assert got["scatter_int_mean"].tolist() == [[[4], [7]], [[10]]][r]
         assert got["alltoall_int8"].tolist() == [[1, 2], [2, 3]][r]
+
+
+def test_gradients_through_the_collectives_follow_horovods_rules(ranks):
+    # The upstream gradient is r + 1 on rank r: 1 and 2.
+    for r, got in enumerate(ranks):
+        def rows(*values):
+            return [[v, v] for v in values]
+        assert got["grad_allreduce"].tolist() == rows(1.5, 1.5, 1.5)  # the mean of 1 and 2
+        assert got["grad_sum"].tolist() == rows(3.0, 3.0, 3.0)
+        assert got["grad_grouped"].tolist() == rows(3.0, 3.0, 3.0)  # 2x, through 2 * x
+        # This rank's rows of the mean; rank 0 gathered 2 rows, rank 1 one.
+        assert got["grad_allgather"].tolist() == [rows(1.5, 1.5, 0.0), rows(1.5, 0.0, 0.0)][r]
+        # The mean on the root (rank 1), zeros elsewhere.
+        assert got["grad_broadcast"].tolist() == [rows(0.0, 0.0, 0.0), rows(1.5, 1.5, 1.5)][r]
+        # Rows 0-1 went to rank 0 (upstream 1), row 2 to rank 1 (upstream 2).
+        assert got["grad_reducescatter"].tolist() == rows(1.0, 1.0, 2.0)
+        # Rank 0 sent row 0 to itself and rows 1-2 to rank 1; rank 1 all to rank 0.
+        assert got["grad_alltoall"].tolist() == [rows(1.0, 2.0, 2.0), rows(1.0, 1.0, 1.0)][r]
+        assert got["gathered_again"].tolist() == [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]] * 2
 
 
 def assert_equal_to_one_process(ranks, name, want, atol):

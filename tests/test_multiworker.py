@@ -270,28 +270,28 @@ def test_broadcast_errors(graph):
 LAUNCH_TIMEOUT = 150  # the launcher's own limit; the hard limit below is larger
 
 
-def launch_workers(script, *args, pid_dir=None, workers=2, launcher=()):
-    """Runs ``python script args`` on 2 workers under the launcher.
+def launch_workers(script, *args, pid_dir=None, workers=2, launcher=(), timeout=LAUNCH_TIMEOUT):
+    """Runs ``python script args`` on 2 workers under the launcher, for at most `timeout` seconds.
 
     Returns (exit code, stdout, stderr, seconds). If the launcher itself
     overruns, it is stopped with SIGTERM (it then stops its workers) and
     SIGKILL, and the test fails.
     """
     command = [sys.executable, "-m", "tfreduce.launch", "--workers", str(workers),
-               "--timeout", str(LAUNCH_TIMEOUT), *launcher, "--",
+               "--timeout", str(timeout), *launcher, "--",
                sys.executable, str(WORKERS / script)] + [str(a) for a in args]
     start = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=Path(__file__).parent.parent)
     try:
-        out, err = proc.communicate(timeout=LAUNCH_TIMEOUT + 30)
+        out, err = proc.communicate(timeout=timeout + 30)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.communicate(timeout=20)
         finally:
             proc.kill()
-        pytest.fail(f"the launcher did not finish in {LAUNCH_TIMEOUT + 30}s: {command}")
+        pytest.fail(f"the launcher did not finish in {timeout + 30}s: {command}")
     return proc.returncode, out, err, time.monotonic() - start
 
 

@@ -127,7 +127,7 @@ def test_mirrored_fit_with_tfreduce_trains_every_kind_of_model_alike(kind):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("user_code")
-    code, _, err, _ = launch_workers("user_code_worker.py", "--out", out)
+    code, _, err, _ = launch_workers("user_code_worker.py", "--out", out, timeout=400)
     assert code == 0, err[-3000:]
     return [np.load(out / f"rank{r}.npz") for r in range(2)]
 

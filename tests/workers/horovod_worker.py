@@ -169,6 +169,24 @@ def semantics(hvd, out):
     out["alltoall_int8"] = hvd.alltoall(tf.constant([1, 2], tf.int8) + r).numpy()
 
 
+def gradients(hvd, out):
+    """The gradient through each collective, Horovod's rule; allgathers of changing row counts."""
+    r = hvd.rank()
+    x = tf.Variable([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    calls = {"allreduce": lambda: hvd.allreduce(x), "sum": lambda: hvd.allreduce(x, op=hvd.Sum),
+             "grouped": lambda: hvd.grouped_allreduce([x, 2 * x])[1],
+             "allgather": lambda: hvd.allgather(x[:2 - r]), "broadcast": lambda: hvd.broadcast(x, 1),
+             "reducescatter": lambda: hvd.reducescatter(x),
+             "alltoall": lambda: hvd.alltoall(x, splits=[[1, 2], [3, 0]][r])[0]}
+    for name, call in calls.items():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(call() * (r + 1))  # upstream gradient r + 1
+        out[f"grad_{name}"] = tape.gradient(loss, x).numpy()
+    # TF's runtime keeps the shape an instance first ran with: 1 and 2 rows
+    # (padded to 2), then 3 rows each.
+    out["gathered_again"] = hvd.allgather(x).numpy()
+
+
 def fit(hvdk, out, name, micro=1, dtype="float32", norm=None, hidden=8, **options):
     r = hvdk.rank()
     model = make_model(FIT_SEED + r, dtype, norm, hidden)  # other weights on every rank
@@ -276,6 +294,7 @@ def main(argv=None):
     out = {"init_error": np.array(with_init_error)}
     collectives(hvd, out)
     semantics(hvd, out)
+    gradients(hvd, out)
     fit(hvdk, out, "fit")
     fit(hvdk, out, "fp16", compression=hvd.Compression.fp16)
     fit(hvdk, out, "passes4", micro=4, backward_passes_per_step=4,

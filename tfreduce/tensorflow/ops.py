@@ -13,6 +13,7 @@ postscale factors, allgather with uneven first dimensions, broadcast from
 any root rank); TensorFlow's collective ops as the engine.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from tfreduce.collective import (CollectiveChain, CollectiveOptions, broadcast_recv,
@@ -26,7 +27,8 @@ from tfreduce.tensorflow.wire import narrow, scale, widen
 
 __all__ = ["Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression", "ProcessSet", "global_process_set", "allreduce",
            "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
-           "broadcast_variables", "check_op", "check_process_set", "run_cached"]
+           "broadcast_variables", "check_op", "check_process_set", "differentiable",
+           "run_cached"]
 
 #: op= of a mean over the processes (Horovod's default).
 Average = "average"
@@ -132,8 +134,12 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
         reduce (named).
     """
     del device_dense, device_sparse, ignore_name_scope, name
-    return _allreduce_list(tensors, average, compression, op, prescale_factor, postscale_factor,
-                           process_set, "grouped_allreduce")
+
+    def reduce(tensors):
+        return _allreduce_list(tensors, average, compression, op, prescale_factor,
+                               postscale_factor, process_set, "grouped_allreduce")
+
+    return differentiable(reduce, reduce, tensors)  # Horovod's gradient: the same reduction
 
 
 def _allreduce_list(tensors, average, compression, op, prescale_factor, postscale_factor,
@@ -216,8 +222,50 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
       As grouped_allreduce.
     """
     del device_dense, device_sparse, name, ignore_name_scope
-    return _allreduce_list([tensor], average, compression, op, prescale_factor,
-                           postscale_factor, process_set, "allreduce")[0]
+
+    def reduce(tensors):
+        return _allreduce_list(tensors, average, compression, op, prescale_factor,
+                               postscale_factor, process_set, "allreduce")
+
+    return differentiable(reduce, reduce, [tensor])[0]
+
+
+def differentiable(forward, backward, tensors):
+    """forward(tensors), whose gradient is backward(upstream gradients): a collective's rule.
+
+    Horovod registers a gradient for each collective (an all-reduce's is the
+    same all-reduce of the upstream gradients; an all-gather's, this
+    process's rows of their mean; a broadcast's, their mean on the root and
+    zeros elsewhere). IndexedSlices and tensors that are not floats have
+    none: forward runs alone.
+
+    Args:
+      forward: function (list of N tensors) -> list of N tensors.
+      backward: function (list of N upstream gradients) -> list of N
+        gradients of the inputs.
+      tensors: list of N tf.Tensor or tf.IndexedSlices.
+
+    Returns:
+      forward(tensors).
+    """
+    tensors = [_check_tensor(t) for t in tensors]
+    if not tensors or any(isinstance(t, tf.IndexedSlices) or not t.dtype.is_floating
+                          for t in tensors):
+        return forward(tensors)
+
+    @tf.custom_gradient
+    def call(*inputs):
+        # The tape must not look into the collectives (they have no gradient
+        # of their own): the rule below stands for them.
+        out = forward([tf.stop_gradient(t) for t in inputs])
+
+        def gradient(*upstream):
+            return backward([tf.zeros_like(o) if g is None else g
+                             for o, g in zip(out, upstream)])
+
+        return out, gradient
+
+    return list(call(*tensors))
 
 
 def _chain_for(found, where):
@@ -270,8 +318,41 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
                                                         name=f"allgather{n}"), t.dtype))
         return out
 
-    # Row counts differ between processes: one trace for any count.
-    return run_cached(("allgather",), build, tensors, rows_vary=True)
+    def build_known(tensors, counts):
+        # counts[r][n]: rank r's rows of tensor n. Padded to the longest,
+        # gathered with one shape everywhere, then each rank's rows kept.
+        chain, group_key, _ = _chain_for(found, where)
+        out = []
+        for n, t in enumerate(tensors):
+            longest = max(1, max(row[n] for row in counts))  # TF crashes on empty tensors
+            padded = tf.pad(widen(t), [[0, longest - counts[found.rank][n]]]
+                            + [[0, 0]] * (t.shape.rank - 1))
+            with chain.after_previous(where):
+                every = chain.all_gather(padded, where, found.num_workers, group_key,
+                                         found.keys.instance_key(), name=f"allgather{n}")
+            out.append(narrow(tf.concat([every[r * longest:r * longest + row[n]]
+                                         for r, row in enumerate(counts)], 0), t.dtype))
+        return out
+
+    def gather(tensors):
+        if not tf.executing_eagerly():
+            return build(tensors)
+        # TF's runtime keeps the shape an instance key first ran with: each
+        # pattern of row counts gets its own function (and keys), so a later
+        # call with other counts never meets an earlier call's shape.
+        rows = tf.stack([tf.shape(t, tf.int64)[0] for t in tensors])
+        counts = tuple(tuple(int(c) for c in row) for row in np.reshape(
+            run_cached(("allgather_rows",), build, [rows[None]])[0].numpy(), [-1, len(tensors)]))
+        return run_cached(("allgather", counts), lambda t: build_known(t, counts), tensors)
+
+    def gradient(upstream):
+        # Horovod's: this process's rows of the mean of the upstream gradients.
+        means = grouped_allreduce(upstream)
+        rows = gather([tf.shape(t, tf.int64)[:1] for t in tensors])
+        return [tf.split(g, tf.cast(r, tf.int32), num=found.num_workers)[found.rank]
+                for g, r in zip(means, rows)]
+
+    return differentiable(gather, gradient, tensors)
 
 
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -357,7 +438,13 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
                                      found.keys.instance_key(), options, name="hvd_recv")
             return [narrow(out, tensor.dtype)]
 
-    return run_cached(("broadcast", root_rank), build, [tensor])[0]
+    def gradient(upstream):
+        # Horovod's: the mean of the upstream gradients on the root, zeros elsewhere.
+        mean = allreduce(upstream[0])
+        return [mean if found.rank == root_rank else tf.zeros_like(mean)]
+
+    return differentiable(lambda t: run_cached(("broadcast", root_rank), build, t), gradient,
+                          [tensor])[0]
 
 
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):

@@ -18,8 +18,10 @@ import tensorflow as tf
 from tfreduce.collectives import all_gather, all_to_all, reduce_scatter
 from tfreduce.compression import Compression, as_compressor
 from tfreduce.primitives import scale_by_reciprocal
-from tfreduce.tensorflow.ops import (Average, check_op, check_process_set,
-                                     global_process_set, run_cached)
+from tfreduce.contract import shard_sizes
+from tfreduce.tensorflow.ops import (Average, allgather, check_op, check_process_set,
+                                     differentiable, global_process_set, grouped_allgather,
+                                     run_cached)
 from tfreduce.tensorflow.process import cluster, device
 from tfreduce.tensorflow.wire import narrow, scale, widen
 
@@ -86,8 +88,15 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
             out = [scale(t, post) for t in out]
         return out
 
-    return run_cached(("reducescatter", op, compression.name, prescale_factor,
-                       postscale_factor), build, tensors)
+    def gradient(upstream):
+        # Horovod's: every process's rows, joined, scaled as the forward was
+        # (times size after a sum, as Horovod's rule has it).
+        factor = prescale_factor * postscale_factor * (found.num_workers if op != Average else 1)
+        return grouped_allgather([scale(g, factor) for g in upstream])
+
+    return differentiable(lambda t: run_cached(("reducescatter", op, compression.name,
+                                                prescale_factor, postscale_factor), build, t),
+                          gradient, tensors)
 
 
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
@@ -169,6 +178,23 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
             every = all_gather([[sent]], [place], cluster=found)[0][0]  # [size, size]
             return out + [tf.identity(every[:, found.rank], name="received_splits")]
 
-    out = run_cached(("alltoall", None if counts is None else tuple(counts)), build, [tensor],
-                     rows_vary=True)
-    return out[0] if counts is None else (out[0], out[1])
+    received = []
+
+    def exchange(tensors):
+        out = run_cached(("alltoall", None if counts is None else tuple(counts)), build,
+                         tensors, rows_vary=True)
+        received[:] = out[1:]
+        return out[:1]
+
+    def gradient(upstream):
+        # Horovod's: the upstream rows sent back to where they came from.
+        if counts is not None:
+            back = received[0]
+        else:
+            sent = shard_sizes(int(tensor.shape[0]), found.num_workers)
+            back = tf.reshape(allgather(tf.constant([sent], tf.int32)), [-1, len(sent)])
+            back = back[:, found.rank]
+        return [alltoall(upstream[0], splits=back)[0]]
+
+    out = differentiable(exchange, gradient, [tensor])[0]
+    return out if counts is None else (out, received[0])
