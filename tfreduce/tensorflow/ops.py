@@ -22,13 +22,13 @@ from tfreduce.compression import Compression, as_compressor
 from tfreduce.contract import check_root_rank, tf_variables
 from tfreduce.devices import local_name
 from tfreduce.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
-from tfreduce.tensorflow.process import cluster, device, eager_functions
+from tfreduce.tensorflow.calls import as_tensor, differentiable, run_cached
+from tfreduce.tensorflow.process import cluster, device
 from tfreduce.tensorflow.wire import narrow, scale, widen
 
 __all__ = ["Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression", "ProcessSet", "global_process_set", "allreduce",
            "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
-           "broadcast_variables", "check_op", "check_process_set", "differentiable",
-           "run_cached"]
+           "broadcast_variables", "check_op", "check_process_set"]
 
 #: op= of a mean over the processes (Horovod's default).
 Average = "average"
@@ -87,12 +87,6 @@ def check_process_set(process_set, where):
                          "(every process) is supported")
 
 
-def _check_tensor(tensor):
-    if isinstance(tensor, tf.IndexedSlices):
-        return tensor
-    return tf.convert_to_tensor(tensor)
-
-
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set,
@@ -146,7 +140,7 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
                     process_set, where):
     op = check_op(op, average, where)
     check_process_set(process_set, where)
-    tensors = [_check_tensor(t) for t in tensors]
+    tensors = [as_tensor(t) for t in tensors]
     if not tensors:
         return []
     if op in _ELEMENTWISE and any(isinstance(t, tf.IndexedSlices) for t in tensors):
@@ -228,44 +222,6 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
                                postscale_factor, process_set, "allreduce")
 
     return differentiable(reduce, reduce, [tensor])[0]
-
-
-def differentiable(forward, backward, tensors):
-    """forward(tensors), whose gradient is backward(upstream gradients): a collective's rule.
-
-    Horovod registers a gradient for each collective (an all-reduce's is the
-    same all-reduce of the upstream gradients; an all-gather's, this
-    process's rows of their mean; a broadcast's, their mean on the root and
-    zeros elsewhere). IndexedSlices and tensors that are not floats have
-    none: forward runs alone.
-
-    Args:
-      forward: function (list of N tensors) -> list of N tensors.
-      backward: function (list of N upstream gradients) -> list of N
-        gradients of the inputs.
-      tensors: list of N tf.Tensor or tf.IndexedSlices.
-
-    Returns:
-      forward(tensors).
-    """
-    tensors = [_check_tensor(t) for t in tensors]
-    if not tensors or any(isinstance(t, tf.IndexedSlices) or not t.dtype.is_floating
-                          for t in tensors):
-        return forward(tensors)
-
-    @tf.custom_gradient
-    def call(*inputs):
-        # The tape must not look into the collectives (they have no gradient
-        # of their own): the rule below stands for them.
-        out = forward([tf.stop_gradient(t) for t in inputs])
-
-        def gradient(*upstream):
-            return backward([tf.zeros_like(o) if g is None else g
-                             for o, g in zip(out, upstream)])
-
-        return out, gradient
-
-    return list(call(*tensors))
 
 
 def _chain_for(found, where):
@@ -358,39 +314,6 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """All-gathers one tensor along axis 0: ``grouped_allgather([tensor])[0]``."""
     return grouped_allgather([tensor], name, ignore_name_scope, process_set)[0]
-
-
-def _spec(t, rows_vary):
-    if isinstance(t, tf.IndexedSlices):  # rows differ from call to call
-        shape = t.dense_shape
-        if shape is None:  # Horovod takes slices without a dense shape
-            return tf.IndexedSlicesSpec([None] + t.values.shape[1:].as_list(), t.values.dtype,
-                                        t.indices.dtype, None, [None])
-        return tf.IndexedSlicesSpec(
-            shape.numpy().tolist() if tf.is_tensor(shape) else shape, t.values.dtype,
-            t.indices.dtype, None if shape is None else tf.as_dtype(shape.dtype), [None])
-    shape = t.shape.as_list()
-    if rows_vary:
-        shape[0] = None
-    return tf.TensorSpec(shape, t.dtype)
-
-
-def run_cached(key, build, tensors, rows_vary=False):
-    """build(tensors): directly in a graph; eagerly, in a tf.function kept per key and signature.
-
-    The collectives' instance keys are drawn as a function traces, the same
-    on every process when all make the same calls in the same order (as
-    Horovod requires); a call like an earlier one reuses its function and
-    keys, as a training step does, instead of tracing again.
-    """
-    if not tf.executing_eagerly():
-        return build(tensors)
-    specs = [_spec(t, rows_vary) for t in tensors]
-    full = (key, tuple(specs))
-    functions = eager_functions()  # by what they do and their input signature
-    if full not in functions:
-        functions[full] = tf.function(build, input_signature=[specs], autograph=False)
-    return functions[full](tensors)
 
 
 def _check_root(root_rank, where):

@@ -19,9 +19,9 @@ from tfreduce.collectives import all_gather, all_to_all, reduce_scatter
 from tfreduce.compression import Compression, as_compressor
 from tfreduce.primitives import scale_by_reciprocal
 from tfreduce.contract import shard_sizes
+from tfreduce.tensorflow.calls import differentiable, run_cached
 from tfreduce.tensorflow.ops import (Average, allgather, check_op, check_process_set,
-                                     differentiable, global_process_set, grouped_allgather,
-                                     run_cached)
+                                     global_process_set, grouped_allgather)
 from tfreduce.tensorflow.process import cluster, device
 from tfreduce.tensorflow.wire import narrow, scale, widen
 

@@ -1,0 +1,94 @@
+"""How a Horovod-style call runs eagerly and differentiates: one traced function per signature.
+
+Eagerly, each collective call runs inside a ``tf.function`` kept per
+(what it does, its input signature), so that a call like an earlier one
+reuses its function and its instance keys, as a training step does.
+Each collective has Horovod's gradient rule (``differentiable``).
+
+Sources: Horovod's API (horovod.tensorflow.mpi_ops: the gradients
+registered for each collective).
+"""
+
+import tensorflow as tf
+
+from tfreduce.tensorflow.process import eager_functions
+
+__all__ = ["as_tensor", "differentiable", "run_cached"]
+
+
+def as_tensor(tensor):
+    """tensor as a tf.Tensor, or as it is if it is tf.IndexedSlices."""
+    if isinstance(tensor, tf.IndexedSlices):
+        return tensor
+    return tf.convert_to_tensor(tensor)
+
+
+def differentiable(forward, backward, tensors):
+    """forward(tensors), whose gradient is backward(upstream gradients): a collective's rule.
+
+    Horovod registers a gradient for each collective (an all-reduce's is the
+    same all-reduce of the upstream gradients; an all-gather's, this
+    process's rows of their mean; a broadcast's, their mean on the root and
+    zeros elsewhere). IndexedSlices and tensors that are not floats have
+    none: forward runs alone.
+
+    Args:
+      forward: function (list of N tensors) -> list of N tensors.
+      backward: function (list of N upstream gradients) -> list of N
+        gradients of the inputs.
+      tensors: list of N tf.Tensor or tf.IndexedSlices.
+
+    Returns:
+      forward(tensors).
+    """
+    tensors = [as_tensor(t) for t in tensors]
+    if not tensors or any(isinstance(t, tf.IndexedSlices) or not t.dtype.is_floating
+                          for t in tensors):
+        return forward(tensors)
+
+    @tf.custom_gradient
+    def call(*inputs):
+        # The tape must not look into the collectives (they have no gradient
+        # of their own): the rule below stands for them.
+        out = forward([tf.stop_gradient(t) for t in inputs])
+
+        def gradient(*upstream):
+            return backward([tf.zeros_like(o) if g is None else g
+                             for o, g in zip(out, upstream)])
+
+        return out, gradient
+
+    return list(call(*tensors))
+
+
+def _spec(t, rows_vary):
+    if isinstance(t, tf.IndexedSlices):  # rows differ from call to call
+        shape = t.dense_shape
+        if shape is None:  # Horovod takes slices without a dense shape
+            return tf.IndexedSlicesSpec([None] + t.values.shape[1:].as_list(), t.values.dtype,
+                                        t.indices.dtype, None, [None])
+        return tf.IndexedSlicesSpec(
+            shape.numpy().tolist() if tf.is_tensor(shape) else shape, t.values.dtype,
+            t.indices.dtype, None if shape is None else tf.as_dtype(shape.dtype), [None])
+    shape = t.shape.as_list()
+    if rows_vary:
+        shape[0] = None
+    return tf.TensorSpec(shape, t.dtype)
+
+
+def run_cached(key, build, tensors, rows_vary=False):
+    """build(tensors): directly in a graph; eagerly, in a tf.function kept per key and signature.
+
+    The collectives' instance keys are drawn as a function traces, the same
+    on every process when all make the same calls in the same order (as
+    Horovod requires); a call like an earlier one reuses its function and
+    keys, as a training step does, instead of tracing again.
+    """
+    if not tf.executing_eagerly():
+        return build(tensors)
+    specs = [_spec(t, rows_vary) for t in tensors]
+    full = (key, tuple(specs))
+    functions = eager_functions()  # by what they do and their input signature
+    if full not in functions:
+        functions[full] = tf.function(build, input_signature=[specs], autograph=False)
+    return functions[full](tensors)
