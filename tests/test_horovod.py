@@ -124,6 +124,26 @@ def test_gradients_through_the_collectives_follow_horovods_rules(ranks):
         assert got["gathered_again"].tolist() == [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]] * 2
 
 
+def test_calls_that_differ_between_ranks_raise_on_every_rank_and_the_next_call_works(ranks):
+    # Checked before any data moves, so TF's runtime is never aborted.
+    calls = {"shape": ["allreduce (average, none, 1.0, 1.0) of float32 [3]",
+                       "allreduce (average, none, 1.0, 1.0) of float32 [4]"],
+             "names": ["allreduce 'a' (average, none, 1.0, 1.0) of float32 [2]",
+                       "allreduce 'b' (average, none, 1.0, 1.0) of float32 [2]"],
+             "root": ["broadcast (0) of float32 [2]", "broadcast (1) of float32 [2]"],
+             "kind": ["allreduce (average, none, 1.0, 1.0) of float32 [2]",
+                      "allgather of float32 [None]"]}
+    for r, got in enumerate(ranks):
+        for name, (call0, call1) in calls.items():
+            assert re.fullmatch(
+                rf"CallMismatchError: worker {r} \(127\.0\.0\.1:\d+\): the processes made "
+                r"different collective calls, which must be the same, in the same order, on "
+                rf"every process: worker 0 \(127\.0\.0\.1:\d+\): {re.escape(call0)}; "
+                rf"worker 1 \(127\.0\.0\.1:\d+\): {re.escape(call1)}",
+                str(got[f"mismatch_{name}"])), str(got[f"mismatch_{name}"])
+            assert got[f"after_{name}"].tolist() == [1.0, 1.0], name
+
+
 def assert_equal_to_one_process(ranks, name, want, atol):
     weights, losses = want
     for r, got in enumerate(ranks):

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from tfreduce.collective import CollectiveOptions, all_gather, in_function
 
-__all__ = ["check_workers_agree"]
+__all__ = ["CallMismatchError", "check_workers_agree", "check_same_call"]
 
 # Bytes of one fact's text sent when it differs (longer texts are cut).
 _TEXT_BYTES = 240
@@ -106,3 +106,63 @@ def check_workers_agree(cluster, towers, settings, variables):
     texts = _gather_text(cluster, " ".join(variables[first]))
     raise ValueError(f"{here}: variable {first} differs: " + "; ".join(
         f"{name} has {text}" for name, text in zip(names, texts)))
+
+
+class CallMismatchError(tf.errors.FailedPreconditionError, ValueError):
+    """The processes made different collective calls; raised on every process.
+
+    A ``tf.errors.FailedPreconditionError``, the class Horovod raises for a
+    mismatch between ranks, and a ValueError.
+    """
+
+    def __init__(self, message):
+        super().__init__(None, None, message)
+
+
+def check_same_call(cluster, description, functions):
+    """Raises on every worker, before any data moves, unless all make the same collective call.
+
+    Horovod negotiates every collective by name before it runs; TF's
+    runtime matches collectives by instance key alone, so processes that
+    call different collectives (or the same with other shapes, dtypes, root
+    ranks or ops) would pair the wrong tensors, wait forever, or abort the
+    runtime for good ("Collective ops is aborted ... Restart your program").
+    One small all-gather of a hash of the call's description comes first;
+    when the hashes differ every worker raises the same ValueError naming
+    each worker's call, and the runtime stays usable for the next call.
+
+    Args:
+      cluster: tfreduce.Cluster, started; or a LocalCluster (nothing to compare).
+      description: str, what the call does: the collective, its name, the
+        shapes and dtypes, the root rank or op.
+      functions: dict where the traced all-gather is kept between calls
+        (the run's ``process.eager_functions()``).
+
+    Raises:
+      CallMismatchError: the workers' calls differ (each worker's description named).
+      WorkerLostError: a worker is lost or does not arrive in time.
+    """
+    if cluster.is_local:
+        return
+    gather = functions.get("check_same_call")
+    if gather is None:
+        group_key = cluster.group_key([_DEVICE])
+        options = CollectiveOptions(timeout=cluster.timeout)
+        instance_key = cluster.keys.instance_key()
+
+        def build(value):
+            with tf.name_scope("same_call"), tf.device(cluster.task_name() + _DEVICE):
+                return all_gather(value, cluster.num_workers, group_key, instance_key, options,
+                                  name="gather")
+
+        gather = functions["check_same_call"] = tf.function(
+            build, input_signature=[tf.TensorSpec([1], tf.int64)], autograph=False)
+    with cluster.detect_lost_workers():
+        hashes = gather(tf.constant([_hash(description)], tf.int64)).numpy()
+    if len(set(hashes.tolist())) == 1:
+        return
+    texts = _gather_text(cluster, description)
+    calls = "; ".join(f"{cluster.describe(r)}: {text}" for r, text in enumerate(texts))
+    raise CallMismatchError(f"{cluster.describe(cluster.rank)}: the processes made different "
+                            f"collective calls, which must be the same, in the same order, on "
+                            f"every process: {calls}")

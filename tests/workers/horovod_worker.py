@@ -187,6 +187,22 @@ def gradients(hvd, out):
     out["gathered_again"] = hvd.allgather(x).numpy()
 
 
+def mismatches(hvd, out):
+    """Calls that differ between the ranks: an error on each, and the next call works."""
+    r = hvd.rank()
+    calls = {"shape": lambda: hvd.allreduce(tf.ones([3 + r])),
+             "names": lambda: hvd.allreduce(tf.ones([2]), name=["a", "b"][r]),
+             "root": lambda: hvd.broadcast(tf.ones([2]), r),
+             "kind": lambda: (hvd.allreduce if r == 0 else hvd.allgather)(tf.ones([2]))}
+    for name, call in calls.items():
+        try:
+            call()
+            out[f"mismatch_{name}"] = np.array("")
+        except tf.errors.FailedPreconditionError as e:  # Horovod's class for a mismatch
+            out[f"mismatch_{name}"] = np.array(f"{type(e).__name__}: {e}")
+        out[f"after_{name}"] = hvd.allreduce(tf.ones([2]) * r, op=hvd.Sum).numpy()
+
+
 def fit(hvdk, out, name, micro=1, dtype="float32", norm=None, hidden=8, **options):
     r = hvdk.rank()
     model = make_model(FIT_SEED + r, dtype, norm, hidden)  # other weights on every rank
@@ -295,6 +311,7 @@ def main(argv=None):
     collectives(hvd, out)
     semantics(hvd, out)
     gradients(hvd, out)
+    mismatches(hvd, out)
     fit(hvdk, out, "fit")
     fit(hvdk, out, "fp16", compression=hvd.Compression.fp16)
     fit(hvdk, out, "passes4", micro=4, backward_passes_per_step=4,

@@ -17,8 +17,11 @@ from tfreduce.tensorflow.functions import (allgather_object, broadcast_, broadca
 from tfreduce.tensorflow.ops import (Adasum, Average, Compression, Max, Min, Product, ProcessSet,
                                      Sum, allgather, allreduce, broadcast, broadcast_variables,
                                      global_process_set, grouped_allgather, grouped_allreduce)
-from tfreduce.tensorflow.process import (cross_rank, cross_size, init, is_initialized,
-                                         local_rank, local_size, rank, shutdown, size)
+from tfreduce.tensorflow.process import (ccl_built, cross_rank, cross_size, cuda_built,
+                                         ddl_built, gloo_built, gloo_enabled, init,
+                                         is_homogeneous, is_initialized, local_rank, local_size,
+                                         mpi_built, mpi_enabled, mpi_threads_supported,
+                                         nccl_built, rank, rocm_built, shutdown, size)
 from tfreduce.tensorflow.scatter import alltoall, grouped_reducescatter, reducescatter
 from tfreduce.tensorflow.sync_batch_norm import SyncBatchNormalization
 from tfreduce.tensorflow.tape import DistributedGradientTape
@@ -30,4 +33,6 @@ __all__ = ["Adasum", "Average", "Compression", "DistributedGradientTape", "Max",
            "cross_rank", "cross_size", "global_process_set", "grouped_allgather",
            "grouped_allreduce", "grouped_reducescatter", "init", "is_initialized",
            "local_rank", "local_rank_op", "local_size", "local_size_op", "rank", "rank_op",
-           "reducescatter", "shutdown", "size", "size_op"]
+           "reducescatter", "shutdown", "size", "size_op", "ccl_built", "cuda_built",
+           "ddl_built", "gloo_built", "gloo_enabled", "is_homogeneous", "mpi_built",
+           "mpi_enabled", "mpi_threads_supported", "nccl_built", "rocm_built"]

@@ -11,9 +11,10 @@ registered for each collective).
 
 import tensorflow as tf
 
-from tfreduce.tensorflow.process import eager_functions
+from tfreduce.consistency import check_same_call
+from tfreduce.tensorflow.process import cluster, eager_functions
 
-__all__ = ["as_tensor", "differentiable", "run_cached"]
+__all__ = ["agree", "as_tensor", "differentiable", "run_cached"]
 
 
 def as_tensor(tensor):
@@ -76,19 +77,61 @@ def _spec(t, rows_vary):
     return tf.TensorSpec(shape, t.dtype)
 
 
-def run_cached(key, build, tensors, rows_vary=False):
+def agree(key, tensors, rows_vary=False, name=None):
+    """Eagerly: raises CallMismatchError on every process unless all make this call.
+
+    See ``consistency.check_same_call``; the call is described by its key,
+    the user's name and its inputs' dtypes and shapes (rows as None where
+    they may differ between processes). In a graph, nothing is checked.
+    """
+    if not tf.executing_eagerly():
+        return
+    specs = [_spec(t, rows_vary) for t in tensors]
+    check_same_call(cluster(), _describe(key, tensors, specs, name), eager_functions())
+
+
+def run_cached(key, build, tensors, rows_vary=False, name=None, check=True):
     """build(tensors): directly in a graph; eagerly, in a tf.function kept per key and signature.
 
     The collectives' instance keys are drawn as a function traces, the same
     on every process when all make the same calls in the same order (as
     Horovod requires); a call like an earlier one reuses its function and
-    keys, as a training step does, instead of tracing again.
+    keys, as a training step does, instead of tracing again. Eagerly, the
+    processes first check that they all make this call
+    (``consistency.check_same_call``: the key, the user's `name` and the
+    input signature), so a mismatch raises on every process before any
+    data moves.
+
+    check=False leaves that to the caller (``agree``).
+
+    Raises:
+      CallMismatchError: eagerly, the processes' calls differ (each one named).
     """
     if not tf.executing_eagerly():
         return build(tensors)
+    if check:
+        agree(key, tensors, rows_vary, name)
     specs = [_spec(t, rows_vary) for t in tensors]
     full = (key, tuple(specs))
     functions = eager_functions()  # by what they do and their input signature
     if full not in functions:
         functions[full] = tf.function(build, input_signature=[specs], autograph=False)
     return functions[full](tensors)
+
+
+def _describe(key, tensors, specs, name):
+    """A call as the processes compare it, e.g. "allreduce 'loss' (average) of float32 [3]".
+
+    Row counts that may differ between processes (allgather's, sparse
+    rows) show as None."""
+    what, *options = key
+    inputs = []
+    for t, spec in zip(tensors, specs):
+        if isinstance(t, tf.IndexedSlices):
+            inputs.append(f"IndexedSlices {t.values.dtype.name} "
+                          f"{[None] + t.values.shape[1:].as_list()}")
+        else:
+            inputs.append(f"{spec.dtype.name} {spec.shape.as_list()}")
+    named = f" {name!r}" if name else ""
+    settings = f" ({', '.join(str(o) for o in options)})" if options else ""
+    return f"{what}{named}{settings} of {', '.join(inputs) or 'nothing'}"

@@ -22,7 +22,7 @@ from tfreduce.compression import Compression, as_compressor
 from tfreduce.contract import check_root_rank, tf_variables
 from tfreduce.devices import local_name
 from tfreduce.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
-from tfreduce.tensorflow.calls import as_tensor, differentiable, run_cached
+from tfreduce.tensorflow.calls import agree, as_tensor, differentiable, run_cached
 from tfreduce.tensorflow.process import cluster, device
 from tfreduce.tensorflow.wire import narrow, scale, widen
 
@@ -127,17 +127,17 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
       ValueError: an unsupported op or process set, tensors tfreduce cannot
         reduce (named).
     """
-    del device_dense, device_sparse, ignore_name_scope, name
+    del device_dense, device_sparse, ignore_name_scope
 
     def reduce(tensors):
         return _allreduce_list(tensors, average, compression, op, prescale_factor,
-                               postscale_factor, process_set, "grouped_allreduce")
+                               postscale_factor, process_set, "grouped_allreduce", name)
 
     return differentiable(reduce, reduce, tensors)  # Horovod's gradient: the same reduction
 
 
 def _allreduce_list(tensors, average, compression, op, prescale_factor, postscale_factor,
-                    process_set, where):
+                    process_set, where, name=None):
     op = check_op(op, average, where)
     check_process_set(process_set, where)
     tensors = [as_tensor(t) for t in tensors]
@@ -160,7 +160,7 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
                           else postscale_factor) for t in out]
 
     return run_cached(("allreduce", op, compression.name, prescale_factor, postscale_factor),
-                      build, tensors)
+                      build, tensors, name=name)
 
 
 def _integer_mean(t, op):
@@ -215,11 +215,11 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     Raises:
       As grouped_allreduce.
     """
-    del device_dense, device_sparse, name, ignore_name_scope
+    del device_dense, device_sparse, ignore_name_scope
 
     def reduce(tensors):
         return _allreduce_list(tensors, average, compression, op, prescale_factor,
-                               postscale_factor, process_set, "allreduce")
+                               postscale_factor, process_set, "allreduce", name)
 
     return differentiable(reduce, reduce, [tensor])[0]
 
@@ -252,7 +252,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
       RuntimeError: init() was not called.
       ValueError: a scalar (named by its position), an unsupported process set.
     """
-    del name, ignore_name_scope
+    del ignore_name_scope
     check_process_set(process_set, "allgather")
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     for n, t in enumerate(tensors):
@@ -296,10 +296,13 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
         # TF's runtime keeps the shape an instance key first ran with: each
         # pattern of row counts gets its own function (and keys), so a later
         # call with other counts never meets an earlier call's shape.
+        agree(("allgather",), tensors, rows_vary=True, name=name)
         rows = tf.stack([tf.shape(t, tf.int64)[0] for t in tensors])
         counts = tuple(tuple(int(c) for c in row) for row in np.reshape(
-            run_cached(("allgather_rows",), build, [rows[None]])[0].numpy(), [-1, len(tensors)]))
-        return run_cached(("allgather", counts), lambda t: build_known(t, counts), tensors)
+            run_cached(("allgather_rows",), build, [rows[None]], check=False)[0].numpy(),
+            [-1, len(tensors)]))
+        return run_cached(("allgather", counts), lambda t: build_known(t, counts), tensors,
+                          check=False)
 
     def gradient(upstream):
         # Horovod's: this process's rows of the mean of the upstream gradients.
@@ -334,7 +337,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
       ValueError: a root_rank outside 0..size-1, a shape not fully defined,
         an unsupported process set.
     """
-    del name, ignore_name_scope
+    del ignore_name_scope
     check_process_set(process_set, "broadcast")
     _check_root(root_rank, "broadcast")
     tensor = tf.convert_to_tensor(tensor)
@@ -366,7 +369,8 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
         mean = allreduce(upstream[0])
         return [mean if found.rank == root_rank else tf.zeros_like(mean)]
 
-    return differentiable(lambda t: run_cached(("broadcast", root_rank), build, t), gradient,
+    return differentiable(lambda t: run_cached(("broadcast", root_rank), build, t, name=name),
+                          gradient,
                           [tensor])[0]
 
 
@@ -402,5 +406,8 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
                                                                      root_rank=root_rank)):
             return [tf.constant(0)]
 
-    # The same variables again (a later fit) reuse the function.
-    run_cached(("broadcast_variables", root_rank, tuple(id(v) for v in variables[0])), build, [])
+    # Processes compare the variables' shapes and dtypes; the same variables
+    # again (a later fit) reuse the function.
+    agree(("broadcast_variables", root_rank), variables[0])
+    run_cached(("broadcast_variables", root_rank, tuple(id(v) for v in variables[0])), build, [],
+               check=False)

@@ -29,7 +29,9 @@ from tfreduce.localcluster import LocalCluster
 from tfreduce.tf_config import SLURM_PORT_BASE, parse_address, slurm_tf_config
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-           "cross_rank", "cross_size", "cluster", "device", "eager_functions"]
+           "cross_rank", "cross_size", "cluster", "device", "eager_functions", "is_homogeneous",
+           "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
+           "nccl_built", "ccl_built", "ddl_built", "cuda_built", "rocm_built"]
 
 
 class _Run:
@@ -184,3 +186,63 @@ def cross_size():
     """int, the number of machines of the run."""
     cluster()
     return len(set(_RUN.hosts))
+
+
+def is_homogeneous():
+    """bool: every machine of the run has the same number of processes."""
+    cluster()
+    return len({_RUN.hosts.count(h) for h in _RUN.hosts}) == 1
+
+
+# What Horovod's build flags report. tfreduce runs on TensorFlow's own
+# gRPC collectives: no MPI, Gloo, oneCCL or DDL; NCCL only inside
+# TensorFlow (its version is not Horovod's to report).
+
+def mpi_built():
+    """False: tfreduce has no MPI (processes meet through TF_CONFIG)."""
+    return False
+
+
+def mpi_enabled():
+    """False: tfreduce has no MPI."""
+    return False
+
+
+def mpi_threads_supported():
+    """False: tfreduce has no MPI."""
+    return False
+
+
+def gloo_built():
+    """False: the collectives are TensorFlow's, not Gloo's."""
+    return False
+
+
+def gloo_enabled():
+    """False: the collectives are TensorFlow's, not Gloo's."""
+    return False
+
+
+def nccl_built():
+    """0: Horovod's NCCL version number; tfreduce links none of its own."""
+    return 0
+
+
+def ccl_built():
+    """False: no oneCCL."""
+    return False
+
+
+def ddl_built():
+    """False: no IBM DDL."""
+    return False
+
+
+def cuda_built():
+    """bool: TensorFlow was built with CUDA."""
+    return tf.test.is_built_with_cuda()
+
+
+def rocm_built():
+    """bool: TensorFlow was built with ROCm."""
+    return tf.test.is_built_with_rocm()

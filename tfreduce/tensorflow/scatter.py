@@ -19,7 +19,7 @@ from tfreduce.collectives import all_gather, all_to_all, reduce_scatter
 from tfreduce.compression import Compression, as_compressor
 from tfreduce.primitives import scale_by_reciprocal
 from tfreduce.contract import shard_sizes
-from tfreduce.tensorflow.calls import differentiable, run_cached
+from tfreduce.tensorflow.calls import agree, differentiable, run_cached
 from tfreduce.tensorflow.ops import (Average, allgather, check_op, check_process_set,
                                      global_process_set, grouped_allgather)
 from tfreduce.tensorflow.process import cluster, device
@@ -157,7 +157,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
       ValueError: splits of the wrong length, that do not add up to the
         rows, or not known when built; a scalar; an unsupported process set.
     """
-    del name, ignore_name_scope
+    del ignore_name_scope
     check_process_set(process_set, "alltoall")
     tensor = tf.convert_to_tensor(tensor)
     found, place = cluster(), device()
@@ -181,8 +181,11 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     received = []
 
     def exchange(tensors):
+        # Each process sends its own splits: they are not compared.
+        agree(("alltoall", "splits" if counts is not None else "even"), tensors, rows_vary=True,
+              name=name)
         out = run_cached(("alltoall", None if counts is None else tuple(counts)), build,
-                         tensors, rows_vary=True)
+                         tensors, rows_vary=True, check=False)
         received[:] = out[1:]
         return out[:1]
 
