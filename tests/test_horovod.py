@@ -144,6 +144,19 @@ def test_calls_that_differ_between_ranks_raise_on_every_rank_and_the_next_call_w
             assert got[f"after_{name}"].tolist() == [1.0, 1.0], name
 
 
+@pytest.mark.parametrize("name", ["partial_tape", "partial_fit"])
+def test_local_layers_learn_from_their_own_rank_and_the_rest_is_reduced(ranks, name):
+    # Variables 0-1 (the first Dense layer) are local: each rank's own
+    # batches make them differ; variables 2-3 are reduced: identical.
+    for i in (0, 1):
+        assert not np.array_equal(ranks[0][f"{name}/{i}"], ranks[1][f"{name}/{i}"]), i
+    for i in (2, 3):
+        np.testing.assert_array_equal(ranks[0][f"{name}/{i}"], ranks[1][f"{name}/{i}"])
+    if name == "partial_tape":
+        for got in ranks:  # this rank's own gradient / 2 processes, exactly
+            assert float(got["local_grad_error"]) == 0.0
+
+
 def assert_equal_to_one_process(ranks, name, want, atol):
     weights, losses = want
     for r, got in enumerate(ranks):

@@ -187,6 +187,33 @@ def gradients(hvd, out):
     out["gathered_again"] = hvd.allgather(x).numpy()
 
 
+def local_layers(hvd, hvdk, out):
+    """Horovod's partial wrappers: a local first layer, trained on each rank's own batches."""
+    r = hvd.rank()
+    x, y = (part(a, r, hvd.size()) for a in data())
+    model = make_model(TAPE_SEED)  # the same first weights on every rank
+    optimizer = keras.optimizers.SGD(0.1)
+    for start in range(0, len(x), GLOBAL_BATCH // 2):
+        xb, yb = x[start:start + GLOBAL_BATCH // 2], y[start:start + GLOBAL_BATCH // 2]
+        with tf.GradientTape(persistent=True) as tape:
+            loss = loss_fn()(yb, model(xb))
+        own = tape.gradient(loss, model.trainable_variables)
+        partial = hvd.PartialDistributedGradientTape(tape, local_layers=[model.layers[0]])
+        local, reduced = partial.get_local_and_global_gradients(loss, model.trainable_variables)
+        # A local gradient is this rank's own, divided by the 2 processes.
+        out["local_grad_error"] = max(float(np.max(np.abs(g.numpy() - o.numpy() / 2)))
+                                      for (_, g), o in zip(local, own[:2]))
+        optimizer.apply_gradients([(g, v) for v, g in local + reduced])  # (source, grad) pairs
+    for i, v in enumerate(model.trainable_variables):
+        out[f"partial_tape/{i}"] = v.numpy()
+    model = make_model(FIT_SEED)
+    model.compile(loss=loss_fn(), optimizer=hvdk.PartialDistributedOptimizer(
+        keras.optimizers.Adam(0.01), local_layers=model.layers[0]))
+    model.fit(x, y, batch_size=GLOBAL_BATCH // 2, epochs=1, shuffle=False, verbose=0)
+    for i, v in enumerate(model.trainable_variables):
+        out[f"partial_fit/{i}"] = v.numpy()
+
+
 def mismatches(hvd, out):
     """Calls that differ between the ranks: an error on each, and the next call works."""
     r = hvd.rank()
@@ -312,6 +339,7 @@ def main(argv=None):
     semantics(hvd, out)
     gradients(hvd, out)
     mismatches(hvd, out)
+    local_layers(hvd, hvdk, out)
     fit(hvdk, out, "fit")
     fit(hvdk, out, "fp16", compression=hvd.Compression.fp16)
     fit(hvdk, out, "passes4", micro=4, backward_passes_per_step=4,

@@ -24,9 +24,10 @@ from tfreduce.tensorflow.process import (ccl_built, cross_rank, cross_size, cuda
                                          nccl_built, rank, rocm_built, shutdown, size)
 from tfreduce.tensorflow.scatter import alltoall, grouped_reducescatter, reducescatter
 from tfreduce.tensorflow.sync_batch_norm import SyncBatchNormalization
-from tfreduce.tensorflow.tape import DistributedGradientTape
+from tfreduce.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape
 
 __all__ = ["Adasum", "Average", "Compression", "DistributedGradientTape", "Max", "Min",
+           "PartialDistributedGradientTape",
            "ProcessSet", "Product", "Sum", "SyncBatchNormalization",
            "allgather", "allgather_object", "allreduce", "alltoall", "broadcast", "broadcast_",
            "broadcast_global_variables", "broadcast_object", "broadcast_variables",

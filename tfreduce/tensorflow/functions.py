@@ -42,6 +42,7 @@ def broadcast_object(obj, root_rank=0, session=None, name=None,
 
     Raises:
       ValueError: a session, a bad root_rank or process set.
+      RuntimeError: called in a graph (tf.function or tf.compat.v1).
     """
     del name
     _no_session(session, "broadcast_object")
@@ -61,6 +62,7 @@ def allgather_object(obj, session=None, name=None, process_set=global_process_se
 
     Raises:
       ValueError: a session or an unsupported process set.
+      RuntimeError: called in a graph (tf.function or tf.compat.v1).
     """
     del name
     _no_session(session, "allgather_object")
@@ -73,9 +75,14 @@ def allgather_object(obj, session=None, name=None, process_set=global_process_se
 
 
 def _no_session(session, where):
+    # Checked before anything is built: a process that built half of the
+    # exchange in a graph would draw collective keys its peers do not.
     if session is not None:
         raise ValueError(f"{where}: session={session!r}: pass no session (objects cross "
                          "eagerly, in TF2)")
+    if not tf.executing_eagerly():
+        raise RuntimeError(f"{where} runs eagerly only (a Python object crosses as its "
+                           "pickle): call it outside tf.function and tf.compat.v1 graphs")
 
 
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
@@ -96,7 +103,8 @@ def broadcast_global_variables(root_rank):
       the op that assigns them (run it on every process).
 
     Raises:
-      RuntimeError: in eager mode (TF2 has no global variables).
+      RuntimeError: in eager mode (TF2 has no global variables); with several
+        processes (a tf.compat.v1 graph's session cannot reach them yet).
     """
     if tf.executing_eagerly():
         raise RuntimeError(

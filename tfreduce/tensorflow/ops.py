@@ -398,6 +398,7 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     if not variables[0]:
         return
     found = cluster()
+    device()  # refuses a tf.compat.v1 graph
     if not tf.executing_eagerly():
         return broadcast_variables_multiworker(variables, found, root_rank=root_rank)
 

@@ -6,13 +6,17 @@ training loops.
 
 import dataclasses
 
+import keras
 import tensorflow as tf
 
 from tfreduce.compression import Compression, as_compressor
 from tfreduce.tensorflow.ops import (Average, check_op, check_process_set, global_process_set,
                                      grouped_allreduce)
+from tfreduce.tensorflow.process import cluster
+from tfreduce.tensorflow.wire import scale
 
-__all__ = ["DistributedGradientTape", "GradientReduction"]
+__all__ = ["DistributedGradientTape", "GradientReduction", "PartialDistributedGradientTape",
+           "local_layers_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +84,20 @@ class GradientReduction:
 class _DistributedGradientTape:
     """The wrapped tape, whose ``gradient`` all-reduces; every other attribute is the tape's."""
 
-    def __init__(self, tape, reduction):
+    def __init__(self, tape, reduction, scale_local_gradients):
         self._tape = tape
         self._reduction = reduction
+        self._scale_local = scale_local_gradients
+        self._local = set()  # ids of the sources whose gradients stay on this process
+
+    def register_local_source(self, source):
+        """Keeps the gradient of `source` (a variable) on this process: it is not all-reduced.
+
+        As in Horovod, it is divided by the number of processes when the tape
+        was made with scale_local_gradients=True (the default), so that the
+        local part of a model learns at the rate of the reduced part.
+        """
+        self._local.add(id(source))
 
     def __getattr__(self, name):
         return getattr(self._tape, name)
@@ -108,7 +123,30 @@ class _DistributedGradientTape:
             "unconnected_gradients": unconnected_gradients}
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
         flat = tf.nest.flatten(grads)
-        return tf.nest.pack_sequence_as(grads, self._reduction.reduce(flat))
+        local = [id(s) in self._local for s in tf.nest.flatten(sources)]
+        reduced = iter(self._reduction.reduce([g for g, mine in zip(flat, local) if not mine]))
+        size = cluster().num_workers
+        out = []
+        for g, mine in zip(flat, local):
+            if not mine:
+                out.append(next(reduced))
+            elif g is not None and self._scale_local and size > 1:
+                out.append(scale(g, 1.0 / size))
+            else:
+                out.append(g)
+        return tf.nest.pack_sequence_as(grads, out)
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None):
+        """Horovod's split of ``gradient``'s result: (local pairs, reduced pairs).
+
+        Returns:
+          (list of (source, gradient) of the registered local sources, list
+          of (source, gradient) of the others), in the order of sources.
+        """
+        grads = self.gradient(target, sources, output_gradients)
+        pairs = list(zip(sources, grads))
+        return ([p for p in pairs if id(p[0]) in self._local],
+                [p for p in pairs if id(p[0]) not in self._local])
 
 
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa: N802
@@ -141,8 +179,8 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa
         must be 0.
       groups: Horovod's fusion groups: must be None.
       process_set: global_process_set (the only one).
-      scale_local_gradients: accepted for Horovod's signature (no local
-        variables exist here).
+      scale_local_gradients: bool, divide the gradients of the sources
+        registered with ``register_local_source`` by the number of processes.
 
     Returns:
       a tape object with the tape's methods, ``gradient`` all-reducing.
@@ -151,10 +189,53 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa
       TypeError: gradtape is not a tf.GradientTape.
       ValueError: see ``GradientReduction.from_horovod``.
     """
-    del device_dense, device_sparse, scale_local_gradients
+    del device_dense, device_sparse
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError(f"DistributedGradientTape needs a tf.GradientTape, got "
                         f"{type(gradtape).__name__}")
     return _DistributedGradientTape(gradtape, GradientReduction.from_horovod(
         "DistributedGradientTape", compression, sparse_as_dense, op, gradient_predivide_factor,
-        num_groups, groups, process_set))
+        num_groups, groups, process_set), bool(scale_local_gradients))
+
+
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa: N802
+                                   compression=Compression.none, sparse_as_dense=False,
+                                   op=Average, gradient_predivide_factor=1.0, num_groups=0,
+                                   groups=None, process_set=global_process_set,
+                                   local_layers=None, scale_local_gradients=True):
+    """A DistributedGradientTape whose `local_layers` keep their gradients on each process.
+
+    Horovod's model parallelism within data parallelism: the trainable
+    variables of each layer in `local_layers` are registered as local
+    sources (``register_local_source``); the others are all-reduced.
+
+    Args:
+      local_layers: a keras Layer or a list of them, or None.
+      the others: as DistributedGradientTape.
+
+    Raises:
+      As DistributedGradientTape; TypeError: a local layer that is not a Keras layer.
+    """
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
+                                   sparse_as_dense, op, gradient_predivide_factor, num_groups,
+                                   groups, process_set, scale_local_gradients)
+    for layer in local_layers_of(local_layers, "PartialDistributedGradientTape"):
+        for variable in layer.trainable_weights:
+            tape.register_local_source(variable)
+    return tape
+
+
+def local_layers_of(local_layers, where):
+    """`local_layers` as a list of Keras layers.
+
+    Raises:
+      TypeError: an item that is not a keras.layers.Layer (named by position).
+    """
+    if local_layers is None:
+        return []
+    layers = list(local_layers) if isinstance(local_layers, (list, tuple)) else [local_layers]
+    for n, layer in enumerate(layers):
+        if not isinstance(layer, keras.layers.Layer):
+            raise TypeError(f"{where}: local_layers[{n}] must be a keras.layers.Layer, got "
+                            f"{type(layer).__name__}")
+    return layers

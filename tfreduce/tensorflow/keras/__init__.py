@@ -15,7 +15,7 @@ from tfreduce.compression import Compression
 from tfreduce.tensorflow import ops
 from tfreduce.tensorflow.keras import callbacks
 from tfreduce.tensorflow.keras.data import DistributedBatches
-from tfreduce.tensorflow.keras.optimizer import DistributedOptimizer
+from tfreduce.tensorflow.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from tfreduce.tensorflow.ops import (Average, Max, Min, ProcessSet, Product, Sum,
                                      global_process_set)
 from tfreduce.tensorflow.sync_batch_norm import SyncBatchNormalization
@@ -23,7 +23,7 @@ from tfreduce.tensorflow.process import (cross_rank, cross_size, init, is_initia
                                          local_rank, local_size, rank, shutdown, size)
 
 __all__ = ["Average", "Compression", "DistributedBatches", "DistributedOptimizer", "Max", "Min",
-           "ProcessSet", "Product", "Sum",
+           "PartialDistributedOptimizer", "ProcessSet", "Product", "Sum",
            "SyncBatchNormalization", "allgather",
            "allreduce", "broadcast", "broadcast_global_variables", "callbacks", "cross_rank",
            "cross_size", "global_process_set", "init", "is_initialized", "local_rank",

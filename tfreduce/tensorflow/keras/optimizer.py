@@ -11,9 +11,12 @@ import tensorflow as tf
 
 from tfreduce.compression import Compression
 from tfreduce.tensorflow.ops import Average, global_process_set
-from tfreduce.tensorflow.tape import GradientReduction
+from tfreduce.tensorflow.process import cluster
+from tfreduce.tensorflow.tape import GradientReduction, local_layers_of
+from tfreduce.tensorflow.wire import scale
 
-__all__ = ["DistributedOptimizer", "describe_optimizer", "own_sums"]
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "describe_optimizer",
+           "own_sums"]
 
 
 def _distributed_class(base):
@@ -29,8 +32,22 @@ def _distributed_class(base):
             self._tfreduce_passes = self.add_variable((), initializer="zeros", dtype="int64",
                                                       name="tfreduce_backward_passes")
 
+    def register_local_var(self, var):
+        # Horovod's: this variable's gradient stays on this process.
+        self._tfreduce_local.add(id(var))
+
     def reduce_and_apply(self, grads, variables):
-        return base.apply(self, self._tfreduce_reduction.reduce(grads), variables)
+        local = [id(v) in self._tfreduce_local for v in variables]
+        reduced = iter(self._tfreduce_reduction.reduce(
+            [g for g, mine in zip(grads, local) if not mine]))
+        factor = 1.0 / cluster().num_workers if self._tfreduce_scale_local else 1.0
+        out = []
+        for g, mine in zip(grads, local):
+            if not mine:
+                out.append(next(reduced))
+            else:
+                out.append(None if g is None else scale(g, factor))
+        return base.apply(self, out, variables)
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
@@ -58,6 +75,7 @@ def _distributed_class(base):
         tf.cond(tf.equal(count % passes, 0), update, lambda: tf.constant(False))
 
     return type(base.__name__, (base,), {"build": build, "apply": apply,
+                                         "register_local_var": register_local_var,
                                          "__module__": base.__module__})
 
 
@@ -104,7 +122,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
       num_groups: Horovod's number of fusion groups; must be 0.
       groups: Horovod's fusion groups; must be None.
       process_set: global_process_set (the only one).
-      scale_local_gradients: accepted for Horovod's signature.
+      scale_local_gradients: bool, divide the gradients of the variables
+        registered with ``register_local_var`` by the number of processes.
 
     Returns:
       the new optimizer.
@@ -115,7 +134,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
       ValueError: backward_passes_per_step < 1, an unsupported op, groups
         or process set.
     """
-    del device_dense, device_sparse, scale_local_gradients
+    del device_dense, device_sparse
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer needs a Keras 3 optimizer "
                         f"(keras.optimizers.Adam(...)), got {type(optimizer).__module__}."
@@ -140,6 +159,38 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     distributed._tfreduce_reduction = reduction
     distributed._tfreduce_passes_per_step = backward_passes_per_step
     distributed._tfreduce_average_aggregated = bool(average_aggregated_gradients)
+    distributed._tfreduce_local = set()  # ids of the variables registered as local
+    distributed._tfreduce_scale_local = bool(scale_local_gradients)
+    return distributed
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",  # noqa: N802
+                                compression=Compression.none, sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=Average,
+                                backward_passes_per_step=1, average_aggregated_gradients=False,
+                                groups=None, process_set=global_process_set, local_layers=None,
+                                scale_local_gradients=True):
+    """A DistributedOptimizer whose `local_layers` update from this process's gradients alone.
+
+    Horovod's model parallelism within data parallelism: the trainable
+    variables of each local layer are registered with
+    ``register_local_var`` (their gradients divided by the number of
+    processes when scale_local_gradients is True); the others are reduced.
+
+    Args:
+      local_layers: a keras Layer or a list of them, or None.
+      the others: as DistributedOptimizer.
+
+    Raises:
+      As DistributedOptimizer; TypeError: a local layer that is not a Keras layer.
+    """
+    distributed = DistributedOptimizer(
+        optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+        gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
+        0, groups, process_set, scale_local_gradients)
+    for layer in local_layers_of(local_layers, "PartialDistributedOptimizer"):
+        for variable in layer.trainable_weights:
+            distributed.register_local_var(variable)
     return distributed
 
 
