@@ -142,6 +142,11 @@ def test_calls_that_differ_between_ranks_raise_on_every_rank_and_the_next_call_w
                 rf"worker 1 \(127\.0\.0\.1:\d+\): {re.escape(call1)}",
                 str(got[f"mismatch_{name}"])), str(got[f"mismatch_{name}"])
             assert got[f"after_{name}"].tolist() == [1.0, 1.0], name
+        # Refused before a collective key is drawn: the next eager call pairs up.
+        assert str(got["v1_graph_error"]).startswith(
+            "tfreduce.tensorflow's collectives run eagerly or inside a tf.function: a "
+            "tf.compat.v1 graph and session cannot reach the other processes")
+        assert got["after_v1_graph"].tolist() == [1.0, 1.0]
 
 
 @pytest.mark.parametrize("name", ["partial_tape", "partial_fit"])

@@ -228,6 +228,12 @@ def mismatches(hvd, out):
         except tf.errors.FailedPreconditionError as e:  # Horovod's class for a mismatch
             out[f"mismatch_{name}"] = np.array(f"{type(e).__name__}: {e}")
         out[f"after_{name}"] = hvd.allreduce(tf.ones([2]) * r, op=hvd.Sum).numpy()
+    with tf.Graph().as_default():  # a tf.compat.v1 graph cannot reach the other processes
+        try:
+            hvd.allreduce(tf.ones([2]))
+        except RuntimeError as e:
+            out["v1_graph_error"] = np.array(str(e))
+    out["after_v1_graph"] = hvd.allreduce(tf.ones([2]) * r, op=hvd.Sum).numpy()
 
 
 def fit(hvdk, out, name, micro=1, dtype="float32", norm=None, hidden=8, **options):

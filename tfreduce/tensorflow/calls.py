@@ -9,8 +9,11 @@ Sources: Horovod's API (horovod.tensorflow.mpi_ops: the gradients
 registered for each collective).
 """
 
+import contextlib
+
 import tensorflow as tf
 
+from tfreduce.collective import CollectiveKeys
 from tfreduce.consistency import check_same_call
 from tfreduce.tensorflow.process import cluster, eager_functions
 
@@ -87,7 +90,41 @@ def agree(key, tensors, rows_vary=False, name=None):
     if not tf.executing_eagerly():
         return
     specs = [_spec(t, rows_vary) for t in tensors]
-    check_same_call(cluster(), _describe(key, tensors, specs, name), eager_functions())
+    functions = eager_functions()
+    check_same_call(cluster(), _describe(key, tensors, specs, name), functions)
+    number = functions.get(_AGREED, -1) + 1
+    functions[_AGREED] = number
+    # The keys of the functions this call traces (one block per call).
+    functions[_CALL_KEYS] = CollectiveKeys(
+        first_instance_key=_EAGER_KEYS + (number % _BLOCKS) * _KEYS_PER_CALL)
+
+
+# Eager calls trace their functions with keys of their own: a function first
+# traced at agreed call n draws its instance keys from _EAGER_KEYS + n *
+# _KEYS_PER_CALL (n counted alike on every process, by agree), so a process
+# whose earlier traces drew more keys than its peers' (an error raised
+# midway on one process, splits of its own) cannot shift any later call's
+# keys. The block sits above the cluster's own counter (from 2**30 + 1) and
+# below 2**31 (TF's keys are int32); after 2**21 calls the blocks come round.
+_AGREED = "agreed_calls"
+_CALL_KEYS = "call_keys"
+_EAGER_KEYS = 3 * 2 ** 29
+_KEYS_PER_CALL = 256
+_BLOCKS = 2 ** 21
+
+
+@contextlib.contextmanager
+def _keys_of_call(found, keys):
+    """The cluster hands out `keys` (the last agreed call's) while a function traces."""
+    if found.is_local or keys is None:
+        yield
+        return
+    own = found.keys
+    found.keys = keys
+    try:
+        yield
+    finally:
+        found.keys = own
 
 
 def run_cached(key, build, tensors, rows_vary=False, name=None, check=True):
@@ -116,7 +153,8 @@ def run_cached(key, build, tensors, rows_vary=False, name=None, check=True):
     functions = eager_functions()  # by what they do and their input signature
     if full not in functions:
         functions[full] = tf.function(build, input_signature=[specs], autograph=False)
-    return functions[full](tensors)
+    with _keys_of_call(cluster(), functions.get(_CALL_KEYS)):  # used if it traces now
+        return functions[full](tensors)
 
 
 def _describe(key, tensors, specs, name):

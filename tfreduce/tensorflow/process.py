@@ -154,7 +154,7 @@ def device():
         the other processes: build collectives eagerly or in a tf.function).
     """
     found = cluster()
-    if not found.is_local and not tf.compat.v1.executing_eagerly_outside_functions():
+    if not found.is_local and not tf.executing_eagerly() and not tf.inside_function():
         # Refused before any collective key is drawn: a process that built
         # part of a graph would otherwise draw keys its peers do not.
         raise RuntimeError(
