@@ -53,14 +53,13 @@ class TrainerCheckpoint:
         model, zero = towers.models[0], towers.zero
         self._options = options
         self._across = zero is not None and options.multiworker
-        self._received = None  # rank 0's whole optimizer state, read for scatter
         if zero is None:
             sizes = [int(v.shape.num_elements()) for v in towers.trainable[0]]
             optimizer_state = OptimizerState(towers.optimizers[:1], towers.trainable[:1],
                                              [[(0, size) for size in sizes]], towers.trainable[0])
         else:
             optimizer_state = OptimizerState(towers.optimizers, zero.pieces, zero.layout.pieces,
-                                             towers.trainable[0])
+                                             towers.trainable[0], across=self._across)
         self._optimizer_state = optimizer_state
         self._run = (options.total_towers, options.zero_stage)
         with tf.device("/device:CPU:0"):
@@ -163,34 +162,40 @@ class TrainerCheckpoint:
                  if name != "epoch_totals" or any(n.startswith("epoch_totals/") for n in names)}
         if "epoch_totals" not in parts:
             self._epoch_totals.assign(tf.zeros([3], tf.float64))
-        optimizer_state = parts.pop("optimizer_state")
         if not any(n.startswith("optimizer_state/") for n in names):
-            optimizer_state = None
+            parts.pop("optimizer_state")
             if self._legacy_optimizer is None:
                 raise ValueError(f"restore: checkpoint {prefix!r} keeps the optimizer in Keras' "
                                  f"layout; resume it with zero_stage=0 and save once")
             parts["optimizer"] = self._legacy_optimizer
         if "run_layout" not in {n.split("/")[0] for n in names}:
             parts.pop("run_layout")
-        same_towers = saved is None or saved[0] == self._run[0]
-        if same_towers:
-            parts.update(self._own_parts)
-        elif self._own_parts:
+        dropped = bool(self._own_parts) and saved is not None and saved[0] != self._run[0]
+        if dropped:
             _check_cycle_boundary(reader, names, prefix, saved[0])
             self._tower_state.reset()
+        else:
+            parts.update(self._own_parts)
         try:
-            tf.train.Checkpoint(**parts).restore(prefix).assert_existing_objects_matched()
-            if optimizer_state is not None:
-                self._received = optimizer_state.read(prefix, whole=self._across)
+            status = tf.train.Checkpoint(**parts).restore(prefix)
+            status.assert_existing_objects_matched()
+            if self._across and "optimizer_state" in parts:
+                self._optimizer_state.read_whole(prefix)
         except (AssertionError, tf.errors.NotFoundError) as error:
             raise ValueError(
                 f"restore: checkpoint {prefix!r} does not match this trainer's model: {error}"
             ) from None
+        if dropped:
+            # The saved towers' own state is left out on purpose (the line
+            # below says so); TensorFlow would report its values as lost.
+            status.expect_partial()
         self._run_layout.assign(self._run)
         if saved is not None and tuple(saved) != self._run:
+            restart = "; the towers' own state (accumulated gradients, PowerSGD's) restarts" \
+                if dropped else ""
             print(f"restore: {prefix} was saved at {saved[0]} towers with zero_stage "
-                  f"{saved[1]}; resuming at {self._run[0]} towers with zero_stage {self._run[1]}",
-                  file=sys.stderr)
+                  f"{saved[1]}; resuming at {self._run[0]} towers with zero_stage "
+                  f"{self._run[1]}{restart}", file=sys.stderr)
         if self._tower_state is not None:
             # A skip of the resumed cycle goes back to the restored state.
             self._tower_state.save_forward(always=True)
@@ -201,9 +206,8 @@ class TrainerCheckpoint:
         Called on every worker; the others do nothing.
         """
         if self._across:
-            self._optimizer_state.scatter(self._received, self._options.devices,
-                                          self._options.exact_reduction, self._options.cluster)
-        self._received = None
+            self._optimizer_state.scatter(self._options.devices, self._options.exact_reduction,
+                                          self._options.cluster)
 
 
 def _saved_run(reader, names):
