@@ -141,7 +141,8 @@ class TrainerCheckpoint:
         A checkpoint of another number of towers or zero_stage is read into
         this run's layout, and a line on stderr says what changed. The
         towers' own state (accumulated gradients, PowerSGD's) is kept only
-        at the same number of towers; at another, the run restarts it.
+        at the same number of towers and with the accumulation sums sharded
+        alike (zero_stage 2 or not); otherwise the run restarts it.
 
         Args:
           prefix: str, the checkpoint; "" on the workers of a cluster other
@@ -150,7 +151,8 @@ class TrainerCheckpoint:
         Raises:
           ValueError: the checkpoint does not match the objects (another
             model or optimizer); it was saved midway through an
-            accumulation cycle at another number of towers; it predates the
+            accumulation cycle at another number of towers, or sharded
+            otherwise (zero_stage 2 or not); it predates the
             layout and this run shards its optimizer state.
         """
         if not prefix:
@@ -170,9 +172,13 @@ class TrainerCheckpoint:
             parts["optimizer"] = self._legacy_optimizer
         if "run_layout" not in {n.split("/")[0] for n in names}:
             parts.pop("run_layout")
-        dropped = bool(self._own_parts) and saved is not None and saved[0] != self._run[0]
+        # The towers' own state is per tower, and sharded at stage 2: kept
+        # only in the layout it was saved in.
+        same_layout = saved is None or (saved[0] == self._run[0]
+                                        and (saved[1] == 2) == (self._run[1] == 2))
+        dropped = bool(self._own_parts) and not same_layout
         if dropped:
-            _check_cycle_boundary(reader, names, prefix, saved[0])
+            _check_cycle_boundary(reader, names, prefix, saved)
             self._tower_state.reset()
         else:
             parts.update(self._own_parts)
@@ -216,14 +222,16 @@ def _saved_run(reader, names):
     return tuple(int(v) for v in reader.get_tensor(key)) if key in names else None
 
 
-def _check_cycle_boundary(reader, names, prefix, towers):
-    """Raises ValueError if the checkpoint holds gradients accumulated at `towers` towers."""
+def _check_cycle_boundary(reader, names, prefix, saved):
+    """Raises ValueError if the checkpoint holds gradients accumulated in run layout `saved`."""
     key = "accumulated_examples/.ATTRIBUTES/VARIABLE_VALUE"
     if key in names and float(reader.get_tensor(key)) != 0.0:
+        towers, stage = saved
         raise ValueError(
             f"restore: {prefix} was saved midway through an accumulation cycle at {towers} "
-            f"towers, whose sums are per tower; resume it at {towers} towers, or from a "
-            f"checkpoint saved when the cycle ended")
+            f"towers with zero_stage {stage}, whose sums are per tower (sharded at stage 2); "
+            f"resume it at {towers} towers with zero_stage {stage}, or from a checkpoint "
+            f"saved when the cycle ended")
 
 
 def _first_non_finite(variables):
