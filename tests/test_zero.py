@@ -390,9 +390,17 @@ def test_bad_zero_stages_are_refused(kwargs, error, message):
                                            r"update is elementwise \(SGD, Adam, .*Ftrl\)"),
     (lambda: keras.optimizers.Lamb(), r"optimizer Lamb is not one"),
     (lambda: keras.optimizers.Adam(clipnorm=1.0), r"tower 0's optimizer has clipnorm=1.0, "
-                                                  r"which clips each variable's gradient"),
-    (lambda: keras.optimizers.SGD(global_clipnorm=2.0), r"global_clipnorm=2.0"),
-    (lambda: keras.optimizers.SGD(use_ema=True), r"use_ema=True"),
+                                                  r"which clips each variable's gradient by its "
+                                                  r"own norm; a tower holds a shard only: use "
+                                                  r"clipvalue \(it clips each element\), or "
+                                                  r"zero_stage=0$"),
+    (lambda: keras.optimizers.SGD(global_clipnorm=2.0), r"global_clipnorm=2.0, .*use clipvalue"),
+    # Once, its hint was clipnorm's, "use clipvalue".
+    (lambda: keras.optimizers.Adam(use_ema=True), r"tower 0's optimizer has use_ema=True, which "
+                                                  r"keeps a moving average of the weights it "
+                                                  r"updates, here the pieces; a tower holds a "
+                                                  r"shard only: use zero_stage=0, or "
+                                                  r"use_ema=False$"),
 ])
 def test_optimizers_that_need_whole_variables_are_refused(optimizer, message):
     with pytest.raises(ValueError, match=message):
