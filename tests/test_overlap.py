@@ -363,6 +363,98 @@ def test_a_timeline_without_a_profiled_step_or_in_another_format_is_refused(tmp_
                                          r"steps of a ReplicatedTrainer"):
         layer_seconds(compute, model)
     (tmp_path / "other.json").write_text('{"traceEvents": []}')
-    with pytest.raises(ValueError, match=r"other.json is not a timeline tfreduce wrote "
-                                         r"\(KeyError: 'otherData'\)"):
+    with pytest.raises(ValueError, match=r"other.json is not a timeline tfreduce wrote \(no "
+                                         r"traceEvents and otherData.source: KeyError: "
+                                         r"'otherData'\)"):
         Timeline.load(tmp_path / "other.json")
+
+
+def saved_trace(tmp_path, change=None, raw=None):
+    """The path of a saved timeline, its Chrome trace changed by ``change`` (or bytes ``raw``)."""
+    timeline = Timeline([Slice("tower 0", "tower0/d/MatMul", "MatMul", "forward", 0.0, 1e-3),
+                         Slice("host", "step 1", "step", "other", 0.0, 2e-3)], "measured")
+    path = tmp_path / "t.json"
+    if raw is not None:
+        path.write_bytes(raw)
+        return path
+    doc = timeline.to_chrome()
+    if change:
+        change(doc)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def matmul(doc):
+    """The event of the saved trace's forward op (traceEvents[6], after the step's)."""
+    (event,) = [e for e in doc["traceEvents"] if e["name"] == "tower0/d/MatMul"]
+    return event
+
+
+@pytest.mark.parametrize("case, message", [
+    # Once: bare KeyError: ('process_name', 0), KeyError: 7 and EOFError.
+    ("empty", "(JSONDecodeError: Expecting value: line 1 column 1 (char 0))"),
+    ("truncated", "(EOFError: Compressed file ended before the end-of-stream marker was "
+                  "reached)"),
+    ("no process", "(no process_name event)"),
+    ("unknown thread", "(traceEvents[6] is on thread 7, which no thread_name event names)"),
+    ("no args", "(traceEvents[6] has no 'args' field: {'name': 'tower0/d/MatMul', "),
+    ("negative duration", "(Timeline: slice 1 ('tower0/d/MatMul') starts at 0.0 s and lasts "
+                          "-0.001 s: both must be finite numbers, the duration >= 0)"),
+    ("unknown stage", "(Timeline: slice 1 has stage 'compute', not one of ('forward', "),
+])
+def test_timeline_load_refuses_an_empty_truncated_or_inconsistent_file(tmp_path, case, message):
+    whole = gzip.compress(saved_trace(tmp_path).read_bytes())
+    path = {
+        "empty": lambda: saved_trace(tmp_path, raw=b""),
+        "truncated": lambda: saved_trace(tmp_path, raw=whole[:len(whole) // 2]),
+        "no process": lambda: saved_trace(tmp_path, lambda doc: doc.update(traceEvents=[
+            e for e in doc["traceEvents"] if e["name"] != "process_name"])),
+        "unknown thread": lambda: saved_trace(tmp_path, lambda doc: matmul(doc).update(tid=7)),
+        "no args": lambda: saved_trace(tmp_path, lambda doc: matmul(doc).pop("args")),
+        "negative duration": lambda: saved_trace(tmp_path, lambda doc: matmul(doc).update(
+            dur=-1000)),
+        "unknown stage": lambda: saved_trace(tmp_path, lambda doc: matmul(doc).update(
+            cat="compute")),
+    }[case]()
+    with pytest.raises(ValueError) as info:
+        Timeline.load(path)
+    assert str(info.value).startswith(f"{path} is not a timeline tfreduce wrote {message}")
+
+
+def test_timeline_load_and_save_raise_os_errors_for_paths_that_are_no_file(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        Timeline.load(tmp_path / "missing.json")
+    with pytest.raises(IsADirectoryError):
+        Timeline.load(tmp_path)
+    with pytest.raises(IsADirectoryError, match=re.escape(
+            f"Timeline.save: {tmp_path} is a directory; give the path of a file (.json, "
+            f".json.gz or .png)")):
+        Timeline([], "measured").save(tmp_path)
+    # An empty timeline saves and loads; its chart is empty.
+    assert Timeline.load(Timeline([], "measured").save(tmp_path / "e.json.gz")).slices == []
+    assert (tmp_path / "e.png").exists() is False
+    Timeline([], "measured").save(tmp_path / "e.png")
+    assert (tmp_path / "e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, error, message", [
+    (dict(slices=None), TypeError, "Timeline: slices must be an iterable of "
+                                   "tfreduce.timeline.Slice, got NoneType None"),
+    (dict(slices=[("tower 0", "n")]), TypeError, "Timeline: slice 0 must be a "
+                                                 "tfreduce.timeline.Slice, got tuple"),
+    (dict(slices=[Slice("tower x", "n", "MatMul", "forward", 0, 1)]), ValueError,
+     "Timeline: slice 0 is on track 'tower x': a track is a str, \"tower <k>\" with k an int "
+     "for a tower"),
+    (dict(slices=[Slice("tower 0", "n", "MatMul", "forward", float("nan"), 1)]), ValueError,
+     "Timeline: slice 0 ('n') starts at nan s and lasts 1 s: both must be finite numbers, the "
+     "duration >= 0"),
+    (dict(source=None), TypeError, "Timeline: source must be a str, got NoneType None"),
+    (dict(layers={"tower0/d": -1}), ValueError, "Timeline: layers must map name scopes (str) to "
+                                                "layer indices (int >= 0), got 'tower0/d': -1"),
+])
+def test_a_timeline_refuses_slices_and_fields_it_cannot_show(args, error, message):
+    arguments = dict(slices=[], source="measured")
+    arguments.update(args)
+    with pytest.raises(error) as info:
+        Timeline(**arguments)
+    assert str(info.value).startswith(message)
