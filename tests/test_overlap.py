@@ -369,6 +369,69 @@ def test_a_timeline_without_a_profiled_step_or_in_another_format_is_refused(tmp_
         Timeline.load(tmp_path / "other.json")
 
 
+def two_layers():
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
+                             keras.layers.Dense(10)])
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    # Once -1, 0 and 2.5 predicted a compute of -8.6e-11 s or a step of
+    # -6912 s, and flops_per_s=0.0 raised a bare ZeroDivisionError.
+    (dict(batch_per_tower=-1), ValueError, "predict_step: batch_per_tower must be an int >= 1, "
+                                           "got -1"),
+    (dict(batch_per_tower=0), ValueError, "batch_per_tower must be an int >= 1, got 0"),
+    (dict(batch_per_tower=2.5), TypeError, "predict_step: batch_per_tower must be an int >= 1, "
+                                           "got float 2.5"),
+    (dict(batch_per_tower=True), TypeError, "batch_per_tower must be an int >= 1, got bool True"),
+    (dict(flops_per_s=-1.0), ValueError, "predict_step: flops_per_s must be a finite number of "
+                                         "FLOP/s > 0, or None (the topology's published rate), "
+                                         "got -1.0"),
+    (dict(flops_per_s=0.0), ValueError, "flops_per_s must be a finite number of FLOP/s > 0, or "
+                                        "None (the topology's published rate), got 0.0"),
+    (dict(flops_per_s=float("nan")), ValueError, "got nan"),
+    (dict(flops_per_s="1e12"), TypeError, "published rate), got str '1e12'"),
+    (dict(num_towers=0), ValueError, "predict_step: num_towers must be an int >= 1, got 0"),
+    (dict(num_towers=9), ValueError, "predict_step: num_towers=9, but topology 'dgx1-v100' has "
+                                     "8 devices: ask for at most that many, or use a topology "
+                                     "of more (tfreduce.Topology.cluster)"),
+    (dict(topology=None), TypeError, 'topology must be a tfreduce.Topology, a preset name or '
+                                     '"host", got NoneType None'),
+    (dict(reduction=42), TypeError, "predict_step: reduction must be a tfreduce.Reduction or an "
+                                    "algorithm name, got int 42"),
+    (dict(compute=42, flops_per_s=None), TypeError,
+     "predict_step: compute must be a tfreduce.timeline.Timeline or the path of its saved file, "
+     "got int 42"),
+    (dict(model="resnet"), TypeError, "predict_step: model must be a built keras.Model, got str "
+                                      "'resnet'"),
+])
+def test_predict_step_refuses_what_it_cannot_predict(kwargs, error, message):
+    arguments = dict(model=two_layers(), batch_per_tower=32, topology="dgx1-v100", num_towers=8,
+                     flops_per_s=1e12)
+    arguments.update(kwargs)
+    with pytest.raises(error) as info:
+        tfreduce.predict_step(**arguments)
+    assert message in str(info.value)
+
+
+def test_predict_step_asks_for_a_model_built_on_its_first_batch_to_be_built():
+    # Once it said "has no trainable variable to reduce".
+    lazy = keras.Sequential([keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)],
+                            name="lazy")
+    with pytest.raises(ValueError) as info:
+        tfreduce.predict_step(lazy, 32, "dgx1-v100", num_towers=4)
+    assert str(info.value) == (
+        "predict_step: model 'lazy' is not built yet (Keras builds a model without an Input on "
+        "its first batch, and the prediction needs its variables and each layer's output "
+        "shape): build it first, model.build((None, *input_shape)), or start it with "
+        "keras.Input(input_shape)")
+    lazy.build((None, 64))
+    built = tfreduce.predict_step(lazy, 32, "dgx1-v100", num_towers=4)
+    assert built.compute_seconds == pytest.approx(tfreduce.predict_step(
+        two_layers(), 32, "dgx1-v100", num_towers=4).compute_seconds)
+    assert built.compute_seconds == pytest.approx(
+        3 * 2 * (64 * 128 + 128 * 10) * 32 / tfreduce.stepmodel.SUSTAINED_FLOPS["dgx1-v100"])
+
+
 def saved_trace(tmp_path, change=None, raw=None):
     """The path of a saved timeline, its Chrome trace changed by ``change`` (or bytes ``raw``)."""
     timeline = Timeline([Slice("tower 0", "tower0/d/MatMul", "MatMul", "forward", 0.0, 1e-3),
