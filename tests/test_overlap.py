@@ -19,6 +19,7 @@ import tfreduce
 from helpers import CPU_DEVICES, GPU_DEVICES, placeholders
 from test_trainer import LOSS, sgd
 from tfreduce.bench.overlap_mode import _AfterEveryGradient
+from tfreduce.profiler import architecture
 from tfreduce.stepmodel import layer_flops, layer_seconds
 from tfreduce.timeline import COMMUNICATION, STAGES, Slice, Timeline, stage_of
 from tfreduce.trainer import ReplicatedTrainer
@@ -207,9 +208,14 @@ def predicted_from_the_measured_compute(models, path, slices, tracks):
     # A model built alike in another process (other layer names) reads it.
     again = tfreduce.predict_step(wide_mlp(), 32, "dgx1-v100", num_towers=4, compute=path)
     assert again.ready == pytest.approx(step.ready)
-    with pytest.raises(ValueError, match=r"the timeline has layer 4 but model '\w+' has 1 "
-                                         r"layers: pass the model the steps trained"):
-        layer_seconds(loaded, keras.Sequential([keras.Input((64,)), keras.layers.Dense(2)]))
+    # Another model: its first layer's variables differ.
+    other = keras.Sequential([keras.Input((64,)), keras.layers.Dense(2)], name="other")
+    with pytest.raises(ValueError, match=re.escape(
+            "the measured timeline's steps trained another model than 'other': layer 0 is "
+            "Dense with variables [(64, 256), (256,)] there and Dense with variables [(64, 2), "
+            "(2,)] here (5 layers there, 1 here): pass the model the steps trained, or one "
+            "built alike")):
+        layer_seconds(loaded, other)
 
 
 @pytest.mark.parametrize("steps, logdir, error, message", [
@@ -369,9 +375,63 @@ def test_a_timeline_without_a_profiled_step_or_in_another_format_is_refused(tmp_
         Timeline.load(tmp_path / "other.json")
 
 
+def profiled(model, name="tower0/model"):
+    """A measured Timeline of one step of ``model`` on tower 0, as a profiled fit reads it.
+
+    Each layer takes 1 ms forward and 2 ms backward.
+    """
+    ms = 1e-3
+    slices, layers, now = [Slice("host", "step 1", "step", "other", 0.0, 1.0)], {}, 0.0
+    for i, layer in enumerate(model.layers):
+        layers[f"{name}/{layer.name}"] = i
+        slices.append(Slice("tower 0", f"{name}/{layer.name}/MatMul", "MatMul", "forward",
+                            now, 1 * ms))
+        now += 1 * ms
+    for layer in model.layers[::-1]:
+        slices.append(Slice("tower 0", f"gradient_tape/{name}/{layer.name}/MatMul", "MatMul",
+                            "backward", now, 2 * ms))
+        now += 2 * ms
+    return Timeline(slices, "measured", layers=layers, architecture=architecture(model))
+
+
 def two_layers():
     return keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
                              keras.layers.Dense(10)])
+
+
+def test_a_timeline_predicts_the_model_it_profiled_and_refuses_another():
+    model = two_layers()
+    step = tfreduce.predict_step(model, 32, "dgx1-v100", num_towers=4, compute=profiled(model))
+    assert step.compute_seconds == pytest.approx(2 * 3e-3)
+    # Built alike (other layer names): the same layers, the same times.
+    again = tfreduce.predict_step(two_layers(), 32, "dgx1-v100", num_towers=4,
+                                  compute=profiled(model))
+    assert again.ready == pytest.approx(step.ready)
+    # Once, the profile of Dense(3) predicted this model without a word:
+    # its first layer took the profiled layer's time, the others none.
+    small = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    big = keras.Sequential([keras.Input((64,)), keras.layers.Dense(512), keras.layers.Dense(512),
+                            keras.layers.Dense(2)], name="big")
+    with pytest.raises(ValueError) as info:
+        tfreduce.predict_step(big, 32, "dgx1-v100", num_towers=4, compute=profiled(small))
+    assert str(info.value) == (
+        "the measured timeline's steps trained another model than 'big': layer 0 is Dense "
+        "with variables [(4, 3), (3,)] there and Dense with variables [(64, 512), (512,)] here "
+        "(1 layers there, 3 here): pass the model the steps trained, or one built alike")
+    # The same layers, one more: the first difference is the missing one.
+    deeper = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128),
+                               keras.layers.Dense(10), keras.layers.Dense(10)], name="deeper")
+    with pytest.raises(ValueError, match=re.escape(
+            "layer 2 is missing there and Dense with variables [(10, 10), (10,)] here (2 layers "
+            "there, 3 here)")):
+        layer_seconds(profiled(model), deeper)
+    # A timeline saved before it kept the layers' variables: only the
+    # layer indices can be checked.
+    old = profiled(big)
+    old.architecture = []
+    with pytest.raises(ValueError, match=r"the timeline has layer 2 but model '\w+' has 2 "
+                                         r"layers: pass the model the steps trained"):
+        layer_seconds(old, two_layers())
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

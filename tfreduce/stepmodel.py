@@ -44,6 +44,7 @@ import os
 import tensorflow as tf
 
 from tfreduce.costmodel import predict
+from tfreduce.profiler import architecture
 from tfreduce.reduction import Reduction
 from tfreduce.timeline import Slice, Timeline
 from tfreduce.topology import check_topology
@@ -147,8 +148,10 @@ def layer_seconds(timeline, model):
 
     Raises:
       ValueError: the timeline has no profiled step, no forward or
-        backward op on a tower track, no layer scope, or a layer index
-        ``model`` does not have.
+        backward op on a tower track, no layer scope; its steps trained
+        another model (layer classes and variable shapes differ; in a
+        timeline saved without them, a layer index ``model`` does not
+        have).
     """
     timeline = _as_timeline(timeline, "layer_seconds: timeline")
     steps = sum(1 for s in timeline.slices if s.op_type == "step")
@@ -159,10 +162,7 @@ def layer_seconds(timeline, model):
                          f"{len(towers)} tower track(s) with forward or backward ops and "
                          f"{len(timeline.layers)} layer scope(s): predict_step needs the "
                          f"profiled steps of a ReplicatedTrainer (fit(profile_steps=))")
-    deepest = max(timeline.layers.values())
-    if deepest >= len(model.layers):
-        raise ValueError(f"the timeline has layer {deepest} but model {model.name!r} has "
-                         f"{len(model.layers)} layers: pass the model the steps trained")
+    _check_same_model(timeline, model)
     totals = collections.defaultdict(lambda: [0.0, 0.0])
     for ops in _tower_steps(timeline, towers, ("forward", "backward")).values():
         # Stretched to the tower's span: the executor's time between its
@@ -188,6 +188,34 @@ def _as_timeline(value, argument):
         return Timeline.load(value)
     raise TypeError(f"{argument} must be a tfreduce.timeline.Timeline or the path of its saved "
                     f"file, got {type(value).__name__} {value!r:.80}")
+
+
+def _check_same_model(timeline, model):
+    # Raises ValueError unless model is the one the timeline's steps trained
+    # (or one built alike): layer by layer, its class and variable shapes.
+    theirs, mine = timeline.architecture, architecture(model)
+    if not theirs:
+        # Saved without them: only the layer indices can be checked.
+        deepest = max(timeline.layers.values())
+        if deepest >= len(model.layers):
+            raise ValueError(f"the timeline has layer {deepest} but model {model.name!r} has "
+                             f"{len(model.layers)} layers: pass the model the steps trained")
+        return
+    if theirs == mine:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(theirs, mine)) if a != b),
+             min(len(theirs), len(mine)))
+    raise ValueError(f"the {timeline.source} timeline's steps trained another model than "
+                     f"{model.name!r}: layer {i} is {_described(theirs, i)} there and "
+                     f"{_described(mine, i)} here ({len(theirs)} layers there, {len(mine)} "
+                     f"here): pass the model the steps trained, or one built alike")
+
+
+def _described(layers, i):
+    if i >= len(layers):
+        return "missing"
+    name, shapes = layers[i]
+    return f"{name} with variables {[tuple(shape) for shape in shapes]}"
 
 
 def _tower_steps(timeline, towers, stages):
