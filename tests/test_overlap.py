@@ -9,6 +9,7 @@ produced them.
 import gzip
 import json
 import re
+import warnings
 
 import keras
 import numpy as np
@@ -216,6 +217,36 @@ def predicted_from_the_measured_compute(models, path, slices, tracks):
             "(2,)] here (5 layers there, 1 here): pass the model the steps trained, or one "
             "built alike")):
         layer_seconds(loaded, other)
+
+
+def test_a_profile_window_the_run_does_not_reach_is_said_before_the_first_step(tmp_path):
+    # Once, fit(profile_steps=(50, 60)) on a 4-step run wrote nothing and
+    # said nothing. Raised here (warnings as errors): no step has run.
+    trainer = ReplicatedTrainer(deep_mlp, LOSS, sgd, devices=CPU_DEVICES[:2])
+    x, y = np.zeros((8, 8), np.float32), np.zeros(8, np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning) as info:
+            trainer.fit(x, y, epochs=2, batch_size=4, verbose=0, logdir=str(tmp_path),
+                        profile_steps=(50, 60))
+    assert str(info.value) == ("fit(profile_steps=(50, 60)): this run trains steps 1..4, none "
+                               "in the window: no timeline is written")
+    assert trainer.step == 0
+
+
+@pytest.mark.slow
+def test_a_run_outside_its_profile_window_trains_writes_no_timeline_and_says_why(tmp_path):
+    trainer = ReplicatedTrainer(deep_mlp, LOSS, sgd, devices=CPU_DEVICES[:2])
+    x, y = np.zeros((8, 8), np.float32), np.zeros(8, np.int64)
+    for runs in ("trains steps 1..4", "trains no step (the step counter is at 4 of 4)"):
+        with pytest.warns(UserWarning) as record:
+            trainer.fit(x, y, epochs=2, batch_size=4, verbose=0, logdir=str(tmp_path),
+                        profile_steps=(50, 60))
+        assert [str(w.message) for w in record] == [
+            f"fit(profile_steps=(50, 60)): this run {runs}, none in the window: no timeline "
+            f"is written"]
+        assert record[0].filename == __file__  # the line that called fit
+    assert trainer.step == 4 and not list(tmp_path.glob("timeline*"))
 
 
 @pytest.mark.parametrize("steps, logdir, error, message", [

@@ -123,6 +123,7 @@ def fit_loop(
     # Every worker profiles its own towers, into the one logdir.
     profiled = ProfiledSteps(check_profile_steps(profile_steps, logdir), logdir,
                              trainer.devices, hooks.graphs, trainer.models, hooks.rank)
+    profiled.check_window(trainer.step + 1, epochs * steps_per_epoch)
     if not trainer.is_chief:
         # Rank 0 writes and reports for the whole cluster; the others' saves
         # write nothing (with ZeRO their shards are gathered for rank 0's).

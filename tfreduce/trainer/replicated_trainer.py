@@ -313,6 +313,8 @@ class ReplicatedTrainer:
           profile_steps: None, or steps (a, b) (1-based, as Keras'
             profile_batch) to run under TF's profiler; writes
             logdir/timeline.json.gz (Chrome trace) and .png (trainer/profiling.py).
+            A window the run does not reach is said with a UserWarning
+            before the first step.
 
         Returns:
           dict of lists, one entry per epoch run by this call: "epoch",
