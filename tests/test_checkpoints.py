@@ -179,6 +179,26 @@ def test_a_damaged_named_checkpoint_is_an_error(three_checkpoints):
         restored(prefix)
 
 
+@pytest.mark.parametrize("layer, what", [
+    (keras.layers.Dense(5, kernel_initializer="ones"), "incompatible tensor with shape (4, 3)"),
+    (keras.layers.Dense(3, dtype="float64"), "expected dtype double does not equal original "
+                                             "dtype float"),
+])
+def test_a_checkpoint_of_another_model_is_a_value_error_saying_so(three_checkpoints, layer,
+                                                                   what):
+    # Once a bare TensorFlow ValueError or InvalidArgumentError.
+    _, path, _ = three_checkpoints
+    other = ReplicatedTrainer(lambda: keras.Sequential([keras.Input((4,)), layer.from_config(
+        layer.get_config())]), "mse", lambda: keras.optimizers.SGD(0.01),
+        devices=CPU_DEVICES[:2], cluster=None)
+    with pytest.raises(ValueError) as info:
+        other.restore(path)
+    assert str(info.value).startswith(
+        f"restore: checkpoint {os.path.join(path, 'ckpt-3')!r} does not match this trainer's "
+        f"model: ")
+    assert what in str(info.value)
+
+
 def test_orphans_of_a_killed_save_are_removed_by_the_next(three_checkpoints):
     t, path, _ = three_checkpoints
     orphan = os.path.join(path, "ckpt-4_temp")

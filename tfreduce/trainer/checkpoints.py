@@ -187,10 +187,14 @@ class TrainerCheckpoint:
             status.assert_existing_objects_matched()
             if self._across and "optimizer_state" in parts:
                 self._optimizer_state.read_whole(prefix)
-        except (AssertionError, tf.errors.NotFoundError) as error:
+        # Another model: objects left unmatched (AssertionError), entries
+        # missing (NotFoundError), shapes (ValueError) or dtypes
+        # (InvalidArgumentError) that differ.
+        except (AssertionError, ValueError, tf.errors.NotFoundError,
+                tf.errors.InvalidArgumentError) as error:
             raise ValueError(
-                f"restore: checkpoint {prefix!r} does not match this trainer's model: {error}"
-            ) from None
+                f"restore: checkpoint {prefix!r} does not match this trainer's model: "
+                f"{str(error).strip()}") from None
         if dropped:
             # The saved towers' own state is left out on purpose (the line
             # below says so); TensorFlow would report its values as lost.

@@ -80,8 +80,11 @@ class OptimizerState(tf.__internal__.tracking.Trackable):
             size = self._sizes[pieces[0][0]]
             if size:  # a variable of no elements has no entry
                 spec = f"{size} 0,{size}"
+                # On its variables' task: TensorFlow restores the tensors of one
+                # task eagerly, of several inside a tf.function.
                 out[key] = {spec: SaveSpec(lambda key=key: self._joined(key), spec, key,
-                                           dtype=pieces[0][1].dtype, device="/device:CPU:0")}
+                                           dtype=pieces[0][1].dtype,
+                                           device=_device(pieces[0][1]))}
         return out
 
     def _joined(self, key):
@@ -196,6 +199,11 @@ class OptimizerState(tf.__internal__.tracking.Trackable):
         """Every optimizer variable this state writes or reads."""
         found = [v for vs in self._scalars.values() for v in vs]
         return found + [v for pieces in self._slots.values() for _, v, _ in pieces]
+
+
+def _device(variable):
+    """The device of a Keras variable (its TensorFlow variable's)."""
+    return getattr(variable, "value", variable).device
 
 
 def _owner(variable, references):
