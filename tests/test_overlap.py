@@ -219,6 +219,20 @@ def predicted_from_the_measured_compute(models, path, slices, tracks):
         layer_seconds(loaded, other)
 
 
+@pytest.mark.slow
+def test_a_model_without_an_input_is_profiled_once_its_first_batch_built_it(tmp_path):
+    def lazy():
+        return keras.Sequential([keras.layers.Dense(16, activation="relu"),
+                                 keras.layers.Dense(4)])
+
+    trainer = ReplicatedTrainer(lazy, LOSS, sgd, devices=CPU_DEVICES[:2])
+    x, y = np.zeros((8, 8), np.float32), np.zeros(8, np.int64)
+    trainer.fit(x, y, batch_size=4, verbose=0, logdir=str(tmp_path), profile_steps=(1, 1))
+    timeline = Timeline.load(tmp_path / "timeline.json.gz")
+    assert timeline.architecture == [["Dense", [[8, 16], [16]]], ["Dense", [[16, 4], [4]]]]
+    assert sorted(set(timeline.layers.values())) == [0, 1]
+
+
 def test_a_profile_window_the_run_does_not_reach_is_said_before_the_first_step(tmp_path):
     # Once, fit(profile_steps=(50, 60)) on a 4-step run wrote nothing and
     # said nothing. Raised here (warnings as errors): no step has run.

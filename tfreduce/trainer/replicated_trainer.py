@@ -332,7 +332,9 @@ class ReplicatedTrainer:
             run_step=lambda x_batch, y_batch: self._run_train_step(x_batch, y_batch),
             stop=self._stop, epoch_totals=self._epoch_totals,
             reports_skipped=self._options.on_nonfinite == "skip", finish=self._cluster.finish,
-            graphs=self._steps.graphs, rank=self._cluster.rank)
+            # The step's graphs once it is built: a model without an Input
+            # is built on fit's first batch.
+            graphs=lambda: self._steps.graphs(), rank=self._cluster.rank)
         return fit_loop(
             self, hooks, x, y, self._options.total_towers, epochs=epochs, batch_size=batch_size,
             shuffle=shuffle, seed=seed, validation_data=validation_data, logdir=logdir,
