@@ -129,7 +129,7 @@ def fit_loop(
         # write nothing (with ZeRO their shards are gathered for rank 0's).
         logdir, verbose = None, 0
     check_fit_arguments(epochs, validation_data, checkpoint_dir if trainer.is_chief else None,
-                        verbose)
+                        verbose, logdir)
     if verbose == 1 and not sys.stdout.isatty():
         # A bar redrawn with \r and ANSI codes is noise in a file or a pipe
         # (a log, the launcher's prefixed lines): one line per epoch there.
