@@ -395,6 +395,13 @@ def test_layer_flops_and_the_rate_a_topology_needs():
     assert layer_flops(norm) == 0 and layer_flops(pool) == 0
     assert layer_flops(depthwise) == 2 * 14 * 14 * 8 * 3 * 3
     assert layer_flops(dense) == 2 * 8 * 5
+    # Once a bare TypeError (an int times None).
+    open_ended = keras.Sequential([keras.Input((None, None, 3)), keras.layers.Conv2D(8, 3)])
+    with pytest.raises(ValueError, match=re.escape(
+            f"layer {open_ended.layers[0].name!r} has output shape (None, None, None, 8), whose "
+            f"sizes are not all known: build the model on an Input of known shape "
+            f"(keras.Input((224, 224, 3)), not (None, None, 3))")):
+        tfreduce.predict_step(open_ended, 8, "dgx1-v100", num_towers=2)
     with pytest.raises(ValueError, match=r"predict_step needs flops_per_s or a measured "
                                          r"compute timeline for topology 'pcie3x8': only "
                                          r"\['dgx-a100', 'dgx1-v100'\] have a published estimate"):

@@ -95,7 +95,8 @@ def layer_flops(layer):
     are 0. A layer inside a nested model counts through that model.
 
     Raises:
-      ValueError: the layer is not built into a model (no output shape).
+      ValueError: the layer is not built into a model (no output shape), or
+        its output's sizes beyond the batch are not all known.
     """
     import keras
 
@@ -109,6 +110,10 @@ def layer_flops(layer):
     except (AttributeError, ValueError) as error:
         raise ValueError(f"layer {layer.name!r} has no output shape: build the model on an "
                          f"Input of known shape ({error})") from None
+    if any(size is None for size in out[1:]):
+        raise ValueError(f"layer {layer.name!r} has output shape {tuple(out)}, whose sizes "
+                         f"are not all known: build the model on an Input of known shape "
+                         f"(keras.Input((224, 224, 3)), not (None, None, 3))")
     kernel = layer.kernel.shape
     if isinstance(layer, keras.layers.Dense):
         # kernel [in, units]; one product per output element and input.
