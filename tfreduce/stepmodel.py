@@ -43,6 +43,7 @@ import os
 
 import tensorflow as tf
 
+from tfreduce.contract import is_int
 from tfreduce.costmodel import predict
 from tfreduce.profiler import architecture
 from tfreduce.reduction import Reduction
@@ -308,12 +309,12 @@ def predict_step(model, batch_per_tower, topology, num_towers=8, reduction="auto
       OSError: compute names a file that cannot be read.
       ValueError: batch_per_tower or num_towers < 1, flops_per_s not
         finite and > 0, more towers than the topology has devices, an
-        unknown preset or algorithm; no flops_per_s and no compute for a topology
-        without a published rate, both flops_per_s and compute; a model
-        not built yet (a model without an Input is built on its first
-        batch), with no trainable variable, or a layer without an output
-        shape; layer_seconds' errors (a timeline of another model) and
-        predict's.
+        unknown preset or algorithm; no flops_per_s and no compute for a
+        topology without a published rate, both flops_per_s and compute;
+        a model not built yet (a model without an Input is built on its
+        first batch), with no trainable variable, or a layer without an
+        output shape of known sizes; layer_seconds' errors (a timeline of
+        another model) and predict's.
     """
     _check_step_arguments(model, batch_per_tower, num_towers, flops_per_s)
     topology = check_topology(topology)
@@ -372,7 +373,7 @@ def _check_step_arguments(model, batch_per_tower, num_towers, flops_per_s):
         raise TypeError(f"predict_step: model must be a built keras.Model, got "
                         f"{type(model).__name__} {model!r:.80}")
     for name, value in (("batch_per_tower", batch_per_tower), ("num_towers", num_towers)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if not is_int(value):
             raise TypeError(f"predict_step: {name} must be an int >= 1, got "
                             f"{type(value).__name__} {value!r}")
         if value < 1:

@@ -137,8 +137,9 @@ class Timeline:
                 raise TypeError(f"Timeline: {name} must be a str, got {type(value).__name__} "
                                 f"{value!r:.80}")
         if origin is not None and not _finite(origin):
-            raise TypeError(f"Timeline: origin must be None or a finite number of seconds, got "
-                            f"{origin!r}")
+            error = ValueError if isinstance(origin, numbers.Real) else TypeError
+            raise error(f"Timeline: origin must be None or a finite number of seconds, got "
+                        f"{origin!r}")
         if layers is not None and not isinstance(layers, dict):
             raise TypeError(f"Timeline: layers must be None or a dict {{name scope: layer "
                             f"index}}, got {type(layers).__name__} {layers!r:.80}")
@@ -237,7 +238,7 @@ class Timeline:
         # ValueError.
         except (ValueError, EOFError, gzip.BadGzipFile, zlib.error) as error:
             raise ValueError(f"{where} is not a timeline tfreduce wrote "
-                             f"({type(error).__name__}: {error or 'empty or truncated'})"
+                             f"({type(error).__name__}: {str(error) or 'empty or truncated'})"
                              ) from None
         try:
             return cls._from_chrome(doc)

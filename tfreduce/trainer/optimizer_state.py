@@ -13,7 +13,9 @@ whole, from tower 0, under ``<i>_<name>``, and read into every optimizer.
 
 Both go through tf.train.Checkpoint (``_serialize_to_tensors`` and
 ``_restore_from_tensors``), so the checkpoint's object graph accounts for
-every value: TensorFlow reports nothing left unrestored. Each key is one
+every value: TensorFlow reports nothing left unrestored (across workers,
+rank 0 reads the slots itself, ``read_whole``, and sends each tower its
+ranges, ``scatter``). Each key is one
 slice, the whole tensor ("<size> 0,<size>"): TensorFlow's restore of an
 object's tensors pairs one slice with each key and mislabels the others.
 Checkpoints written in pieces (one slice per tower, before) read back
