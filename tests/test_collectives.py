@@ -189,6 +189,25 @@ def test_all_to_all_with_uneven_splits(runner, algorithm):
           [d.replace("/device", "") for d in CPU_DEVICES[:3]])
 
 
+def test_numpy_integers_are_groups_roots_and_splits_like_ints():
+    # np.array_split sizes and argmax give NumPy integers: once, splits,
+    # root and groups refused them as "not ints".
+    rng = np.random.default_rng(4)
+    splits = [list(np.array([0, 2, 1])), list(np.array([3, 0, 0])), list(np.array([1, 1, 1]))]
+    arrays = [[values(rng, (sum(s), 2), np.float32)] for s in splits]
+    got, got_devices = run(run_in_function, "all_to_all", arrays, CPU_DEVICES[:3], "flat",
+                           splits=splits)
+    check(got, got_devices, expected("all_to_all", arrays, [[0, 1, 2]],
+                                     splits=[[int(c) for c in s] for s in splits]),
+          [d.replace("/device", "") for d in CPU_DEVICES[:3]])
+    arrays = [[values(rng, (3, 2), np.float32)] for _ in range(4)]
+    groups = [list(np.arange(2)), list(np.arange(2, 4))]
+    got, got_devices = run(run_in_function, "reduce", arrays, CPU_DEVICES[:4], "ring",
+                           groups=groups, root=np.int64(1))
+    check(got, got_devices, expected("reduce", arrays, [[0, 1], [2, 3]], root=1),
+          ["CPU:1", "CPU:3"])
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_all_gather_of_reduce_scatter_is_the_all_reduce(algorithm):
     devices = CPU_DEVICES[:3]

@@ -176,12 +176,17 @@ def test_a_dtype_the_engine_cannot_sum_is_named(algorithm, dtype):
     ({"validation_data": (np.zeros((4, 3)), np.zeros((3, 2)))},
      "fit: validation_data: x has 4 examples but y has 3"),
     ({"checkpoint_dir": "FILE/ckpt"}, "fit: checkpoint_dir"),
+    # Once TensorFlow's bare FailedPreconditionError ("Not a directory").
+    ({"logdir": "FILE"}, "fit: logdir 'FILE' is a file: TensorBoard's summaries (and a "
+                         "profile's timeline) are written in a directory"),
 ])
 def test_fit_refuses_bad_arguments_before_the_first_step(tmp_path, kwargs, message):
     blocker = tmp_path / "file"
     blocker.write_text("in the way")
     if kwargs.get("checkpoint_dir") == "FILE/ckpt":
         kwargs = {"checkpoint_dir": str(blocker / "ckpt")}
+    if kwargs.get("logdir") == "FILE":
+        kwargs, message = {"logdir": str(blocker)}, message.replace("FILE", str(blocker))
     trainer = tfreduce.ReplicatedTrainer(make_model, "mse", lambda: keras.optimizers.SGD(0.1),
                                          devices=CPU_DEVICES[:2], cluster=None)
     x, y = np.zeros((8, 3), np.float32), np.zeros((8, 2), np.float32)

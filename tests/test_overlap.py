@@ -9,6 +9,7 @@ produced them.
 import gzip
 import json
 import re
+import warnings
 
 import keras
 import numpy as np
@@ -19,6 +20,7 @@ import tfreduce
 from helpers import CPU_DEVICES, GPU_DEVICES, placeholders
 from test_trainer import LOSS, sgd
 from tfreduce.bench.overlap_mode import _AfterEveryGradient
+from tfreduce.profiler import architecture
 from tfreduce.stepmodel import layer_flops, layer_seconds
 from tfreduce.timeline import COMMUNICATION, STAGES, Slice, Timeline, stage_of
 from tfreduce.trainer import ReplicatedTrainer
@@ -207,9 +209,58 @@ def predicted_from_the_measured_compute(models, path, slices, tracks):
     # A model built alike in another process (other layer names) reads it.
     again = tfreduce.predict_step(wide_mlp(), 32, "dgx1-v100", num_towers=4, compute=path)
     assert again.ready == pytest.approx(step.ready)
-    with pytest.raises(ValueError, match=r"the timeline has layer 4 but model '\w+' has 1 "
-                                         r"layers: pass the model the steps trained"):
-        layer_seconds(loaded, keras.Sequential([keras.Input((64,)), keras.layers.Dense(2)]))
+    # Another model: its first layer's variables differ.
+    other = keras.Sequential([keras.Input((64,)), keras.layers.Dense(2)], name="other")
+    with pytest.raises(ValueError, match=re.escape(
+            "the measured timeline's steps trained another model than 'other': layer 0 is "
+            "Dense with variables [(64, 256), (256,)] there and Dense with variables [(64, 2), "
+            "(2,)] here (5 layers there, 1 here): pass the model the steps trained, or one "
+            "built alike")):
+        layer_seconds(loaded, other)
+
+
+@pytest.mark.slow
+def test_a_model_without_an_input_is_profiled_once_its_first_batch_built_it(tmp_path):
+    def lazy():
+        return keras.Sequential([keras.layers.Dense(16, activation="relu"),
+                                 keras.layers.Dense(4)])
+
+    trainer = ReplicatedTrainer(lazy, LOSS, sgd, devices=CPU_DEVICES[:2])
+    x, y = np.zeros((8, 8), np.float32), np.zeros(8, np.int64)
+    trainer.fit(x, y, batch_size=4, verbose=0, logdir=str(tmp_path), profile_steps=(1, 1))
+    timeline = Timeline.load(tmp_path / "timeline.json.gz")
+    assert timeline.architecture == [["Dense", [[8, 16], [16]]], ["Dense", [[16, 4], [4]]]]
+    assert sorted(set(timeline.layers.values())) == [0, 1]
+
+
+def test_a_profile_window_the_run_does_not_reach_is_said_before_the_first_step(tmp_path):
+    # Once, fit(profile_steps=(50, 60)) on a 4-step run wrote nothing and
+    # said nothing. Raised here (warnings as errors): no step has run.
+    trainer = ReplicatedTrainer(deep_mlp, LOSS, sgd, devices=CPU_DEVICES[:2])
+    x, y = np.zeros((8, 8), np.float32), np.zeros(8, np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning) as info:
+            trainer.fit(x, y, epochs=2, batch_size=4, verbose=0, logdir=str(tmp_path),
+                        profile_steps=(50, 60))
+    assert str(info.value) == ("fit(profile_steps=(50, 60)): this run trains steps 1..4, none "
+                               "in the window: no timeline is written")
+    assert trainer.step == 0
+
+
+@pytest.mark.slow
+def test_a_run_outside_its_profile_window_trains_writes_no_timeline_and_says_why(tmp_path):
+    trainer = ReplicatedTrainer(deep_mlp, LOSS, sgd, devices=CPU_DEVICES[:2])
+    x, y = np.zeros((8, 8), np.float32), np.zeros(8, np.int64)
+    for runs in ("trains steps 1..4", "trains no step (the step counter is at 4 of 4)"):
+        with pytest.warns(UserWarning) as record:
+            trainer.fit(x, y, epochs=2, batch_size=4, verbose=0, logdir=str(tmp_path),
+                        profile_steps=(50, 60))
+        assert [str(w.message) for w in record] == [
+            f"fit(profile_steps=(50, 60)): this run {runs}, none in the window: no timeline "
+            f"is written"]
+        assert record[0].filename == __file__  # the line that called fit
+    assert trainer.step == 4 and not list(tmp_path.glob("timeline*"))
 
 
 @pytest.mark.parametrize("steps, logdir, error, message", [
@@ -344,6 +395,13 @@ def test_layer_flops_and_the_rate_a_topology_needs():
     assert layer_flops(norm) == 0 and layer_flops(pool) == 0
     assert layer_flops(depthwise) == 2 * 14 * 14 * 8 * 3 * 3
     assert layer_flops(dense) == 2 * 8 * 5
+    # Once a bare TypeError (an int times None).
+    open_ended = keras.Sequential([keras.Input((None, None, 3)), keras.layers.Conv2D(8, 3)])
+    with pytest.raises(ValueError, match=re.escape(
+            f"layer {open_ended.layers[0].name!r} has output shape (None, None, None, 8), whose "
+            f"sizes are not all known: build the model on an Input of known shape "
+            f"(keras.Input((224, 224, 3)), not (None, None, 3))")):
+        tfreduce.predict_step(open_ended, 8, "dgx1-v100", num_towers=2)
     with pytest.raises(ValueError, match=r"predict_step needs flops_per_s or a measured "
                                          r"compute timeline for topology 'pcie3x8': only "
                                          r"\['dgx-a100', 'dgx1-v100'\] have a published estimate"):
@@ -363,6 +421,215 @@ def test_a_timeline_without_a_profiled_step_or_in_another_format_is_refused(tmp_
                                          r"steps of a ReplicatedTrainer"):
         layer_seconds(compute, model)
     (tmp_path / "other.json").write_text('{"traceEvents": []}')
-    with pytest.raises(ValueError, match=r"other.json is not a timeline tfreduce wrote "
-                                         r"\(KeyError: 'otherData'\)"):
+    with pytest.raises(ValueError, match=r"other.json is not a timeline tfreduce wrote \(no "
+                                         r"traceEvents and otherData.source: KeyError: "
+                                         r"'otherData'\)"):
         Timeline.load(tmp_path / "other.json")
+
+
+def profiled(model, name="tower0/model"):
+    """A measured Timeline of one step of ``model`` on tower 0, as a profiled fit reads it.
+
+    Each layer takes 1 ms forward and 2 ms backward.
+    """
+    ms = 1e-3
+    slices, layers, now = [Slice("host", "step 1", "step", "other", 0.0, 1.0)], {}, 0.0
+    for i, layer in enumerate(model.layers):
+        layers[f"{name}/{layer.name}"] = i
+        slices.append(Slice("tower 0", f"{name}/{layer.name}/MatMul", "MatMul", "forward",
+                            now, 1 * ms))
+        now += 1 * ms
+    for layer in model.layers[::-1]:
+        slices.append(Slice("tower 0", f"gradient_tape/{name}/{layer.name}/MatMul", "MatMul",
+                            "backward", now, 2 * ms))
+        now += 2 * ms
+    return Timeline(slices, "measured", layers=layers, architecture=architecture(model))
+
+
+def two_layers():
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
+                             keras.layers.Dense(10)])
+
+
+def test_a_timeline_predicts_the_model_it_profiled_and_refuses_another():
+    model = two_layers()
+    step = tfreduce.predict_step(model, 32, "dgx1-v100", num_towers=4, compute=profiled(model))
+    assert step.compute_seconds == pytest.approx(2 * 3e-3)
+    # Built alike (other layer names): the same layers, the same times.
+    again = tfreduce.predict_step(two_layers(), 32, "dgx1-v100", num_towers=4,
+                                  compute=profiled(model))
+    assert again.ready == pytest.approx(step.ready)
+    # Once, the profile of Dense(3) predicted this model without a word:
+    # its first layer took the profiled layer's time, the others none.
+    small = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    big = keras.Sequential([keras.Input((64,)), keras.layers.Dense(512), keras.layers.Dense(512),
+                            keras.layers.Dense(2)], name="big")
+    with pytest.raises(ValueError) as info:
+        tfreduce.predict_step(big, 32, "dgx1-v100", num_towers=4, compute=profiled(small))
+    assert str(info.value) == (
+        "the measured timeline's steps trained another model than 'big': layer 0 is Dense "
+        "with variables [(4, 3), (3,)] there and Dense with variables [(64, 512), (512,)] here "
+        "(1 layers there, 3 here): pass the model the steps trained, or one built alike")
+    # The same layers, one more: the first difference is the missing one.
+    deeper = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128),
+                               keras.layers.Dense(10), keras.layers.Dense(10)], name="deeper")
+    with pytest.raises(ValueError, match=re.escape(
+            "layer 2 is missing there and Dense with variables [(10, 10), (10,)] here (2 layers "
+            "there, 3 here)")):
+        layer_seconds(profiled(model), deeper)
+    # A timeline saved before it kept the layers' variables: only the
+    # layer indices can be checked.
+    old = profiled(big)
+    old.architecture = []
+    with pytest.raises(ValueError, match=r"the timeline has layer 2 but model '\w+' has 2 "
+                                         r"layers: pass the model the steps trained"):
+        layer_seconds(old, two_layers())
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    # Once -1, 0 and 2.5 predicted a compute of -8.6e-11 s or a step of
+    # -6912 s, and flops_per_s=0.0 raised a bare ZeroDivisionError.
+    (dict(batch_per_tower=-1), ValueError, "predict_step: batch_per_tower must be an int >= 1, "
+                                           "got -1"),
+    (dict(batch_per_tower=0), ValueError, "batch_per_tower must be an int >= 1, got 0"),
+    (dict(batch_per_tower=2.5), TypeError, "predict_step: batch_per_tower must be an int >= 1, "
+                                           "got float 2.5"),
+    (dict(batch_per_tower=True), TypeError, "batch_per_tower must be an int >= 1, got bool True"),
+    (dict(flops_per_s=-1.0), ValueError, "predict_step: flops_per_s must be a finite number of "
+                                         "FLOP/s > 0, or None (the topology's published rate), "
+                                         "got -1.0"),
+    (dict(flops_per_s=0.0), ValueError, "flops_per_s must be a finite number of FLOP/s > 0, or "
+                                        "None (the topology's published rate), got 0.0"),
+    (dict(flops_per_s=float("nan")), ValueError, "got nan"),
+    (dict(flops_per_s="1e12"), TypeError, "published rate), got str '1e12'"),
+    (dict(num_towers=0), ValueError, "predict_step: num_towers must be an int >= 1, got 0"),
+    (dict(num_towers=9), ValueError, "predict_step: num_towers=9, but topology 'dgx1-v100' has "
+                                     "8 devices: ask for at most that many, or use a topology "
+                                     "of more (tfreduce.Topology.cluster)"),
+    (dict(topology=None), TypeError, 'topology must be a tfreduce.Topology, a preset name or '
+                                     '"host", got NoneType None'),
+    (dict(reduction=42), TypeError, "predict_step: reduction must be a tfreduce.Reduction or an "
+                                    "algorithm name, got int 42"),
+    (dict(compute=42, flops_per_s=None), TypeError,
+     "predict_step: compute must be a tfreduce.timeline.Timeline or the path of its saved file, "
+     "got int 42"),
+    (dict(model="resnet"), TypeError, "predict_step: model must be a built keras.Model, got str "
+                                      "'resnet'"),
+])
+def test_predict_step_refuses_what_it_cannot_predict(kwargs, error, message):
+    arguments = dict(model=two_layers(), batch_per_tower=32, topology="dgx1-v100", num_towers=8,
+                     flops_per_s=1e12)
+    arguments.update(kwargs)
+    with pytest.raises(error) as info:
+        tfreduce.predict_step(**arguments)
+    assert message in str(info.value)
+
+
+def test_predict_step_asks_for_a_model_built_on_its_first_batch_to_be_built():
+    # Once it said "has no trainable variable to reduce".
+    lazy = keras.Sequential([keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)],
+                            name="lazy")
+    with pytest.raises(ValueError) as info:
+        tfreduce.predict_step(lazy, 32, "dgx1-v100", num_towers=4)
+    assert str(info.value) == (
+        "predict_step: model 'lazy' is not built yet (Keras builds a model without an Input on "
+        "its first batch, and the prediction needs its variables and each layer's output "
+        "shape): build it first, model.build((None, *input_shape)), or start it with "
+        "keras.Input(input_shape)")
+    lazy.build((None, 64))
+    built = tfreduce.predict_step(lazy, 32, "dgx1-v100", num_towers=4)
+    assert built.compute_seconds == pytest.approx(tfreduce.predict_step(
+        two_layers(), 32, "dgx1-v100", num_towers=4).compute_seconds)
+    assert built.compute_seconds == pytest.approx(
+        3 * 2 * (64 * 128 + 128 * 10) * 32 / tfreduce.stepmodel.SUSTAINED_FLOPS["dgx1-v100"])
+
+
+def saved_trace(tmp_path, change=None, raw=None):
+    """The path of a saved timeline, its Chrome trace changed by ``change`` (or bytes ``raw``)."""
+    timeline = Timeline([Slice("tower 0", "tower0/d/MatMul", "MatMul", "forward", 0.0, 1e-3),
+                         Slice("host", "step 1", "step", "other", 0.0, 2e-3)], "measured")
+    path = tmp_path / "t.json"
+    if raw is not None:
+        path.write_bytes(raw)
+        return path
+    doc = timeline.to_chrome()
+    if change:
+        change(doc)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def matmul(doc):
+    """The event of the saved trace's forward op (traceEvents[6], after the step's)."""
+    (event,) = [e for e in doc["traceEvents"] if e["name"] == "tower0/d/MatMul"]
+    return event
+
+
+@pytest.mark.parametrize("case, message", [
+    # Once: bare KeyError: ('process_name', 0), KeyError: 7 and EOFError.
+    ("empty", "(JSONDecodeError: Expecting value: line 1 column 1 (char 0))"),
+    ("truncated", "(EOFError: Compressed file ended before the end-of-stream marker was "
+                  "reached)"),
+    ("no process", "(no process_name event)"),
+    ("unknown thread", "(traceEvents[6] is on thread 7, which no thread_name event names)"),
+    ("no args", "(traceEvents[6] has no 'args' field: {'name': 'tower0/d/MatMul', "),
+    ("negative duration", "(Timeline: slice 1 ('tower0/d/MatMul') starts at 0.0 s and lasts "
+                          "-0.001 s: both must be finite numbers, the duration >= 0)"),
+    ("unknown stage", "(Timeline: slice 1 has stage 'compute', not one of ('forward', "),
+])
+def test_timeline_load_refuses_an_empty_truncated_or_inconsistent_file(tmp_path, case, message):
+    whole = gzip.compress(saved_trace(tmp_path).read_bytes())
+    path = {
+        "empty": lambda: saved_trace(tmp_path, raw=b""),
+        "truncated": lambda: saved_trace(tmp_path, raw=whole[:len(whole) // 2]),
+        "no process": lambda: saved_trace(tmp_path, lambda doc: doc.update(traceEvents=[
+            e for e in doc["traceEvents"] if e["name"] != "process_name"])),
+        "unknown thread": lambda: saved_trace(tmp_path, lambda doc: matmul(doc).update(tid=7)),
+        "no args": lambda: saved_trace(tmp_path, lambda doc: matmul(doc).pop("args")),
+        "negative duration": lambda: saved_trace(tmp_path, lambda doc: matmul(doc).update(
+            dur=-1000)),
+        "unknown stage": lambda: saved_trace(tmp_path, lambda doc: matmul(doc).update(
+            cat="compute")),
+    }[case]()
+    with pytest.raises(ValueError) as info:
+        Timeline.load(path)
+    assert str(info.value).startswith(f"{path} is not a timeline tfreduce wrote {message}")
+
+
+def test_timeline_load_and_save_raise_os_errors_for_paths_that_are_no_file(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        Timeline.load(tmp_path / "missing.json")
+    with pytest.raises(IsADirectoryError):
+        Timeline.load(tmp_path)
+    with pytest.raises(IsADirectoryError, match=re.escape(
+            f"Timeline.save: {tmp_path} is a directory; give the path of a file (.json, "
+            f".json.gz or .png)")):
+        Timeline([], "measured").save(tmp_path)
+    # An empty timeline saves and loads; its chart is empty.
+    assert Timeline.load(Timeline([], "measured").save(tmp_path / "e.json.gz")).slices == []
+    assert (tmp_path / "e.png").exists() is False
+    Timeline([], "measured").save(tmp_path / "e.png")
+    assert (tmp_path / "e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, error, message", [
+    (dict(slices=None), TypeError, "Timeline: slices must be an iterable of "
+                                   "tfreduce.timeline.Slice, got NoneType None"),
+    (dict(slices=[("tower 0", "n")]), TypeError, "Timeline: slice 0 must be a "
+                                                 "tfreduce.timeline.Slice, got tuple"),
+    (dict(slices=[Slice("tower x", "n", "MatMul", "forward", 0, 1)]), ValueError,
+     "Timeline: slice 0 is on track 'tower x': a track is a str, \"tower <k>\" with k an int "
+     "for a tower"),
+    (dict(slices=[Slice("tower 0", "n", "MatMul", "forward", float("nan"), 1)]), ValueError,
+     "Timeline: slice 0 ('n') starts at nan s and lasts 1 s: both must be finite numbers, the "
+     "duration >= 0"),
+    (dict(source=None), TypeError, "Timeline: source must be a str, got NoneType None"),
+    (dict(layers={"tower0/d": -1}), ValueError, "Timeline: layers must map name scopes (str) to "
+                                                "layer indices (int >= 0), got 'tower0/d': -1"),
+])
+def test_a_timeline_refuses_slices_and_fields_it_cannot_show(args, error, message):
+    arguments = dict(slices=[], source="measured")
+    arguments.update(args)
+    with pytest.raises(error) as info:
+        Timeline(**arguments)
+    assert str(info.value).startswith(message)

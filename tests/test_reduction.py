@@ -1,7 +1,9 @@
 """tfreduce.Reduction: the one value that owns "how to communicate", and every door built on it."""
 
+import copy
 import dataclasses
 import inspect
+import pickle
 import pydoc
 import re
 import warnings
@@ -74,6 +76,45 @@ def test_a_frozen_value_compared_by_its_choice():
         "'collective', keys=CollectiveKeys, timeout=5")
     assert tfreduce.Reduction(topology="dgx-a100", pack_bytes=None).describe() == (
         "'auto', pack_bytes=None, topology='dgx-a100'")
+
+
+COPIES = {"copy": copy.copy, "deepcopy": copy.deepcopy,
+          "pickle": lambda value: pickle.loads(pickle.dumps(value))}
+
+
+@pytest.mark.parametrize("how", sorted(COPIES))
+def test_a_copied_or_pickled_reduction_equals_the_original_and_hashes_alike(how):
+    # Once, Compressor compared by identity: a deep copy or an unpickled
+    # Reduction("ring", compression="fp16") was no longer equal to it.
+    used = tfreduce.Reduction(topology=tfreduce.Topology.fully_connected(4, 1e9, 0.0))
+    with tf.Graph().as_default():  # planned once: a plan cached in the value
+        used(placeholders(CPU_DEVICES[:4], [(64,)]), CPU_DEVICES[:4])
+    keys = tfreduce.CollectiveKeys()
+    values = [tfreduce.Reduction("ring", compression="fp16"), tfreduce.Compression.bf16,
+              tfreduce.Reduction("hierarchical", groups=[[0, 1], [2, 3]], pack_bytes=None),
+              tfreduce.Reduction(topology="dgx1-v100"), tfreduce.Topology.preset("dgx-a100"),
+              used]
+    if how != "pickle":
+        values.append(tfreduce.Reduction("collective", keys=keys, timeout=5))
+    for value in values:
+        again = COPIES[how](value)
+        assert again == value and hash(again) == hash(value), value
+        assert {value: 1}[again] == 1
+    assert COPIES[how](tfreduce.Reduction("ring", compression="fp16")) != tfreduce.Reduction(
+        "ring", compression="bf16")
+    assert COPIES[how](tfreduce.Topology.preset("dgx-a100")) != tfreduce.Topology.preset(
+        "dgx1-v100")
+
+
+def test_collective_keys_are_shared_by_copies_and_new_once_pickled():
+    # One counter per program: a copy handing out the same instance keys
+    # again would pair two reductions' ops. Another process has its own.
+    keys = tfreduce.CollectiveKeys()
+    reduction = tfreduce.Reduction("collective", keys=keys)
+    assert copy.deepcopy(reduction).keys is keys and copy.copy(keys) is keys
+    keys.instance_key()
+    again = pickle.loads(pickle.dumps(keys))
+    assert again is not keys and again.instance_key() == keys.instance_key() == 2
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

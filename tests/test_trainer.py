@@ -161,6 +161,19 @@ def test_unbuilt_model_is_built_on_the_first_batch():
     assert trainer.check_replicas() == 0.0
 
 
+def test_fit_builds_a_model_without_an_input_on_its_first_batch():
+    # Once, fit raised AttributeError ('NoneType' object has no attribute
+    # 'graphs') before its first batch could build the model.
+    def model_fn():
+        return keras.Sequential([keras.layers.Dense(3, dtype="float64")])
+
+    trainer = ReplicatedTrainer(model_fn, LOSS, sgd, devices=CPU_DEVICES[:2])
+    x, y = data(8)
+    history = trainer.fit(x, y, batch_size=4, verbose=0)
+    assert trainer.step == 2 and history["epoch"] == [1]
+    assert trainer.models[0].built and trainer.check_replicas() == 0.0
+
+
 def test_periodic_rebroadcast_repairs_drift():
     x, y = data(8)
     drifting = ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2], bcast_period=3)

@@ -142,6 +142,16 @@ class CollectiveKeys:
         self._next += 1
         return key
 
+    # One counter per program: a copy handing out the same instance keys
+    # again would pair two reductions' ops (a Reduction copied with its
+    # keys keeps sharing them). Pickled, it is a new counter: another
+    # process has its own instance keys.
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
 
 def check_keys(keys, none_means=None):
     """The one check of a ``keys=`` argument: a CollectiveKeys, or None.

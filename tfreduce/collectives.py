@@ -267,12 +267,12 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
     if across is not None:
         everyone = [list(range(num_towers * across.num_workers))]
         if collective in ("broadcast", "reduce"):
-            check_root(root, everyone, collective)
+            root = check_root(root, everyone, collective)
         groups, local_root = [list(range(num_towers))], root % num_towers
     else:
         groups = resolve_groups(groups, num_towers, collective)
         if collective in ("broadcast", "reduce"):
-            check_root(root, groups, collective)
+            root = check_root(root, groups, collective)
         local_root = root
     tensors = validate_tensors(all_tensors, devices, collective, [g[local_root] for g in groups])
     if collective == "all_to_all" and splits is not None:

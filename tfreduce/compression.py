@@ -53,6 +53,14 @@ class Compressor:
     def __repr__(self):
         return f"tfreduce.Compression.{self.name}"
 
+    # A value: a copy, a deep copy or an unpickled one (a Reduction that
+    # holds it, sent to another process) equals the original and hashes alike.
+    def __eq__(self, other):
+        return type(other) is type(self) and (other.name, other.dtype) == (self.name, self.dtype)
+
+    def __hash__(self):
+        return hash((type(self), self.name, self.dtype))
+
     @property
     def compresses(self):
         """bool: some gradients cross devices in another dtype than their own."""

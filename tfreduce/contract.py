@@ -8,6 +8,8 @@ is reported with the tower, the variable and the values involved instead of
 surfacing later as a shape error deep inside a graph.
 """
 
+import numbers
+
 import numpy as np
 import tensorflow as tf
 
@@ -47,14 +49,18 @@ def nbytes(tensor):
     return count * tensor.dtype.size
 
 
+def is_int(value):
+    """True for an int or a NumPy integer (``np.array_split`` sizes, ``argmax``), never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_root_rank(root_rank, num_ranks, prefix="", what=""):
     """Raises ValueError unless root_rank is an int rank in 0..num_ranks-1.
 
     The message: "{prefix}root_rank must be an int in 0..N-1 (the ranks of the
     N{what}), got R".
     """
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not (
-            0 <= root_rank < num_ranks):
+    if not is_int(root_rank) or not 0 <= root_rank < num_ranks:
         raise ValueError(f"{prefix}root_rank must be an int in 0..{num_ranks - 1} (the ranks "
                          f"of the {num_ranks}{what}), got {root_rank!r}")
 
@@ -107,7 +113,7 @@ def validate_groups(groups, num_devices=None):
             f"e.g. [[0, 1], [2, 3]], got {groups!r}")
     if num_devices is None:
         indices = [i for group in groups if isinstance(group, (list, tuple)) for i in group
-                   if isinstance(i, int) and not isinstance(i, bool)]
+                   if is_int(i)]
         num_devices = max(indices, default=-1) + 1
     owner = {}
     out = []
@@ -118,7 +124,7 @@ def validate_groups(groups, num_devices=None):
         if not group:
             raise ValueError(f"groups[{g}] is empty: every group needs a device")
         for i in group:
-            if isinstance(i, bool) or not isinstance(i, int):
+            if not is_int(i):
                 raise TypeError(
                     f"groups[{g}] holds {i!r}; device indices must be ints")
             if not 0 <= i < num_devices:
@@ -130,7 +136,7 @@ def validate_groups(groups, num_devices=None):
                     f"device index {i} is in groups[{owner[i]}] and groups[{g}]: "
                     f"every index must be in exactly one group")
             owner[i] = g
-        out.append(list(group))
+        out.append([int(i) for i in group])
     missing = sorted(set(range(num_devices)) - set(owner))
     if missing:
         raise ValueError(

@@ -19,7 +19,8 @@ import tensorflow as tf
 from tfreduce.devices import canonical_or_empty
 from tfreduce.timeline import Slice, Timeline, stage_of
 
-__all__ = ["StepProfiler", "from_ops", "layer_scopes", "placement", "read_xspace", "track_names"]
+__all__ = ["StepProfiler", "architecture", "from_ops", "layer_scopes", "placement", "read_xspace",
+           "track_names"]
 
 _TOWER = re.compile(r"(^|/)tower(\d+)[/_]")
 
@@ -33,6 +34,17 @@ def placement(graphs):
     """{op name: canonical device} of the ops of the graphs (a step's traced functions)."""
     return {op.name: canonical_or_empty(op.device)
             for graph in graphs for op in graph.get_operations()}
+
+
+def architecture(model):
+    """One [layer class name, [variable shape, ...]] per layer of a Keras model, in order.
+
+    What a timeline keeps of the model its steps trained: a model built
+    alike (other layer names, another process) has the same, another model
+    not (``tfreduce.stepmodel.layer_seconds`` checks it).
+    """
+    return [[type(layer).__name__, [list(v.shape) for v in layer.weights]]
+            for layer in model.layers]
 
 
 def layer_scopes(graphs, models):
@@ -118,7 +130,8 @@ def read_xspace(path):
     return ops
 
 
-def from_ops(ops, placed, tracks, windows, source="measured", process="worker 0", layers=None):
+def from_ops(ops, placed, tracks, windows, source="measured", process="worker 0", layers=None,
+             architecture=None):
     """A Timeline of profiled ops.
 
     Args:
@@ -128,7 +141,7 @@ def from_ops(ops, placed, tracks, windows, source="measured", process="worker 0"
         devices go on "host".
       windows: list of (label, start ns, end ns): only ops inside one are
         kept, and each window becomes a "step" slice on the host track.
-      source, process, layers: as Timeline's.
+      source, process, layers, architecture: as Timeline's.
     """
     slices = []
     for label, start, end in windows:
@@ -145,7 +158,7 @@ def from_ops(ops, placed, tracks, windows, source="measured", process="worker 0"
         else:
             track = "host"
         slices.append(Slice(track, name, op_type, stage_of(name), start * 1e-9, duration * 1e-9))
-    return Timeline(slices, source, process, layers=layers)
+    return Timeline(slices, source, process, layers=layers, architecture=architecture)
 
 
 class StepProfiler:
@@ -208,7 +221,8 @@ class StepProfiler:
                 self.timeline = from_ops(read_xspace(newest), placement(graphs),
                                          track_names(self._devices), self._windows,
                                          process=self._process,
-                                         layers=layer_scopes(graphs, self._models))
+                                         layers=layer_scopes(graphs, self._models),
+                                         architecture=architecture(self._models[0]))
         finally:
             if self._tmp is not None:
                 self._tmp.cleanup()

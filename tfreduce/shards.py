@@ -10,7 +10,14 @@ of a broadcast or reduce, and says which tower, tensor and values are wrong.
 
 import tensorflow as tf
 
-from tfreduce.contract import as_tensor, dense_shape, device_of, validate_groups, values_of
+from tfreduce.contract import (
+    as_tensor,
+    dense_shape,
+    device_of,
+    is_int,
+    validate_groups,
+    values_of,
+)
 from tfreduce.devices import check_devices_exist, normalize_devices
 
 __all__ = ["Tensors", "check_list", "validate_tensors", "check_splits", "check_root",
@@ -189,17 +196,21 @@ def check_root(root, groups, collective):
       groups: list[list[int]], the resolved groups.
       collective: str, for the message.
 
+    Returns:
+      int, root (a NumPy integer made an int).
+
     Raises:
       ValueError: root is not an int in 0..(the smallest group's size - 1),
         naming that group.
     """
     smallest = min(groups, key=len)
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < len(smallest):
+    if not is_int(root) or not 0 <= root < len(smallest):
         where = (f"the {len(smallest)} towers" if len(groups) == 1 else
                  f"every group (group {groups.index(smallest)}, {smallest}, has "
                  f"{len(smallest)} towers)")
         raise ValueError(f"{collective}: root must be an int position in 0..{len(smallest) - 1} "
                          f"inside {where}, got {root!r}")
+    return int(root)
 
 
 def check_splits(splits, tensors, groups, parts=None):
@@ -228,7 +239,7 @@ def check_splits(splits, tensors, groups, parts=None):
     out = []
     for j, counts in enumerate(splits):
         if (not isinstance(counts, (list, tuple)) or len(counts) != size[j] or any(
-                isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts)):
+                not is_int(c) or c < 0 for c in counts)):
             raise ValueError(f"all_to_all: splits[{j}] must be {size[j]} ints >= 0 (the rows "
                              f"tower {j} sends to each tower of its group), got {counts!r}")
         for n in tensors.present:
@@ -236,5 +247,5 @@ def check_splits(splits, tensors, groups, parts=None):
             if rows is not None and sum(counts) != rows:
                 raise ValueError(f"all_to_all: splits[{j}] = {list(counts)} add up to "
                                  f"{sum(counts)}, but tensor {n} on tower {j} has {rows} rows")
-        out.append(list(counts))
+        out.append([int(c) for c in counts])
     return out

@@ -38,12 +38,17 @@ not of each layer.
 import collections
 import dataclasses
 import math
+import numbers
+import os
 
 import tensorflow as tf
 
+from tfreduce.contract import is_int
 from tfreduce.costmodel import predict
+from tfreduce.profiler import architecture
 from tfreduce.reduction import Reduction
 from tfreduce.timeline import Slice, Timeline
+from tfreduce.topology import check_topology
 
 __all__ = ["SUSTAINED_FLOPS", "StepPrediction", "layer_flops", "layer_seconds", "predict_step"]
 
@@ -91,7 +96,8 @@ def layer_flops(layer):
     are 0. A layer inside a nested model counts through that model.
 
     Raises:
-      ValueError: the layer is not built into a model (no output shape).
+      ValueError: the layer is not built into a model (no output shape), or
+        its output's sizes beyond the batch are not all known.
     """
     import keras
 
@@ -105,6 +111,10 @@ def layer_flops(layer):
     except (AttributeError, ValueError) as error:
         raise ValueError(f"layer {layer.name!r} has no output shape: build the model on an "
                          f"Input of known shape ({error})") from None
+    if any(size is None for size in out[1:]):
+        raise ValueError(f"layer {layer.name!r} has output shape {tuple(out)}, whose sizes "
+                         f"are not all known: build the model on an Input of known shape "
+                         f"(keras.Input((224, 224, 3)), not (None, None, 3))")
     kernel = layer.kernel.shape
     if isinstance(layer, keras.layers.Dense):
         # kernel [in, units]; one product per output element and input.
@@ -144,11 +154,12 @@ def layer_seconds(timeline, model):
 
     Raises:
       ValueError: the timeline has no profiled step, no forward or
-        backward op on a tower track, no layer scope, or a layer index
-        ``model`` does not have.
+        backward op on a tower track, no layer scope; its steps trained
+        another model (layer classes and variable shapes differ; in a
+        timeline saved without them, a layer index ``model`` does not
+        have).
     """
-    if not isinstance(timeline, Timeline):
-        timeline = Timeline.load(timeline)
+    timeline = _as_timeline(timeline, "layer_seconds: timeline")
     steps = sum(1 for s in timeline.slices if s.op_type == "step")
     towers = {s.track for s in timeline.slices
               if s.track.startswith("tower ") and s.stage in ("forward", "backward")}
@@ -157,10 +168,7 @@ def layer_seconds(timeline, model):
                          f"{len(towers)} tower track(s) with forward or backward ops and "
                          f"{len(timeline.layers)} layer scope(s): predict_step needs the "
                          f"profiled steps of a ReplicatedTrainer (fit(profile_steps=))")
-    deepest = max(timeline.layers.values())
-    if deepest >= len(model.layers):
-        raise ValueError(f"the timeline has layer {deepest} but model {model.name!r} has "
-                         f"{len(model.layers)} layers: pass the model the steps trained")
+    _check_same_model(timeline, model)
     totals = collections.defaultdict(lambda: [0.0, 0.0])
     for ops in _tower_steps(timeline, towers, ("forward", "backward")).values():
         # Stretched to the tower's span: the executor's time between its
@@ -176,6 +184,44 @@ def layer_seconds(timeline, model):
     scale = 1.0 / (steps * len(towers))
     return {name: (forward * scale, backward * scale) for name, (forward, backward)
             in totals.items()}
+
+
+def _as_timeline(value, argument):
+    # A Timeline, or the one a path names (Timeline.load's OSError and ValueError).
+    if isinstance(value, Timeline):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        return Timeline.load(value)
+    raise TypeError(f"{argument} must be a tfreduce.timeline.Timeline or the path of its saved "
+                    f"file, got {type(value).__name__} {value!r:.80}")
+
+
+def _check_same_model(timeline, model):
+    # Raises ValueError unless model is the one the timeline's steps trained
+    # (or one built alike): layer by layer, its class and variable shapes.
+    theirs, mine = timeline.architecture, architecture(model)
+    if not theirs:
+        # Saved without them: only the layer indices can be checked.
+        deepest = max(timeline.layers.values())
+        if deepest >= len(model.layers):
+            raise ValueError(f"the timeline has layer {deepest} but model {model.name!r} has "
+                             f"{len(model.layers)} layers: pass the model the steps trained")
+        return
+    if theirs == mine:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(theirs, mine)) if a != b),
+             min(len(theirs), len(mine)))
+    raise ValueError(f"the {timeline.source} timeline's steps trained another model than "
+                     f"{model.name!r}: layer {i} is {_described(theirs, i)} there and "
+                     f"{_described(mine, i)} here ({len(theirs)} layers there, {len(mine)} "
+                     f"here): pass the model the steps trained, or one built alike")
+
+
+def _described(layers, i):
+    if i >= len(layers):
+        return "missing"
+    name, shapes = layers[i]
+    return f"{name} with variables {[tuple(shape) for shape in shapes]}"
 
 
 def _tower_steps(timeline, towers, stages):
@@ -257,12 +303,29 @@ def predict_step(model, batch_per_tower, topology, num_towers=8, reduction="auto
       StepPrediction.
 
     Raises:
-      ValueError: no flops_per_s and no compute for a topology without a
-        published rate, both flops_per_s and compute, a model with no
-        trainable variable or a layer without an output shape,
-        layer_seconds' and predict's errors.
+      TypeError: model not a keras.Model, batch_per_tower or num_towers
+        not an int, flops_per_s not a number, topology, reduction or
+        compute of another type.
+      OSError: compute names a file that cannot be read.
+      ValueError: batch_per_tower or num_towers < 1, flops_per_s not
+        finite and > 0, more towers than the topology has devices, an
+        unknown preset or algorithm; no flops_per_s and no compute for a
+        topology without a published rate, both flops_per_s and compute;
+        a model not built yet (a model without an Input is built on its
+        first batch), with no trainable variable, or a layer without an
+        output shape of known sizes; layer_seconds' errors (a timeline of
+        another model) and predict's.
     """
+    _check_step_arguments(model, batch_per_tower, num_towers, flops_per_s)
+    topology = check_topology(topology)
     name = topology if isinstance(topology, str) else topology.name
+    if name != "host" and num_towers > topology.num_devices:
+        raise ValueError(f"predict_step: num_towers={num_towers}, but topology {name!r} has "
+                         f"{topology.num_devices} devices: ask for at most that many, or use a "
+                         f"topology of more (tfreduce.Topology.cluster)")
+    if not isinstance(reduction, (Reduction, str)):
+        raise TypeError(f"predict_step: reduction must be a tfreduce.Reduction or an algorithm "
+                        f"name, got {type(reduction).__name__} {reduction!r:.80}")
     if compute is not None and flops_per_s is not None:
         raise ValueError("predict_step takes flops_per_s or a measured compute timeline, "
                          "not both")
@@ -280,7 +343,7 @@ def predict_step(model, batch_per_tower, topology, num_towers=8, reduction="auto
     if compute is None:
         layers = _flop_times(model, batch_per_tower, flops_per_s)
     else:
-        compute = compute if isinstance(compute, Timeline) else Timeline.load(compute)
+        compute = _as_timeline(compute, "predict_step: compute")
         layers, apply = _measured_times(model, compute), _apply_seconds(compute)
     forward, ready_of = _schedule(layers)
     ready = [ready_of.get(id(v), forward) for v in variables]
@@ -299,6 +362,35 @@ def predict_step(model, batch_per_tower, topology, num_towers=8, reduction="auto
     step = reduced + apply
     return StepPrediction(step, compute_seconds, apply, exposed, exposed / step,
                           max(0.0, alone.seconds - compute_seconds), ready, timeline)
+
+
+def _check_step_arguments(model, batch_per_tower, num_towers, flops_per_s):
+    # predict_step's own arguments; the topology, reduction and compute
+    # timeline are checked by what reads them.
+    import keras
+
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"predict_step: model must be a built keras.Model, got "
+                        f"{type(model).__name__} {model!r:.80}")
+    for name, value in (("batch_per_tower", batch_per_tower), ("num_towers", num_towers)):
+        if not is_int(value):
+            raise TypeError(f"predict_step: {name} must be an int >= 1, got "
+                            f"{type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"predict_step: {name} must be an int >= 1, got {value!r}")
+    if flops_per_s is not None:
+        rate = ("predict_step: flops_per_s must be a finite number of FLOP/s > 0, or None "
+                "(the topology's published rate)")
+        if isinstance(flops_per_s, bool) or not isinstance(flops_per_s, numbers.Real):
+            raise TypeError(f"{rate}, got {type(flops_per_s).__name__} {flops_per_s!r}")
+        if not (math.isfinite(flops_per_s) and flops_per_s > 0):
+            raise ValueError(f"{rate}, got {flops_per_s!r}")
+    if not model.built:
+        raise ValueError(f"predict_step: model {model.name!r} is not built yet (Keras builds "
+                         f"a model without an Input on its first batch, and the prediction "
+                         f"needs its variables and each layer's output shape): build it "
+                         f"first, model.build((None, *input_shape)), or start it with "
+                         f"keras.Input(input_shape)")
 
 
 def _compute_slices(layers, num_towers):

@@ -27,12 +27,16 @@ slice per phase.
 """
 
 import collections
+import collections.abc
 import dataclasses
 import gzip
 import json
+import math
+import numbers
 import os
 import re
 import tempfile
+import zlib
 
 __all__ = ["COMMUNICATION", "COMPUTE", "STAGES", "Slice", "Timeline", "stage_of"]
 
@@ -99,23 +103,70 @@ class Timeline:
     """Slices on tracks, measured or predicted (see the module docstring).
 
     Args:
-      slices: iterable of Slice (any order).
+      slices: iterable of Slice (any order); a "tower ..." track is
+        "tower <k>", k an int.
       source: str, "measured" or "predicted: <topology>", saved with the trace.
       process: str, the name of the trace's process (one per worker).
       origin: float seconds that become time 0; None: the first slice's start.
       layers: dict {name scope: int layer index}, the scopes of the towers'
         forward ops of each layer of the model
         (``tfreduce.profiler.layer_scopes``), saved with the trace; None: {}.
+      architecture: list, one [layer class name, [variable shape, ...]] per
+        layer of the model the steps trained
+        (``tfreduce.profiler.architecture``), saved with the trace, so a
+        prediction from it can check it is given that model; None: [] (not
+        known).
+
+    Raises:
+      TypeError: a slice that is no Slice, or an argument of another type.
+      ValueError: a slice with an unknown stage, a "tower" track without
+        its index, a start or duration that is not finite (or a negative
+        duration), a negative layer index.
     """
 
-    def __init__(self, slices, source, process="worker 0", origin=None, layers=None):
+    def __init__(self, slices, source, process="worker 0", origin=None, layers=None,
+                 architecture=None):
+        if isinstance(slices, (str, bytes)) or not isinstance(slices, collections.abc.Iterable):
+            raise TypeError(f"Timeline: slices must be an iterable of tfreduce.timeline.Slice, "
+                            f"got {type(slices).__name__} {slices!r:.80}")
+        slices = list(slices)
+        for i, s in enumerate(slices):
+            _check_slice(s, i)
+        for name, value in (("source", source), ("process", process)):
+            if not isinstance(value, str):
+                raise TypeError(f"Timeline: {name} must be a str, got {type(value).__name__} "
+                                f"{value!r:.80}")
+        if origin is not None and not _finite(origin):
+            error = ValueError if isinstance(origin, numbers.Real) else TypeError
+            raise error(f"Timeline: origin must be None or a finite number of seconds, got "
+                        f"{origin!r}")
+        if layers is not None and not isinstance(layers, dict):
+            raise TypeError(f"Timeline: layers must be None or a dict {{name scope: layer "
+                            f"index}}, got {type(layers).__name__} {layers!r:.80}")
+        layers = dict(layers or {})
+        for scope, index in layers.items():
+            if (not isinstance(scope, str) or isinstance(index, bool)
+                    or not isinstance(index, int) or index < 0):
+                raise ValueError(f"Timeline: layers must map name scopes (str) to layer indices "
+                                 f"(int >= 0), got {scope!r}: {index!r}")
+        if architecture is not None and not isinstance(architecture, (list, tuple)):
+            raise TypeError(f"Timeline: architecture must be None or a list, got "
+                            f"{type(architecture).__name__} {architecture!r:.80}")
+        architecture = list(architecture or [])
+        for i, layer in enumerate(architecture):
+            if not (isinstance(layer, (list, tuple)) and len(layer) == 2
+                    and isinstance(layer[0], str) and isinstance(layer[1], (list, tuple))):
+                raise ValueError(f"Timeline: architecture[{i}] must be [layer class name, "
+                                 f"[variable shape, ...]], got {layer!r:.80}")
         slices = sorted(slices, key=lambda s: (s.start, s.track))
         if origin is None:
             origin = slices[0].start if slices else 0.0
         self.slices = [dataclasses.replace(s, start=s.start - origin) for s in slices]
         self.source = source
         self.process = process
-        self.layers = dict(layers or {})
+        self.layers = layers
+        self.architecture = [[name, [list(shape) for shape in shapes]]
+                             for name, shapes in architecture]
 
     @property
     def tracks(self):
@@ -162,33 +213,73 @@ class Timeline:
                            "dur": round(s.duration * 1e6, 3), "args": {"type": s.op_type}})
         return {"traceEvents": events, "displayTimeUnit": "ms",
                 "otherData": {"source": self.source, "stages": list(STAGES),
-                              "layers": self.layers}}
+                              "layers": self.layers, "architecture": self.architecture}}
 
     @classmethod
     def load(cls, path):
         """The Timeline a ``save`` wrote as JSON, plain or gzipped (``fit``'s timeline.json.gz).
 
         Raises:
-          OSError: the file cannot be read.
-          ValueError: the file is not a timeline tfreduce wrote (no JSON,
-            or no "traceEvents" and "otherData.source").
+          OSError: the file cannot be opened or read (missing, a directory,
+            no permission).
+          ValueError: the file is not a whole timeline tfreduce wrote: empty
+            or truncated, no JSON, no "traceEvents" and "otherData.source",
+            no process name, a slice on a thread no "thread_name" event
+            names, or an event without the fields ``save`` writes.
         """
+        where = os.fspath(path)
         with open(path, "rb") as f:
             gzipped = f.read(2) == b"\x1f\x8b"
-        with (gzip.open(path, "rt") if gzipped else open(path)) as f:
-            try:
+        try:
+            with (gzip.open(path, "rt") if gzipped else open(path)) as f:
                 doc = json.load(f)
-                events, source = doc["traceEvents"], doc["otherData"]["source"]
-            except (ValueError, KeyError, TypeError) as error:
-                raise ValueError(f"{os.fspath(path)} is not a timeline tfreduce wrote "
-                                 f"({type(error).__name__}: {error})") from None
-        names = {(e["name"], e["tid"]): e["args"] for e in events if e["ph"] == "M"}
-        tracks = {tid: args["name"] for (name, tid), args in names.items()
-                  if name == "thread_name"}
-        slices = [Slice(tracks[e["tid"]], e["name"], e["args"]["type"], e["cat"],
-                        e["ts"] * 1e-6, e["dur"] * 1e-6) for e in events if e["ph"] == "X"]
-        return cls(slices, source, names[("process_name", 0)]["name"], origin=0.0,
-                   layers=doc["otherData"].get("layers"))
+        # A truncated gzip ends early (EOFError) or fails its check
+        # (BadGzipFile, zlib.error); bytes that are no UTF-8 or JSON are a
+        # ValueError.
+        except (ValueError, EOFError, gzip.BadGzipFile, zlib.error) as error:
+            raise ValueError(f"{where} is not a timeline tfreduce wrote "
+                             f"({type(error).__name__}: {str(error) or 'empty or truncated'})"
+                             ) from None
+        try:
+            return cls._from_chrome(doc)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{where} is not a timeline tfreduce wrote ({error})") from None
+
+    @classmethod
+    def _from_chrome(cls, doc):
+        # The Timeline of to_chrome's dict; ValueError or TypeError saying
+        # what is missing or inconsistent.
+        try:
+            events, other = doc["traceEvents"], doc["otherData"]
+            source = other["source"]
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"no traceEvents and otherData.source: {type(error).__name__}: "
+                             f"{error}") from None
+        if not isinstance(events, list) or not isinstance(other, dict):
+            raise ValueError("traceEvents must be a list and otherData an object")
+        names, slices = {}, []
+        for i, e in enumerate(events):
+            try:
+                if e["ph"] == "M" and e["name"] in ("process_name", "thread_name"):
+                    names[(e["name"], e["tid"])] = e["args"]["name"]
+            except (KeyError, TypeError) as error:
+                raise _bad_event(i, e, error) from None
+        tracks = {tid: name for (kind, tid), name in names.items() if kind == "thread_name"}
+        if ("process_name", 0) not in names:
+            raise ValueError("no process_name event")
+        for i, e in enumerate(events):
+            if e.get("ph") != "X":
+                continue
+            try:
+                if e["tid"] not in tracks:
+                    raise ValueError(f"traceEvents[{i}] is on thread {e['tid']!r}, which no "
+                                     f"thread_name event names")
+                slices.append(Slice(tracks[e["tid"]], e["name"], e["args"]["type"], e["cat"],
+                                    e["ts"] * 1e-6, e["dur"] * 1e-6))
+            except (KeyError, TypeError) as error:
+                raise _bad_event(i, e, error) from None
+        return cls(slices, source, names[("process_name", 0)], origin=0.0,
+                   layers=other.get("layers"), architecture=other.get("architecture"))
 
     def save(self, path):
         """Writes the Chrome trace JSON (gzipped for a ".gz" path), or a Gantt chart (".png").
@@ -204,9 +295,13 @@ class Timeline:
           str, the path.
 
         Raises:
-          OSError: the directory cannot be made or written.
+          OSError: the directory cannot be made or written, or ``path``
+            is a directory.
         """
         path = os.fspath(path)
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"Timeline.save: {path} is a directory; give the path of a "
+                                    f"file (.json, .json.gz or .png)")
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
         handle, partial = tempfile.mkstemp(dir=directory, prefix=".timeline")
@@ -250,12 +345,43 @@ class Timeline:
         ax.set_title(f"{self.process}: {self.source}")
         shown = [stage for stage in self.stages if any(key[1] == stage for key in rows)]
         handles = dict(zip(*ax.get_legend_handles_labels()[::-1]))
-        ax.legend([handles[stage] for stage in shown], shown, loc="upper center",
-                  bbox_to_anchor=(0.5, -0.12 - 0.1 / max(len(tracks), 1)), ncol=len(shown),
-                  frameon=False)
+        if shown:  # an empty timeline: an empty chart, no legend
+            ax.legend([handles[stage] for stage in shown], shown, loc="upper center",
+                      bbox_to_anchor=(0.5, -0.12 - 0.1 / max(len(tracks), 1)), ncol=len(shown),
+                      frameon=False)
         fig.tight_layout()
         fig.savefig(path, format="png", dpi=100)
         plt.close(fig)
+
+
+def _bad_event(i, event, error):
+    # The ValueError of an event without a field save writes (KeyError), or
+    # with one of another type (TypeError).
+    what = (f"has no {error} field" if isinstance(error, KeyError)
+            else f"has a field of another type ({error})")
+    return ValueError(f"traceEvents[{i}] {what}: {event!r:.120}")
+
+
+def _finite(value):
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _check_slice(s, i):
+    # Raises TypeError or ValueError naming slice i, unless it is a Slice
+    # the tracks, stages and times can use.
+    if not isinstance(s, Slice):
+        raise TypeError(f"Timeline: slice {i} must be a tfreduce.timeline.Slice, got "
+                        f"{type(s).__name__} {s!r:.80}")
+    if not isinstance(s.track, str) or (s.track.startswith("tower ")
+                                        and not s.track[6:].isdigit()):
+        raise ValueError(f"Timeline: slice {i} is on track {s.track!r}: a track is a str, "
+                         f"\"tower <k>\" with k an int for a tower")
+    if s.stage not in STAGES:
+        raise ValueError(f"Timeline: slice {i} has stage {s.stage!r}, not one of {STAGES}")
+    if not (_finite(s.start) and _finite(s.duration) and s.duration >= 0):
+        raise ValueError(f"Timeline: slice {i} ({s.name!r}) starts at {s.start!r} s and lasts "
+                         f"{s.duration!r} s: both must be finite numbers, the duration >= 0")
 
 
 def _union(intervals):

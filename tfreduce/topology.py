@@ -156,6 +156,20 @@ class Topology:
         return (f"Topology({self.name!r}, {self.num_devices} devices, "
                 f"{len(self.links) // 2} links)")
 
+    # A value (a Reduction's topology= among them): copies, deep copies and
+    # unpickled ones equal the original and hash alike.
+    def _value(self):
+        links = tuple((link.src, link.dst, link.bandwidth, link.latency) for link in self.links)
+        return (self.name, self.num_devices, links, self.memory_bandwidth, self.launch_cost,
+                self.compute_lanes, self.cache, self.fresh_memory, self.collective_cost,
+                self.copy_cost, self.collective_bandwidth)
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other._value() == self._value()
+
+    def __hash__(self):
+        return hash(self._value())
+
     @staticmethod
     def device_node(k):
         """The node name of device k."""

@@ -160,13 +160,14 @@ def fit_data(x, y, batch_size, total_towers):
     return x, y, steps
 
 
-def check_fit_arguments(epochs, validation_data, checkpoint_dir, verbose):
+def check_fit_arguments(epochs, validation_data, checkpoint_dir, verbose, logdir=None):
     """Checks what fit would otherwise find wrong only after an epoch of work.
 
     Raises:
       ValueError: epochs is not an int >= 1; validation_data is neither a
         dataset nor (x, y) arrays of one nonzero length; checkpoint_dir
-        cannot be created (e.g. a file is in the way); verbose is not 0, 1 or 2.
+        cannot be created (e.g. a file is in the way); logdir is a file;
+        verbose is not 0, 1 or 2.
     """
     if isinstance(verbose, bool) or verbose not in (0, 1, 2):
         raise ValueError(f"fit: verbose must be 0 (silent), 1 (a progress bar) or 2 (one "
@@ -180,6 +181,11 @@ def check_fit_arguments(epochs, validation_data, checkpoint_dir, verbose):
                              "tf.data.Dataset of (x, y) batches, got "
                              f"{type(validation_data).__name__}")
         check_arrays(*validation_data, "fit: validation_data")
+    # Only a local file in the way is checked: TensorBoard's writer also
+    # takes remote paths (gs://) that os.path cannot see.
+    if logdir is not None and os.path.isfile(logdir):
+        raise ValueError(f"fit: logdir {logdir!r} is a file: TensorBoard's summaries (and "
+                         f"a profile's timeline) are written in a directory")
     if checkpoint_dir is not None:
         try:
             os.makedirs(checkpoint_dir, exist_ok=True)

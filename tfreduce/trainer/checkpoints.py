@@ -54,14 +54,13 @@ class TrainerCheckpoint:
         model, zero = towers.models[0], towers.zero
         self._options = options
         self._across = zero is not None and options.multiworker
-        self._received = None  # rank 0's whole optimizer state, read for scatter
         if zero is None:
             sizes = [int(v.shape.num_elements()) for v in towers.trainable[0]]
             optimizer_state = OptimizerState(towers.optimizers[:1], towers.trainable[:1],
                                              [[(0, size) for size in sizes]], towers.trainable[0])
         else:
             optimizer_state = OptimizerState(towers.optimizers, zero.pieces, zero.layout.pieces,
-                                             towers.trainable[0])
+                                             towers.trainable[0], across=self._across)
         self._optimizer_state = optimizer_state
         self._run = (options.total_towers, options.zero_stage)
         with tf.device("/device:CPU:0"):
@@ -143,7 +142,8 @@ class TrainerCheckpoint:
         A checkpoint of another number of towers or zero_stage is read into
         this run's layout, and a line on stderr says what changed. The
         towers' own state (accumulated gradients, PowerSGD's) is kept only
-        at the same number of towers; at another, the run restarts it.
+        at the same number of towers and with the accumulation sums sharded
+        alike (zero_stage 2 or not); otherwise the run restarts it.
 
         Args:
           prefix: str, the checkpoint; "" on the workers of a cluster other
@@ -152,7 +152,8 @@ class TrainerCheckpoint:
         Raises:
           ValueError: the checkpoint does not match the objects (another
             model or optimizer); it was saved midway through an
-            accumulation cycle at another number of towers; it predates the
+            accumulation cycle at another number of towers, or sharded
+            otherwise (zero_stage 2 or not); it predates the
             layout and this run shards its optimizer state.
         """
         if not prefix:
@@ -164,34 +165,48 @@ class TrainerCheckpoint:
                  if name != "epoch_totals" or any(n.startswith("epoch_totals/") for n in names)}
         if "epoch_totals" not in parts:
             self._epoch_totals.assign(tf.zeros([3], tf.float64))
-        optimizer_state = parts.pop("optimizer_state")
         if not any(n.startswith("optimizer_state/") for n in names):
-            optimizer_state = None
+            parts.pop("optimizer_state")
             if self._legacy_optimizer is None:
                 raise ValueError(f"restore: checkpoint {prefix!r} keeps the optimizer in Keras' "
                                  f"layout; resume it with zero_stage=0 and save once")
             parts["optimizer"] = self._legacy_optimizer
         if "run_layout" not in {n.split("/")[0] for n in names}:
             parts.pop("run_layout")
-        same_towers = saved is None or saved[0] == self._run[0]
-        if same_towers:
-            parts.update(self._own_parts)
-        elif self._own_parts:
-            _check_cycle_boundary(reader, names, prefix, saved[0])
+        # The towers' own state is per tower, and sharded at stage 2: kept
+        # only in the layout it was saved in.
+        same_layout = saved is None or (saved[0] == self._run[0]
+                                        and (saved[1] == 2) == (self._run[1] == 2))
+        dropped = bool(self._own_parts) and not same_layout
+        if dropped:
+            _check_cycle_boundary(reader, names, prefix, saved)
             self._tower_state.reset()
+        else:
+            parts.update(self._own_parts)
         try:
-            tf.train.Checkpoint(**parts).restore(prefix).assert_existing_objects_matched()
-            if optimizer_state is not None:
-                self._received = optimizer_state.read(prefix, whole=self._across)
-        except (AssertionError, tf.errors.NotFoundError) as error:
+            status = tf.train.Checkpoint(**parts).restore(prefix)
+            status.assert_existing_objects_matched()
+            if self._across and "optimizer_state" in parts:
+                self._optimizer_state.read_whole(prefix)
+        # Another model: objects left unmatched (AssertionError), entries
+        # missing (NotFoundError), shapes (ValueError) or dtypes
+        # (InvalidArgumentError) that differ.
+        except (AssertionError, ValueError, tf.errors.NotFoundError,
+                tf.errors.InvalidArgumentError) as error:
             raise ValueError(
-                f"restore: checkpoint {prefix!r} does not match this trainer's model: {error}"
-            ) from None
+                f"restore: checkpoint {prefix!r} does not match this trainer's model: "
+                f"{str(error).strip()}") from None
+        if dropped:
+            # The saved towers' own state is left out on purpose (the line
+            # below says so); TensorFlow would report its values as lost.
+            status.expect_partial()
         self._run_layout.assign(self._run)
         if saved is not None and tuple(saved) != self._run:
+            restart = "; the towers' own state (accumulated gradients, PowerSGD's) restarts" \
+                if dropped else ""
             print(f"restore: {prefix} was saved at {saved[0]} towers with zero_stage "
-                  f"{saved[1]}; resuming at {self._run[0]} towers with zero_stage {self._run[1]}",
-                  file=sys.stderr)
+                  f"{saved[1]}; resuming at {self._run[0]} towers with zero_stage "
+                  f"{self._run[1]}{restart}", file=sys.stderr)
         if self._tower_state is not None:
             # A skip of the resumed cycle goes back to the restored state.
             self._tower_state.save_forward(always=True)
@@ -202,9 +217,8 @@ class TrainerCheckpoint:
         Called on every worker; the others do nothing.
         """
         if self._across:
-            self._optimizer_state.scatter(self._received, self._options.devices,
-                                          self._options.exact_reduction, self._options.cluster)
-        self._received = None
+            self._optimizer_state.scatter(self._options.devices, self._options.exact_reduction,
+                                          self._options.cluster)
 
 
 def _saved_run(reader, names):
@@ -213,14 +227,16 @@ def _saved_run(reader, names):
     return tuple(int(v) for v in reader.get_tensor(key)) if key in names else None
 
 
-def _check_cycle_boundary(reader, names, prefix, towers):
-    """Raises ValueError if the checkpoint holds gradients accumulated at `towers` towers."""
+def _check_cycle_boundary(reader, names, prefix, saved):
+    """Raises ValueError if the checkpoint holds gradients accumulated in run layout `saved`."""
     key = "accumulated_examples/.ATTRIBUTES/VARIABLE_VALUE"
     if key in names and float(reader.get_tensor(key)) != 0.0:
+        towers, stage = saved
         raise ValueError(
             f"restore: {prefix} was saved midway through an accumulation cycle at {towers} "
-            f"towers, whose sums are per tower; resume it at {towers} towers, or from a "
-            f"checkpoint saved when the cycle ended")
+            f"towers with zero_stage {stage}, whose sums are per tower (sharded at stage 2); "
+            f"resume it at {towers} towers with zero_stage {stage}, or from a checkpoint "
+            f"saved when the cycle ended")
 
 
 def _first_non_finite(variables):

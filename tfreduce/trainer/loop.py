@@ -123,12 +123,13 @@ def fit_loop(
     # Every worker profiles its own towers, into the one logdir.
     profiled = ProfiledSteps(check_profile_steps(profile_steps, logdir), logdir,
                              trainer.devices, hooks.graphs, trainer.models, hooks.rank)
+    profiled.check_window(trainer.step + 1, epochs * steps_per_epoch)
     if not trainer.is_chief:
         # Rank 0 writes and reports for the whole cluster; the others' saves
         # write nothing (with ZeRO their shards are gathered for rank 0's).
         logdir, verbose = None, 0
     check_fit_arguments(epochs, validation_data, checkpoint_dir if trainer.is_chief else None,
-                        verbose)
+                        verbose, logdir)
     if verbose == 1 and not sys.stdout.isatty():
         # A bar redrawn with \r and ANSI codes is noise in a file or a pipe
         # (a log, the launcher's prefixed lines): one line per epoch there.

@@ -4,6 +4,8 @@ Keras' TensorBoard callback takes ``profile_batch=(a, b)``; ``fit`` takes
 ``profile_steps=(a, b)``, 1-based global step numbers (as the step
 counter: a resumed fit goes on counting). Only those steps run under
 TensorFlow's profiler: with None, the default, nothing is added to a step.
+A window after the run's last step (or before its first) profiles
+nothing: fit warns before its first step.
 The profiler's own files stay in ``logdir`` (TensorBoard's profile tab
 reads them; worker w > 0 of a cluster profiles under ``logdir/worker<w>``);
 tfreduce reads them into a ``tfreduce.timeline.Timeline`` and writes it as
@@ -13,6 +15,7 @@ tfreduce reads them into a ``tfreduce.timeline.Timeline`` and writes it as
 """
 
 import os
+import warnings
 
 from tfreduce.profiler import StepProfiler
 
@@ -72,6 +75,19 @@ class ProfiledSteps:
         self._rank = rank
         self._profiler = None
         self.timeline = None
+
+    def check_window(self, first_step, last_step):
+        """Warns when no step of the run (first_step..last_step, 1-based) is in the window.
+
+        Called by fit before its first step (``fit`` is the caller's caller),
+        so an empty window is said at once, not found missing afterwards.
+        """
+        if self._steps is None or self._steps[0] <= last_step and self._steps[1] >= first_step:
+            return
+        steps = (f"trains steps {first_step}..{last_step}" if first_step <= last_step else
+                 f"trains no step (the step counter is at {first_step - 1} of {last_step})")
+        warnings.warn(f"fit(profile_steps={self._steps}): this run {steps}, none in the window: "
+                      f"no timeline is written", stacklevel=4)
 
     def run(self, run_step, number, x, y):
         """run_step(x, y) for step ``number`` (1-based), profiled when in the window."""

@@ -312,7 +312,8 @@ class ReplicatedTrainer:
             per epoch when stdout is a file or a pipe; 2 one line per epoch.
           profile_steps: None, or steps (a, b) (1-based, as Keras'
             profile_batch) to run under TF's profiler; writes
-            logdir/timeline.json.gz (Chrome trace) and .png (trainer/profiling.py).
+            logdir/timeline.json.gz (Chrome trace) and .png (trainer/profiling.py;
+            a window the run does not reach: a UserWarning, no timeline).
 
         Returns:
           dict of lists, one entry per epoch run by this call: "epoch",
@@ -330,7 +331,7 @@ class ReplicatedTrainer:
             run_step=lambda x_batch, y_batch: self._run_train_step(x_batch, y_batch),
             stop=self._stop, epoch_totals=self._epoch_totals,
             reports_skipped=self._options.on_nonfinite == "skip", finish=self._cluster.finish,
-            # Looked up after the first step: it builds a model that has no Input.
+            # The graphs once the first batch has built them (a model without an Input).
             graphs=lambda: self._steps.graphs(), rank=self._cluster.rank)
         return fit_loop(
             self, hooks, x, y, self._options.total_towers, epochs=epochs, batch_size=batch_size,

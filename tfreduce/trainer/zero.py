@@ -58,11 +58,14 @@ ELEMENTWISE = (keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.Ada
                keras.optimizers.Adagrad, keras.optimizers.Adadelta, keras.optimizers.Lion,
                keras.optimizers.Ftrl)
 
-# Options that need a variable's whole gradient, or all of them.
+# Options that need a variable's whole gradient, or all of them (or the
+# whole weights): what each does, and what to use instead.
+_CLIPVALUE = "use clipvalue (it clips each element), or zero_stage=0"
 _WHOLE_VARIABLE_OPTIONS = {
-    "clipnorm": "clips each variable's gradient by its own norm",
-    "global_clipnorm": "clips by the norm of all gradients together",
-    "use_ema": "keeps a moving average of the weights it updates, here the pieces",
+    "clipnorm": ("clips each variable's gradient by its own norm", _CLIPVALUE),
+    "global_clipnorm": ("clips by the norm of all gradients together", _CLIPVALUE),
+    "use_ema": ("keeps a moving average of the weights it updates, here the pieces",
+                "use zero_stage=0, or use_ema=False"),
 }
 
 
@@ -92,12 +95,12 @@ def check_optimizer(optimizer, k):
             f"zero_stage > 0: tower {k}'s optimizer {type(inner).__name__} is not one whose "
             f"update is elementwise ({names}); its update of a shard would differ from the "
             f"whole variable's; use zero_stage=0")
-    for option, why in _WHOLE_VARIABLE_OPTIONS.items():
+    for option, (why, instead) in _WHOLE_VARIABLE_OPTIONS.items():
         value = getattr(inner, option, None)
         if value:
             raise ValueError(
                 f"zero_stage > 0: tower {k}'s optimizer has {option}={value!r}, which {why}; "
-                f"a tower holds a shard only: use clipvalue, or zero_stage=0")
+                f"a tower holds a shard only: {instead}")
 
 
 @dataclasses.dataclass(frozen=True)
