@@ -160,15 +160,20 @@ def test_local_collective_keeps_every_local_op_needed(graph):
     local = [o for o in graph.get_operations() if o.type == "CollectiveReduceV2"
              and o not in (op,)]
     assert len(local) == 2
-    reached = {t.op for t in op.inputs} | set(op.control_inputs)
-    frontier = list(reached)
+    reached = ancestors(op)
+    assert all(o in reached for o in local)
+
+
+def ancestors(op):
+    """Every op that `op` depends on, through inputs and control inputs."""
+    reached, frontier = set(), [op]
     while frontier:
         current = frontier.pop()
         for nxt in [t.op for t in current.inputs] + list(current.control_inputs):
             if nxt not in reached:
                 reached.add(nxt)
                 frontier.append(nxt)
-    assert all(o in reached for o in local)
+    return reached
 
 
 def test_structure_broadcast(graph):
@@ -189,14 +194,7 @@ def test_structure_broadcast(graph):
         # The root's tower 0 too takes the sent values: inside a user's
         # tf.function, a send that feeds no assignment would be pruned.
         for op in assigns:
-            reached, frontier = set(), [op]
-            while frontier:
-                current = frontier.pop()
-                for nxt in [t.op for t in current.inputs] + list(current.control_inputs):
-                    if nxt not in reached:
-                        reached.add(nxt)
-                        frontier.append(nxt)
-            assert any(o.type == kind for o in reached), op.name
+            assert any(o.type == kind for o in ancestors(op)), op.name
 
 
 @pytest.mark.parametrize("local,scope", [("auto", "allreduce_nccl"),  # all GPUs
