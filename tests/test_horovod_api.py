@@ -182,10 +182,14 @@ def test_the_error_before_init():
     (lambda: hvd.allreduce(tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0])), op=hvd.Max),
      NotImplementedError, "allreduce: op='max' does not reduce tf.IndexedSlices, only Sum and "
      "Average do"),
+    (lambda: hvd.grouped_allreduce([tf.ones([2]), tf.IndexedSlices(tf.ones([1, 2]),
+                                                                   tf.constant([0]))],
+                                   op=hvd.Adasum),
+     NotImplementedError, "grouped_allreduce: op=Adasum does not reduce tf.IndexedSlices"),
 ], ids=["comm", "op", "op-and-average", "scalar-gather", "root", "process-set",
         "scalar-reducescatter", "splits-length", "splits-sum", "tape",
         "keras2-optimizer", "passes", "groups", "predivide", "global-variables",
-        "global-variables-tf2", "max-of-slices"])
+        "global-variables-tf2", "max-of-slices", "adasum-of-slices"])
 def test_errors_a_horovod_user_meets(one_process, call, error, message):
     with pytest.raises(error) as info:
         call()

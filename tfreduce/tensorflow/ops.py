@@ -138,9 +138,13 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
 
 def _allreduce_list(tensors, average, compression, op, prescale_factor, postscale_factor,
                     process_set, where, name=None):
+    tensors = [as_tensor(t) for t in tensors]
+    if op == Adasum and any(isinstance(t, tf.IndexedSlices) for t in tensors):
+        # Horovod's class for this case, whose op is refused for any tensor below.
+        raise NotImplementedError(f"{where}: op=Adasum does not reduce tf.IndexedSlices (nor "
+                                  "anything else here); use Sum or Average")
     op = check_op(op, average, where)
     check_process_set(process_set, where)
-    tensors = [as_tensor(t) for t in tensors]
     if not tensors:
         return []
     if op in _ELEMENTWISE and any(isinstance(t, tf.IndexedSlices) for t in tensors):
