@@ -80,6 +80,22 @@ class GradientReduction:
             out[n] = g
         return out
 
+    def reduce_partly(self, grads, local, scale_local):
+        """``reduce`` of the gradients not marked local; the local ones stay (Horovod's partial).
+
+        Args:
+          grads: list of N tf.Tensor, tf.IndexedSlices or None.
+          local: list of N bools, True for a gradient that stays on this process.
+          scale_local: bool, divide the local gradients by the number of processes.
+
+        Returns:
+          list of N gradients.
+        """
+        reduced = iter(self.reduce([g for g, mine in zip(grads, local) if not mine]))
+        factor = 1.0 / cluster().num_workers if scale_local else 1.0
+        return [next(reduced) if not mine else None if g is None else scale(g, factor)
+                for g, mine in zip(grads, local)]
+
 
 class _DistributedGradientTape:
     """The wrapped tape, whose ``gradient`` all-reduces; every other attribute is the tape's."""
@@ -124,16 +140,7 @@ class _DistributedGradientTape:
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
         flat = tf.nest.flatten(grads)
         local = [id(s) in self._local for s in tf.nest.flatten(sources)]
-        reduced = iter(self._reduction.reduce([g for g, mine in zip(flat, local) if not mine]))
-        size = cluster().num_workers
-        out = []
-        for g, mine in zip(flat, local):
-            if not mine:
-                out.append(next(reduced))
-            elif g is not None and self._scale_local and size > 1:
-                out.append(scale(g, 1.0 / size))
-            else:
-                out.append(g)
+        out = self._reduction.reduce_partly(flat, local, self._scale_local)
         return tf.nest.pack_sequence_as(grads, out)
 
     def get_local_and_global_gradients(self, target, sources, output_gradients=None):

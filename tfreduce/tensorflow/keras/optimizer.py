@@ -11,9 +11,7 @@ import tensorflow as tf
 
 from tfreduce.compression import Compression
 from tfreduce.tensorflow.ops import Average, global_process_set
-from tfreduce.tensorflow.process import cluster
 from tfreduce.tensorflow.tape import GradientReduction, local_layers_of
-from tfreduce.tensorflow.wire import scale
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "describe_optimizer",
            "own_sums"]
@@ -38,15 +36,7 @@ def _distributed_class(base):
 
     def reduce_and_apply(self, grads, variables):
         local = [id(v) in self._tfreduce_local for v in variables]
-        reduced = iter(self._tfreduce_reduction.reduce(
-            [g for g, mine in zip(grads, local) if not mine]))
-        factor = 1.0 / cluster().num_workers if self._tfreduce_scale_local else 1.0
-        out = []
-        for g, mine in zip(grads, local):
-            if not mine:
-                out.append(next(reduced))
-            else:
-                out.append(None if g is None else scale(g, factor))
+        out = self._tfreduce_reduction.reduce_partly(grads, local, self._tfreduce_scale_local)
         return base.apply(self, out, variables)
 
     def apply(self, grads, trainable_variables=None):
