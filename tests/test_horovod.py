@@ -65,8 +65,15 @@ def test_collectives_equal_numpy(ranks):
         # nothing to rank 0 and [11] to itself.
         assert got["alltoall"].tolist() == [[[10.0]], [[20.0], [30.0], [11.0]]][r]
         assert got["received"].tolist() == [[1, 0], [2, 1]][r]
-        # 3 rows over 2 processes: 2 to rank 0, 1 to rank 1, from each.
-        assert got["alltoall_even"].tolist() == [[0, 1, 10, 11], [2, 12]][r]
+        assert got["alltoall_again"].tolist() == [[[10.0], [11.0]], [[20.0], [30.0]]][r]
+        # Without splits each rank's rows are halved: rank 0 sends [0] and
+        # [1], rank 1 [10, 11] and [12, 13].
+        assert got["alltoall_even"].tolist() == [[0, 10, 11], [1, 12, 13]][r]
+        assert re.fullmatch(
+            rf"SplitsError: alltoall without splits sends each of the 2 processes the same "
+            rf"number of rows, so each process's rows must be a multiple of 2: worker 0 "
+            rf"\(127\.0\.0\.1:\d+\) has 3 \(give splits=\)", str(got["alltoall_uneven"]))
+        assert got["after_uneven"].tolist() == [[0, 10], [1, 11]][r]
         np.testing.assert_array_equal(got["bcast"], [20.0, 40.0])
         np.testing.assert_array_equal(got["bcast_var"], [1.0, 6.0])
         assert str(got["root_error"]) == ("broadcast: root_rank must be an int in 0..1 (the "

@@ -119,7 +119,7 @@ class CallMismatchError(tf.errors.FailedPreconditionError, ValueError):
         super().__init__(None, None, message)
 
 
-def check_same_call(cluster, description, functions):
+def check_same_call(cluster, description, functions, values=None):
     """Raises on every worker, before any data moves, unless all make the same collective call.
 
     Horovod negotiates every collective by name before it runs; TF's
@@ -131,20 +131,51 @@ def check_same_call(cluster, description, functions):
     when the hashes differ every worker raises the same ValueError naming
     each worker's call, and the runtime stays usable for the next call.
 
+    When the calls agree, `values` (what each worker may choose for itself:
+    its row counts, its all-to-all splits) are all-gathered next, so that
+    every worker builds the data's collectives from the same numbers.
+
     Args:
       cluster: tfreduce.Cluster, started; or a LocalCluster (nothing to compare).
       description: str, what the call does: the collective, its name, the
-        shapes and dtypes, the root rank or op.
-      functions: dict where the traced all-gather is kept between calls
+        shapes and dtypes, the root rank or op. Its text fixes the length
+        of `values`.
+      functions: dict where the traced all-gathers are kept between calls
         (the run's ``process.eager_functions()``).
+      values: None, or a sequence of L ints (int64).
+
+    Returns:
+      None without `values`; else an int64 array [workers, L]: row r is
+      worker r's values (on a LocalCluster, [1, L]: this worker's).
 
     Raises:
       CallMismatchError: the workers' calls differ (each worker's description named).
       WorkerLostError: a worker is lost or does not arrive in time.
     """
     if cluster.is_local:
-        return
-    gather = functions.get("check_same_call")
+        return None if values is None else np.asarray([values], np.int64).reshape(1, -1)
+    hashes = _gather_cached(cluster, functions, [_hash(description)])
+    if len(set(hashes[:, 0].tolist())) > 1:
+        texts = _gather_text(cluster, description)
+        calls = "; ".join(f"{cluster.describe(r)}: {text}" for r, text in enumerate(texts))
+        raise CallMismatchError(f"{cluster.describe(cluster.rank)}: the processes made "
+                                f"different collective calls, which must be the same, in the "
+                                f"same order, on every process: {calls}")
+    if values is None:
+        return None
+    if len(values) == 0:  # TF's all-gather fails on an empty tensor
+        return np.zeros([cluster.num_workers, 0], np.int64)
+    return _gather_cached(cluster, functions, values)
+
+
+def _gather_cached(cluster, functions, values):
+    """_gather(cluster, values) through one traced all-gather per length, kept in `functions`.
+
+    Every worker must call it with the same length at the same point: the
+    first call of a length draws its instance key then."""
+    values = np.asarray(values, np.int64).reshape(-1)
+    key = ("check_same_call", len(values))
+    gather = functions.get(key)
     if gather is None:
         group_key = cluster.group_key([_DEVICE])
         options = CollectiveOptions(timeout=cluster.timeout)
@@ -155,14 +186,8 @@ def check_same_call(cluster, description, functions):
                 return all_gather(value, cluster.num_workers, group_key, instance_key, options,
                                   name="gather")
 
-        gather = functions["check_same_call"] = tf.function(
-            build, input_signature=[tf.TensorSpec([1], tf.int64)], autograph=False)
+        gather = functions[key] = tf.function(
+            build, input_signature=[tf.TensorSpec([len(values)], tf.int64)], autograph=False)
     with cluster.detect_lost_workers():
-        hashes = gather(tf.constant([_hash(description)], tf.int64)).numpy()
-    if len(set(hashes.tolist())) == 1:
-        return
-    texts = _gather_text(cluster, description)
-    calls = "; ".join(f"{cluster.describe(r)}: {text}" for r, text in enumerate(texts))
-    raise CallMismatchError(f"{cluster.describe(cluster.rank)}: the processes made different "
-                            f"collective calls, which must be the same, in the same order, on "
-                            f"every process: {calls}")
+        gathered = gather(tf.constant(values)).numpy()
+    return gathered.reshape(cluster.num_workers, len(values))

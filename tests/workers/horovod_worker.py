@@ -117,7 +117,17 @@ def collectives(hvd, out):
     exchanged, received = hvd.alltoall(tf.constant([[10.0], [20.0], [30.0]][:sum(splits)]) + r,
                                        splits=splits)
     out["alltoall"], out["received"] = exchanged.numpy(), received.numpy()
-    out["alltoall_even"] = hvd.alltoall(tf.range(3) + 10 * r).numpy()
+    # Rank 0 repeats its splits, rank 1 changes its own: the pattern is new
+    # to both, so neither may reuse the first call's function (and keys).
+    splits = [[1, 2], [1, 0]][r]
+    out["alltoall_again"] = hvd.alltoall(tf.constant([[10.0], [20.0], [30.0]][:sum(splits)])
+                                         + r, splits=splits)[0].numpy()
+    out["alltoall_even"] = hvd.alltoall(tf.range(2 + 2 * r) + 10 * r).numpy()
+    try:  # 3 rows cannot be shared evenly by 2 processes
+        hvd.alltoall(tf.range(3 + r))
+    except tf.errors.InvalidArgumentError as e:  # Horovod's class
+        out["alltoall_uneven"] = np.array(f"{type(e).__name__}: {e}")
+    out["after_uneven"] = hvd.alltoall(tf.range(2) + 10 * r).numpy()
     out["bcast"] = hvd.broadcast(tf.constant([10.0, 20.0]) * (r + 1), root_rank=1).numpy()
     v = tf.Variable([float(r), 5.0 + r])
     hvd.broadcast_variables([v], root_rank=1)

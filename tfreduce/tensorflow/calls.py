@@ -80,23 +80,37 @@ def _spec(t, rows_vary):
     return tf.TensorSpec(shape, t.dtype)
 
 
-def agree(key, tensors, rows_vary=False, name=None):
+def agree(key, tensors, rows_vary=False, name=None, values=None):
     """Eagerly: raises CallMismatchError on every process unless all make this call.
 
     See ``consistency.check_same_call``; the call is described by its key,
     the user's name and its inputs' dtypes and shapes (rows as None where
     they may differ between processes). In a graph, nothing is checked.
+
+    Args:
+      key: tuple, what the call does (its first item the collective's name).
+      tensors: list of tf.Tensor or tf.IndexedSlices, the call's inputs.
+      rows_vary: bool, processes may differ in axis 0.
+      name: str or None, the user's name for the call.
+      values: None, or L ints this process chooses for itself (its row
+        counts, its splits); L must follow from the key and the inputs.
+
+    Returns:
+      Eagerly with `values`: tuple of tuples of int, row r worker r's values
+      (the same on every process, to build the data's collectives from).
+      Otherwise None.
     """
     if not tf.executing_eagerly():
-        return
+        return None
     specs = [_spec(t, rows_vary) for t in tensors]
     functions = eager_functions()
-    check_same_call(cluster(), _describe(key, tensors, specs, name), functions)
+    every = check_same_call(cluster(), _describe(key, tensors, specs, name), functions, values)
     number = functions.get(_AGREED, -1) + 1
     functions[_AGREED] = number
     # The keys of the functions this call traces (one block per call).
     functions[_CALL_KEYS] = CollectiveKeys(
         first_instance_key=_EAGER_KEYS + (number % _BLOCKS) * _KEYS_PER_CALL)
+    return None if every is None else tuple(tuple(int(v) for v in row) for row in every)
 
 
 # Eager calls trace their functions with keys of their own: a function first

@@ -13,7 +13,6 @@ postscale factors, allgather with uneven first dimensions, broadcast from
 any root rank); TensorFlow's collective ops as the engine.
 """
 
-import numpy as np
 import tensorflow as tf
 
 from tfreduce.collective import (CollectiveChain, CollectiveOptions, broadcast_recv,
@@ -300,11 +299,8 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
         # TF's runtime keeps the shape an instance key first ran with: each
         # pattern of row counts gets its own function (and keys), so a later
         # call with other counts never meets an earlier call's shape.
-        agree(("allgather",), tensors, rows_vary=True, name=name)
-        rows = tf.stack([tf.shape(t, tf.int64)[0] for t in tensors])
-        counts = tuple(tuple(int(c) for c in row) for row in np.reshape(
-            run_cached(("allgather_rows",), build, [rows[None]], check=False)[0].numpy(),
-            [-1, len(tensors)]))
+        counts = agree(("allgather",), tensors, rows_vary=True, name=name,
+                       values=[int(t.shape[0]) for t in tensors])
         return run_cached(("allgather", counts), lambda t: build_known(t, counts), tensors,
                           check=False)
 

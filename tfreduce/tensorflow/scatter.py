@@ -3,9 +3,10 @@
 One tower per process, as in ``tfreduce.tensorflow.ops``: a process's
 tensor is one row of a size x 1 K x N list, and the collective is
 ``tfreduce.reduce_scatter`` / ``tfreduce.all_to_all`` across the processes
-(``cluster=``). Rows are split by tfreduce's one shard rule, which is
-Horovod's too: of B rows over P processes, the first B % P ranks get one row
-more.
+(``cluster=``). reducescatter splits rows by tfreduce's one shard rule,
+which is Horovod's too: of B rows over P processes, the first B % P ranks
+get one row more. alltoall without splits sends each process B / P rows
+and, as Horovod, refuses B that P does not divide.
 
 Sources: Horovod's API (horovod.tensorflow: reducescatter and
 grouped_reducescatter with op, compression and scale factors, alltoall with
@@ -18,14 +19,24 @@ import tensorflow as tf
 from tfreduce.collectives import all_gather, all_to_all, reduce_scatter
 from tfreduce.compression import Compression, as_compressor
 from tfreduce.primitives import scale_by_reciprocal
-from tfreduce.contract import shard_sizes
 from tfreduce.tensorflow.calls import agree, differentiable, run_cached
-from tfreduce.tensorflow.ops import (Average, allgather, check_op, check_process_set,
+from tfreduce.tensorflow.ops import (Average, check_op, check_process_set,
                                      global_process_set, grouped_allgather)
 from tfreduce.tensorflow.process import cluster, device
 from tfreduce.tensorflow.wire import narrow, scale, widen
 
-__all__ = ["reducescatter", "grouped_reducescatter", "alltoall"]
+__all__ = ["reducescatter", "grouped_reducescatter", "alltoall", "SplitsError"]
+
+
+class SplitsError(tf.errors.InvalidArgumentError, ValueError):
+    """alltoall without splits on a process whose rows the processes cannot share evenly.
+
+    A ``tf.errors.InvalidArgumentError``, the class Horovod raises, and a
+    ValueError; raised on every process.
+    """
+
+    def __init__(self, message):
+        super().__init__(None, None, message)
 
 
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
@@ -128,11 +139,22 @@ def _static_splits(splits, size):
     return [int(v) for v in value]
 
 
+def _check_even(rows, found, first=0):
+    """Raises SplitsError naming the processes (from rank `first`) whose rows do not divide evenly."""
+    size = found.num_workers
+    uneven = [f"{found.describe(first + r)} has {n}" for r, n in enumerate(rows) if n % size]
+    if uneven:
+        raise SplitsError(f"alltoall without splits sends each of the {size} processes the "
+                          f"same number of rows, so each process's rows must be a multiple "
+                          f"of {size}: {', '.join(uneven)} (give splits=)")
+
+
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
              process_set=global_process_set):
     """Sends rows of a tensor to every process and joins what each receives, in rank order.
 
-    Without ``splits`` the rows are split by the shard rule (the first
+    Without ``splits`` each process's rows are split evenly, as Horovod
+    does: each process's rows must be a multiple of the processes. With
     B % size ranks get one more). Example, 2 processes, ``splits`` [1, 2]
     on rank 0 and [0, 1] on rank 1::
 
@@ -161,43 +183,61 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     check_process_set(process_set, "alltoall")
     tensor = tf.convert_to_tensor(tensor)
     found, place = cluster(), device()
+    if tensor.shape.rank == 0:
+        raise ValueError("alltoall: the tensor is a scalar; send tensors of rank >= 1, whose "
+                         "rows are split (tf.reshape(x, [1]))")
     counts = _static_splits(splits, found.num_workers)
     rows = tensor.shape[0] if tensor.shape.rank else None
     if counts is not None and rows is not None and sum(counts) != rows:
         raise ValueError(f"alltoall: splits {counts} add up to {sum(counts)}, but the tensor "
                          f"has {rows} rows")
+    if counts is None and rows is not None and not tf.executing_eagerly():
+        _check_even([rows], found, found.rank)  # eagerly, every process's rows are checked
 
-    def build(tensors):
+    def build(tensors, received=None):
+        # received: the rows from each process, when known (eagerly).
         with tf.device(place):
             out = all_to_all([[widen(t) for t in tensors]], [place],
                              splits=None if counts is None else [counts], cluster=found)[0]
             out = [narrow(t, tensor.dtype) for t in out]
             if counts is None:
                 return out
-            sent = tf.constant([counts], tf.int32)
-            every = all_gather([[sent]], [place], cluster=found)[0][0]  # [size, size]
-            return out + [tf.identity(every[:, found.rank], name="received_splits")]
+            if received is None:
+                sent = tf.constant([counts], tf.int32)
+                every = all_gather([[sent]], [place], cluster=found)[0][0]  # [size, size]
+                return out + [tf.identity(every[:, found.rank], name="received_splits")]
+            return out + [tf.constant(received, tf.int32, name="received_splits")]
 
-    received = []
+    received = []  # the rows from each process (their splits to this one)
 
     def exchange(tensors):
-        # Each process sends its own splits: they are not compared.
-        agree(("alltoall", "splits" if counts is not None else "even"), tensors, rows_vary=True,
-              name=name)
-        out = run_cached(("alltoall", None if counts is None else tuple(counts)), build,
-                         tensors, rows_vary=True, check=False)
+        if not tf.executing_eagerly():
+            out = build(tensors)
+            received[:] = [out[1]] if counts is not None else []
+            return out[:1]
+        # Each process chooses its own splits (or rows): they are gathered
+        # with the check that every process makes this call, and each
+        # pattern gets its own function, whose collectives then have one
+        # shape on every process whenever they run.
+        own = counts if counts is not None else [int(tensor.shape[0])]
+        every = agree(("alltoall", "splits" if counts is not None else "even"), tensors,
+                      rows_vary=True, name=name, values=own)
+        if counts is None:
+            _check_even([row[0] for row in every], found)
+            received[:] = [[row[0] // found.num_workers for row in every]]
+            return run_cached(("alltoall", every), build, tensors, rows_vary=True, check=False)
+        received[:] = [[row[found.rank] for row in every]]
+        out = run_cached(("alltoall", every), lambda t: build(t, received[0]), tensors,
+                         rows_vary=True, check=False)
         received[:] = out[1:]
         return out[:1]
 
     def gradient(upstream):
-        # Horovod's: the upstream rows sent back to where they came from.
-        if counts is not None:
-            back = received[0]
-        else:
-            sent = shard_sizes(int(tensor.shape[0]), found.num_workers)
-            back = tf.reshape(allgather(tf.constant([sent], tf.int32)), [-1, len(sent)])
-            back = back[:, found.rank]
-        return [alltoall(upstream[0], splits=back)[0]]
+        # Horovod's: the upstream rows sent back to where they came from
+        # (evenly split, they come back evenly too).
+        if not received:
+            return [alltoall(upstream[0])]
+        return [alltoall(upstream[0], splits=received[0])[0]]
 
     out = differentiable(exchange, gradient, [tensor])[0]
     return out if counts is None else (out, received[0])
