@@ -426,6 +426,19 @@ def test_scale_factors_scale_the_rows_of_indexed_slices(one_process):
     np.testing.assert_array_equal(tf.convert_to_tensor(grad).numpy()[2], [2.0, 2.0])
 
 
+def test_float16_scales_in_float32_with_one_rounding_back(one_process):
+    # Horovod's ScaleBuffer: 65 x 0.19151945 is 12.449 in float32, 12.445
+    # in float16; with the factor rounded to float16 first it would be 12.45.
+    factor = 0.1915194503788923
+    x = np.array([65.0, 67.0, 2.0], np.float16)
+    want = (x.astype(np.float32) * np.float32(factor)).astype(np.float16)
+    assert (want != x * np.float16(factor)).any()  # the two roundings differ here
+    for option in ("prescale_factor", "postscale_factor"):
+        out = hvd.allreduce(tf.constant(x), op=hvd.Sum, **{option: factor})
+        assert out.dtype == tf.float16
+        np.testing.assert_array_equal(out.numpy(), want)
+
+
 @pytest.mark.slow
 def test_each_local_rank_sees_its_own_gpu():
     # No GPU here: TensorFlow's device listing is replaced by 4 made-up GPUs,

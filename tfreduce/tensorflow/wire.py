@@ -12,7 +12,8 @@ narrow type's range.
 
 Scale factors follow Horovod's C++ ``ScaleBuffer``: an integer tensor is
 multiplied in float64 and cast back (truncated toward zero), so 0.75 scales
-ints instead of becoming 0; a float tensor is multiplied in its own dtype.
+ints instead of becoming 0; a float16 (or bfloat16) tensor in float32, with
+one rounding back; float32 and float64 tensors in their own dtype.
 """
 
 import tensorflow as tf
@@ -63,4 +64,6 @@ def scale(t, factor):
         return t
     if t.dtype.is_integer:
         return tf.cast(tf.cast(t, tf.float64) * factor, t.dtype)
+    if t.dtype in (tf.float16, tf.bfloat16):
+        return tf.cast(tf.cast(t, tf.float32) * tf.cast(factor, tf.float32), t.dtype)
     return t * tf.cast(factor, t.dtype)
