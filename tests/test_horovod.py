@@ -96,6 +96,14 @@ def test_horovods_semantics_beyond_float_sums(ranks):
         assert got["int16_Max"].tolist() == [3, -5] and got["int16_Max"].dtype == np.int16
         assert got["slices"].tolist() == [[1.0, 2.0], [2.0, 4.0]]
         assert got["slices_rows"].tolist() == [0, 1] and bool(got["slices_shape"])
+        # 8-bit rows cross widened (200 stays 200); a sparse integer mean is
+        # Horovod's true division: float32 for 8-bit values, float64 for 64-bit.
+        assert got["slices_uint8_sum"].tolist() == [[100, 7], [200, 14]]
+        assert got["slices_uint8_sum"].dtype == np.uint8
+        assert got["slices_uint8_mean"].tolist() == [[50.0, 3.5], [100.0, 7.0]]
+        assert got["slices_uint8_mean"].dtype == np.float32
+        assert got["slices_int64_mean"].tolist() == [[1.5, -2.5], [1.5, -2.5]]
+        assert got["slices_int64_mean"].dtype == np.float64
         assert str(got["slices_min_error"]) == (
             "allreduce: op='min' does not reduce tf.IndexedSlices, only Sum and Average do "
             "(densify them first: tf.convert_to_tensor, or sparse_as_dense=True)")
@@ -149,11 +157,31 @@ def test_calls_that_differ_between_ranks_raise_on_every_rank_and_the_next_call_w
                 rf"worker 1 \(127\.0\.0\.1:\d+\): {re.escape(call1)}",
                 str(got[f"mismatch_{name}"])), str(got[f"mismatch_{name}"])
             assert got[f"after_{name}"].tolist() == [1.0, 1.0], name
-        # Refused before a collective key is drawn: the next eager call pairs up.
-        assert str(got["v1_graph_error"]).startswith(
-            "tfreduce.tensorflow's collectives run eagerly or inside a tf.function: a "
-            "tf.compat.v1 graph and session cannot reach the other processes")
+        # In a TF1 session too, the next call pairs up (and then an eager one).
+        assert "CallMismatchError: worker " in str(got["v1_graph_error"])
+        assert ("allreduce (average, none, 1.0, 1.0) of float32 [3]; worker 1 "
+                in str(got["v1_graph_error"]))
+        assert got["v1_graph_next"].tolist() == [1.0, 1.0]
         assert got["after_v1_graph"].tolist() == [1.0, 1.0]
+
+
+def test_tf1_graphs_run_the_collectives_in_each_processs_own_session(ranks):
+    for r, got in enumerate(ranks):
+        assert got["v1/allreduce"].tolist() == [3.0, 4.0]
+        assert got["v1/allreduce_uint8"].tolist() == [3, 5]  # (5 + 6) / 2 truncated
+        assert got["v1/allreduce_uint8"].dtype == np.uint8
+        assert got["v1/allgather"].tolist() == [[0], [1], [1]]
+        assert got["v1/broadcast"].tolist() == [2.0, 5.0]
+        assert got["v1/reducescatter"].tolist() == [[[1.5], [2.5]], [[3.5]]][r]
+        assert got["v1/alltoall"].tolist() == [[[10.0]], [[20.0], [30.0], [11.0]]][r]
+        assert got["v1/alltoall_received"].tolist() == [[1, 0], [2, 1]][r]
+        # Horovod's gradient rules, as eagerly: this rank's rows of the mean
+        # of 2 x the gathered [[1, 2], [2, 2]]; the 3s sent back.
+        assert got["v1/grad_allgather"].tolist() == [[[2.0, 4.0]], [[4.0, 4.0]]][r]
+        assert got["v1/grad_alltoall"].tolist() == [[[3.0]] * 3, [[3.0]]][r]
+        assert got["v1/variable"].tolist() == [1.0, 4.0]  # rank 1's
+        # rank 0's: v was rank 1's already, w is a reference variable.
+        assert got["v1/global_v"].tolist() == [1.0, 4.0] and got["v1/global_w"].tolist() == [0.0]
 
 
 @pytest.mark.parametrize("name", ["partial_tape", "partial_fit"])

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from tfreduce.collective import CollectiveOptions, all_gather, in_function
 
-__all__ = ["CallMismatchError", "check_workers_agree", "check_same_call"]
+__all__ = ["CallMismatchError", "MessageError", "check_workers_agree", "check_same_call"]
 
 # Bytes of one fact's text sent when it differs (longer texts are cut).
 _TEXT_BYTES = 240
@@ -108,15 +108,23 @@ def check_workers_agree(cluster, towers, settings, variables):
         f"{name} has {text}" for name, text in zip(names, texts)))
 
 
-class CallMismatchError(tf.errors.FailedPreconditionError, ValueError):
+class MessageError:
+    """Base (first) of an error that is also a ``tf.errors.OpError``: raised with a message alone.
+
+    TF re-raises an OpError as ``type(e)(node_def, op, message)``; both forms work.
+    """
+
+    def __init__(self, *args):
+        node_def, op, message = (None, None) + args if len(args) == 1 else args[:3]
+        super().__init__(node_def, op, message)
+
+
+class CallMismatchError(MessageError, tf.errors.FailedPreconditionError, ValueError):
     """The processes made different collective calls; raised on every process.
 
     A ``tf.errors.FailedPreconditionError``, the class Horovod raises for a
     mismatch between ranks, and a ValueError.
     """
-
-    def __init__(self, message):
-        super().__init__(None, None, message)
 
 
 def check_same_call(cluster, description, functions, values=None):

@@ -159,6 +159,11 @@ def semantics(hvd, out):
     out["slices"] = slices.values.numpy()
     out["slices_rows"] = slices.indices.numpy()
     out["slices_shape"] = np.array(slices.dense_shape is None)
+    rows8 = tf.IndexedSlices(tf.constant([[100, 7]], tf.uint8) * (r + 1), tf.constant([r]))
+    out["slices_uint8_sum"] = hvd.allreduce(rows8, op=hvd.Sum).values.numpy()
+    out["slices_uint8_mean"] = hvd.allreduce(rows8).values.numpy()
+    out["slices_int64_mean"] = hvd.allreduce(
+        tf.IndexedSlices(tf.constant([[3, -5]], tf.int64), tf.constant([r]))).values.numpy()
     try:
         hvd.allreduce(tf.IndexedSlices(f[None], tf.constant([0])), op=hvd.Min)
     except NotImplementedError as e:
@@ -238,12 +243,42 @@ def mismatches(hvd, out):
         except tf.errors.FailedPreconditionError as e:  # Horovod's class for a mismatch
             out[f"mismatch_{name}"] = np.array(f"{type(e).__name__}: {e}")
         out[f"after_{name}"] = hvd.allreduce(tf.ones([2]) * r, op=hvd.Sum).numpy()
-    with tf.Graph().as_default():  # a tf.compat.v1 graph cannot reach the other processes
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:  # TF1 graph mode
         try:
-            hvd.allreduce(tf.ones([2]))
-        except RuntimeError as e:
-            out["v1_graph_error"] = np.array(str(e))
+            session.run(hvd.allreduce(tf.ones([3 + r])))
+        except tf.errors.InvalidArgumentError as e:  # TF's py_function maps a ValueError so
+            out["v1_graph_error"] = np.array(e.message)
+        out["v1_graph_next"] = session.run(hvd.allreduce(tf.ones([2]) * r, op=hvd.Sum))
     out["after_v1_graph"] = hvd.allreduce(tf.ones([2]) * r, op=hvd.Sum).numpy()
+
+
+def session_graph(hvd, out):
+    """Horovod's TF1 graph mode: the collectives built in a tf.compat.v1 graph, run by a
+    session of each process's own."""
+    r = hvd.rank()
+    with tf.Graph().as_default():
+        x = tf.constant([[1.0 + r, 2.0]])
+        ops = {"allreduce": hvd.allreduce(tf.constant([1.0 + r, 2.0]), op=hvd.Sum),
+               "allreduce_uint8": hvd.allreduce(tf.constant([3, 5 + r], tf.uint8)),
+               "allgather": hvd.allgather(tf.constant([[r]] * (r + 1))),
+               "broadcast": hvd.broadcast(tf.constant([1.0 + r, 5.0]), 1),
+               "reducescatter": hvd.reducescatter(tf.constant([[1.0], [2.0], [3.0]]) + r)}
+        splits = [[1, 2], [0, 1]][r]
+        rows = tf.constant([[10.0], [20.0], [30.0]][:sum(splits)]) + r
+        ops["alltoall"], ops["alltoall_received"] = hvd.alltoall(rows, splits=splits)
+        ops["grad_allgather"] = tf.gradients(tf.reduce_sum(hvd.allgather(x) ** 2), x)[0]
+        ops["grad_alltoall"] = tf.gradients(tf.reduce_sum(ops["alltoall"] * 3.0), rows)[0]
+        v = tf.compat.v1.Variable([float(r), 3.0 + r])
+        w = tf.compat.v1.Variable([float(r)], use_resource=False)  # a reference variable
+        assign = hvd.broadcast_variables([v], 1)
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            for name, op in ops.items():
+                out[f"v1/{name}"] = session.run(op)
+            session.run(assign)
+            out["v1/variable"] = session.run(v)
+            session.run(hvd.broadcast_global_variables(0))
+            out["v1/global_v"], out["v1/global_w"] = session.run([v, w])
 
 
 def fit(hvdk, out, name, micro=1, dtype="float32", norm=None, hidden=8, **options):
@@ -355,6 +390,7 @@ def main(argv=None):
     semantics(hvd, out)
     gradients(hvd, out)
     mismatches(hvd, out)
+    session_graph(hvd, out)
     local_layers(hvd, hvdk, out)
     fit(hvdk, out, "fit")
     fit(hvdk, out, "fp16", compression=hvd.Compression.fp16)

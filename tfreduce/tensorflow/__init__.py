@@ -25,6 +25,8 @@ from tfreduce.tensorflow.process import (ccl_built, cross_rank, cross_size, cuda
 from tfreduce.tensorflow.scatter import alltoall, grouped_reducescatter, reducescatter
 from tfreduce.tensorflow.sync_batch_norm import SyncBatchNormalization
 from tfreduce.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape
+from tfreduce.tensorflow import util
+from tfreduce.tensorflow.util import _executing_eagerly
 
 __all__ = ["Adasum", "Average", "Compression", "DistributedGradientTape", "Max", "Min",
            "PartialDistributedGradientTape",

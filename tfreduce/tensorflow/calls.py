@@ -5,11 +5,18 @@ Eagerly, each collective call runs inside a ``tf.function`` kept per
 reuses its function and its instance keys, as a training step does.
 Each collective has Horovod's gradient rule (``differentiable``).
 
+In a ``tf.compat.v1`` graph of a run of several processes, a call becomes
+a ``tf.py_function`` that makes the same call eagerly when the session
+runs it (``in_session``): the user's session, local to its process, never
+sees the other processes, but the eager context it calls into does.
+
 Sources: Horovod's API (horovod.tensorflow.mpi_ops: the gradients
-registered for each collective).
+registered for each collective; its TF1 graph mode, where each collective
+is an op run by the user's session).
 """
 
 import contextlib
+import threading
 
 import tensorflow as tf
 
@@ -17,7 +24,8 @@ from tfreduce.collective import CollectiveKeys
 from tfreduce.consistency import check_same_call
 from tfreduce.tensorflow.process import cluster, eager_functions
 
-__all__ = ["agree", "as_tensor", "differentiable", "run_cached"]
+__all__ = ["agree", "as_tensor", "differentiable", "in_session", "result_spec", "run_cached",
+           "session_graph"]
 
 
 def as_tensor(tensor):
@@ -187,3 +195,78 @@ def _describe(key, tensors, specs, name):
     named = f" {name!r}" if name else ""
     settings = f" ({', '.join(str(o) for o in options)})" if options else ""
     return f"{what}{named}{settings} of {', '.join(inputs) or 'nothing'}"
+
+
+def session_graph():
+    """bool: building a tf.compat.v1 graph (not eager, not a tf.function) with several processes."""
+    return (not tf.executing_eagerly() and not tf.inside_function()
+            and not cluster().is_local)
+
+
+def result_spec(t, dtype=None, rows_vary=False):
+    """The spec of a collective's result like t (a graph tensor or tf.IndexedSlices).
+
+    Args:
+      t: tf.Tensor or tf.IndexedSlices.
+      dtype: the result's dtype (its values'), if not t's.
+      rows_vary: the result's axis 0 is not t's (a gather, a scatter).
+
+    Returns:
+      tf.TensorSpec or tf.IndexedSlicesSpec.
+    """
+    if isinstance(t, tf.IndexedSlices):
+        shape = tf.TensorShape([None]).concatenate(t.values.shape[1:])
+        return tf.IndexedSlicesSpec(
+            shape, dtype or t.values.dtype, t.indices.dtype,
+            None if t.dense_shape is None else t.dense_shape.dtype, [None])
+    shape = t.shape
+    if rows_vary and shape.rank:
+        shape = tf.TensorShape([None]).concatenate(shape[1:])
+    return tf.TensorSpec(shape, dtype or t.dtype)
+
+
+# One collective call at a time per process: a session runs independent ops
+# side by side, and two calls in flight at once would draw keys in an order
+# the other processes cannot know.
+_SESSION_CALLS = threading.Lock()
+
+
+def in_session(call, tensors, outputs):
+    """call(tensors) as one op of a tf.compat.v1 graph, made eagerly when a session runs it.
+
+    The op is a ``tf.py_function``: at run time its inputs arrive as eager
+    tensors and `call` runs the eager collective (checked against the other
+    processes, in a traced function, with its gradient rule). One call runs
+    at a time per process. Ops that one ``session.run`` may run side by side
+    (neither depends on the other) run in the order the session's executor
+    reaches them, which may differ between processes: then every process
+    raises the mismatch error; make one depend on the other
+    (``tf.control_dependencies``) or use a grouped collective.
+
+    Args:
+      call: function (list of eager tf.Tensor or tf.IndexedSlices) -> list
+        of them.
+      tensors: list of graph tf.Tensor or tf.IndexedSlices.
+      outputs: list of tf.TensorSpec or tf.IndexedSlicesSpec, call's results.
+
+    Returns:
+      list of graph tensors (or tf.IndexedSlices) shaped by `outputs`.
+
+    Raises (when the session runs the op):
+      tf.errors.InvalidArgumentError: carrying the eager call's ValueError or
+        TypeError (a mismatch between processes too: TF's py_function maps
+        every ValueError to this class).
+    """
+    flat = tf.nest.flatten(tensors, expand_composites=True)
+    specs = tf.nest.flatten(outputs, expand_composites=True)
+
+    def run(*values):
+        with _SESSION_CALLS:
+            result = call(tf.nest.pack_sequence_as(tensors, list(values), expand_composites=True))
+        return tf.nest.flatten(result, expand_composites=True)
+
+    out = tf.py_function(run, flat, [spec.dtype for spec in specs], name="hvd_in_session")
+    out = out if isinstance(out, list) else [out]
+    for t, spec in zip(out, specs):
+        t.set_shape(spec.shape)
+    return tf.nest.pack_sequence_as(outputs, out, expand_composites=True)

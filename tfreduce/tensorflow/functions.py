@@ -14,6 +14,7 @@ import pickle
 import numpy as np
 import tensorflow as tf
 
+from tfreduce.tensorflow.calls import session_graph
 from tfreduce.tensorflow.ops import (allgather, broadcast, broadcast_variables,
                                      check_process_set, global_process_set)
 from tfreduce.tensorflow.process import local_rank, local_size, rank, size
@@ -88,12 +89,15 @@ def _no_session(session, where):
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     """Assigns root_rank's values to the variables in place; returns the variables.
 
+    In a tf.compat.v1 graph of several processes, returns the assignments'
+    values instead (running one in a session broadcasts and assigns).
+
     Raises:
       As ``broadcast_variables``.
     """
     del name
-    broadcast_variables(variables, root_rank, process_set=process_set)
-    return variables
+    assigned = broadcast_variables(variables, root_rank, process_set=process_set)
+    return assigned if session_graph() else variables
 
 
 def broadcast_global_variables(root_rank):
@@ -103,8 +107,7 @@ def broadcast_global_variables(root_rank):
       the op that assigns them (run it on every process).
 
     Raises:
-      RuntimeError: in eager mode (TF2 has no global variables); with several
-        processes (a tf.compat.v1 graph's session cannot reach them yet).
+      RuntimeError: in eager mode (TF2 has no global variables).
     """
     if tf.executing_eagerly():
         raise RuntimeError(

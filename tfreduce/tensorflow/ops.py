@@ -21,7 +21,8 @@ from tfreduce.compression import Compression, as_compressor
 from tfreduce.contract import check_root_rank, tf_variables
 from tfreduce.devices import local_name
 from tfreduce.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
-from tfreduce.tensorflow.calls import agree, as_tensor, differentiable, run_cached
+from tfreduce.tensorflow.calls import (agree, as_tensor, differentiable, in_session, result_spec,
+                                      run_cached, session_graph)
 from tfreduce.tensorflow.process import cluster, device
 from tfreduce.tensorflow.wire import narrow, scale, widen
 
@@ -150,6 +151,11 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
         raise NotImplementedError(
             f"{where}: op={op!r} does not reduce tf.IndexedSlices, only Sum and Average do "
             "(densify them first: tf.convert_to_tensor, or sparse_as_dense=True)")
+    if session_graph():
+        return in_session(
+            lambda ts: _allreduce_list(ts, None, compression, op, prescale_factor,
+                                       postscale_factor, process_set, where, name),
+            tensors, [result_spec(t, _mean_dtype(t, op)) for t in tensors])
     found, place = cluster(), device()
     compression = as_compressor(compression)
 
@@ -157,26 +163,45 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
         with tf.device(place):
             out = _reduce(found, place, [scale(t, prescale_factor) for t in tensors], op,
                           compression)
-            # An integer mean is Horovod's: the sum scaled once by
-            # postscale / size in float64, truncated.
-            return [scale(t, postscale_factor / found.num_workers if _integer_mean(t, op)
-                          else postscale_factor) for t in out]
+            return [_finish_mean(t, op, postscale_factor, found.num_workers) for t in out]
 
     return run_cached(("allreduce", op, compression.name, prescale_factor, postscale_factor),
                       build, tensors, name=name)
 
 
 def _integer_mean(t, op):
-    return op == Average and not isinstance(t, tf.IndexedSlices) and not t.dtype.is_floating
+    values = t.values if isinstance(t, tf.IndexedSlices) else t
+    return op == Average and not values.dtype.is_floating
+
+
+def _mean_dtype(t, op):
+    """The dtype of t's reduction: t's, but TF's true division's for a sparse integer mean."""
+    if isinstance(t, tf.IndexedSlices) and _integer_mean(t, op):
+        return tf.float32 if t.values.dtype.size <= 2 else tf.float64
+    return t.dtype
+
+
+def _finish_mean(t, op, postscale_factor, size):
+    """A reduced tensor times postscale_factor; an integer mean finished as Horovod does.
+
+    Horovod's integer mean: a dense sum scaled once by postscale / size in
+    float64 and truncated; the gathered rows of tf.IndexedSlices divided by
+    size with TF's true division (float32 values for 8- and 16-bit
+    integers, float64 for 32- and 64-bit ones)."""
+    if not _integer_mean(t, op):
+        return scale(t, postscale_factor)
+    if not isinstance(t, tf.IndexedSlices):
+        return scale(t, postscale_factor / size)
+    values = tf.math.truediv(t.values, tf.cast(size, t.values.dtype))
+    return scale(tf.IndexedSlices(values, t.indices, t.dense_shape), postscale_factor)
 
 
 def _reduce(found, place, tensors, op, compression):
     """The op over the processes of each tensor (widened on the wire where TF needs it)."""
     if found.is_local:
         return [t if isinstance(t, tf.IndexedSlices) else tf.identity(t) for t in tensors]
-    dtypes = [t.dtype for t in tensors]
-    tensors = [t if isinstance(t, tf.IndexedSlices) else widen(t, keep=(tf.bfloat16,))
-               for t in tensors]
+    given = tensors
+    tensors = [_on_wire(t) for t in tensors]
     if op in _ELEMENTWISE:
         chain, group_key, _ = _chain_for(found, place)
         out = []
@@ -201,8 +226,22 @@ def _reduce(found, place, tensors, op, compression):
                         cluster=found, compression=compression)[0]
                 for n, t in zip(picked, reduced):
                     out[n] = t
-    return [t if isinstance(t, tf.IndexedSlices) else narrow(t, dtype)
-            for t, dtype in zip(out, dtypes)]
+    return [_off_wire(t, like) for t, like in zip(out, given)]
+
+
+def _on_wire(t):
+    # TF's all-reduce takes bfloat16; the gather of sparse rows does not.
+    if isinstance(t, tf.IndexedSlices):
+        return tf.IndexedSlices(widen(t.values), t.indices, t.dense_shape)
+    return widen(t, keep=(tf.bfloat16,))
+
+
+def _off_wire(t, like):
+    # The input's dtypes again (the gathered indices come as int64).
+    if isinstance(t, tf.IndexedSlices):
+        return tf.IndexedSlices(narrow(t.values, like.dtype),
+                                narrow(t.indices, like.indices.dtype), t.dense_shape)
+    return narrow(t, like.dtype)
 
 
 def allreduce(tensor, average=None, device_dense="", device_sparse="",
@@ -294,6 +333,8 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
         return out
 
     def gather(tensors):
+        if session_graph():
+            return in_session(gather, tensors, [result_spec(t, rows_vary=True) for t in tensors])
         if not tf.executing_eagerly():
             return build(tensors)
         # TF's runtime keeps the shape an instance key first ran with: each
@@ -369,9 +410,12 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
         mean = allreduce(upstream[0])
         return [mean if found.rank == root_rank else tf.zeros_like(mean)]
 
-    return differentiable(lambda t: run_cached(("broadcast", root_rank), build, t, name=name),
-                          gradient,
-                          [tensor])[0]
+    def forward(tensors):
+        if session_graph():
+            return in_session(forward, tensors, [result_spec(tensors[0])])
+        return run_cached(("broadcast", root_rank), build, tensors, name=name)
+
+    return differentiable(forward, gradient, [tensor])[0]
 
 
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
@@ -398,7 +442,12 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     if not variables[0]:
         return
     found = cluster()
-    device()  # refuses a tf.compat.v1 graph
+    if session_graph():
+        # The user's session runs the broadcast of the values, then the assignments.
+        values = [v.read_value() for v in variables[0]]
+        values = in_session(lambda ts: [broadcast(t, root_rank) for t in ts], values,
+                            [result_spec(t) for t in values])
+        return [v.assign(t) for v, t in zip(variables[0], values)]
     if not tf.executing_eagerly():
         return broadcast_variables_multiworker(variables, found, root_rank=root_rank)
 

@@ -149,18 +149,9 @@ def device():
     """str, this process's device: "/device:GPU:0" (its local rank's GPU) or "/device:CPU:0".
 
     Raises:
-      RuntimeError: init() was not called; in a run of several processes,
-        called while building a tf.compat.v1 graph (its session cannot reach
-        the other processes: build collectives eagerly or in a tf.function).
+      RuntimeError: init() was not called.
     """
-    found = cluster()
-    if not found.is_local and not tf.executing_eagerly() and not tf.inside_function():
-        # Refused before any collective key is drawn: a process that built
-        # part of a graph would otherwise draw keys its peers do not.
-        raise RuntimeError(
-            "tfreduce.tensorflow's collectives run eagerly or inside a tf.function: a "
-            "tf.compat.v1 graph and session cannot reach the other processes (Horovod's TF1 "
-            "graph mode is not offered)")
+    cluster()
     return _RUN.device
 
 

@@ -18,8 +18,10 @@ import tensorflow as tf
 
 from tfreduce.collectives import all_gather, all_to_all, reduce_scatter
 from tfreduce.compression import Compression, as_compressor
+from tfreduce.consistency import MessageError
 from tfreduce.primitives import scale_by_reciprocal
-from tfreduce.tensorflow.calls import agree, differentiable, run_cached
+from tfreduce.tensorflow.calls import (agree, differentiable, in_session, result_spec, run_cached,
+                                      session_graph)
 from tfreduce.tensorflow.ops import (Average, check_op, check_process_set,
                                      global_process_set, grouped_allgather)
 from tfreduce.tensorflow.process import cluster, device
@@ -28,15 +30,12 @@ from tfreduce.tensorflow.wire import narrow, scale, widen
 __all__ = ["reducescatter", "grouped_reducescatter", "alltoall", "SplitsError"]
 
 
-class SplitsError(tf.errors.InvalidArgumentError, ValueError):
+class SplitsError(MessageError, tf.errors.InvalidArgumentError, ValueError):
     """alltoall without splits on a process whose rows the processes cannot share evenly.
 
     A ``tf.errors.InvalidArgumentError``, the class Horovod raises, and a
     ValueError; raised on every process.
     """
-
-    def __init__(self, message):
-        super().__init__(None, None, message)
 
 
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
@@ -105,9 +104,13 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
         factor = prescale_factor * postscale_factor * (found.num_workers if op != Average else 1)
         return grouped_allgather([scale(g, factor) for g in upstream])
 
-    return differentiable(lambda t: run_cached(("reducescatter", op, compression.name,
-                                                prescale_factor, postscale_factor), build, t),
-                          gradient, tensors)
+    def forward(tensors):
+        if session_graph():
+            return in_session(forward, tensors, [result_spec(t, rows_vary=True) for t in tensors])
+        return run_cached(("reducescatter", op, compression.name, prescale_factor,
+                           postscale_factor), build, tensors)
+
+    return differentiable(forward, gradient, tensors)
 
 
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
@@ -149,6 +152,31 @@ def _check_even(rows, found, first=0):
                           f"of {size}: {', '.join(uneven)} (give splits=)")
 
 
+def _alltoall_in_session(tensor, splits, name):
+    # The splits may become known only when the session runs the call
+    # (eagerly, where they are checked); so may the received splits, which
+    # the gradient sends back.
+    received = []
+
+    def forward(tensors):
+        spec = result_spec(tensors[0], rows_vary=True)
+        if splits is None:
+            return in_session(lambda ts: [alltoall(ts[0], name=name)], tensors, [spec])
+        out = in_session(lambda ts: list(alltoall(ts[0], ts[1], name=name)),
+                         [tensors[0], tf.convert_to_tensor(splits)],
+                         [spec, tf.TensorSpec([cluster().num_workers], tf.int32)])
+        received[:] = out[1:]
+        return out[:1]
+
+    def backward(upstream):
+        if splits is None:
+            return [alltoall(upstream[0])]
+        return [alltoall(upstream[0], splits=received[0])[0]]
+
+    out = differentiable(forward, backward, [tensor])[0]
+    return out if splits is None else (out, received[0])
+
+
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
              process_set=global_process_set):
     """Sends rows of a tensor to every process and joins what each receives, in rank order.
@@ -182,6 +210,8 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     del ignore_name_scope
     check_process_set(process_set, "alltoall")
     tensor = tf.convert_to_tensor(tensor)
+    if session_graph():
+        return _alltoall_in_session(tensor, splits, name)
     found, place = cluster(), device()
     if tensor.shape.rank == 0:
         raise ValueError("alltoall: the tensor is a scalar; send tensors of rank >= 1, whose "
