@@ -76,6 +76,9 @@ def test_collectives_equal_numpy(ranks):
         assert got["after_uneven"].tolist() == [[0, 10], [1, 11]][r]
         np.testing.assert_array_equal(got["bcast"], [20.0, 40.0])
         np.testing.assert_array_equal(got["bcast_var"], [1.0, 6.0])
+        assert got["bcast_small0"].tolist() == [201, 1] and got["bcast_small0"].dtype == np.uint8
+        assert got["bcast_small1"].tolist() == [-4] and got["bcast_small1"].dtype == np.int16
+        assert got["bcast_small2"].tolist() == [True] and got["bcast_small3"].tolist() == [1.5]
         assert str(got["root_error"]) == ("broadcast: root_rank must be an int in 0..1 (the "
                                           "ranks of the 2 processes), got 2")
 
@@ -159,8 +162,8 @@ def test_calls_that_differ_between_ranks_raise_on_every_rank_and_the_next_call_w
             assert got[f"after_{name}"].tolist() == [1.0, 1.0], name
         # In a TF1 session too, the next call pairs up (and then an eager one).
         assert "CallMismatchError: worker " in str(got["v1_graph_error"])
-        assert ("allreduce (average, none, 1.0, 1.0) of float32 [3]; worker 1 "
-                in str(got["v1_graph_error"]))
+        assert ("allreduce (average, none, 1.0, 1.0) of float32 [3] in op 'hvd_in_session'; "
+                "worker 1 " in str(got["v1_graph_error"]))
         assert got["v1_graph_next"].tolist() == [1.0, 1.0]
         assert got["after_v1_graph"].tolist() == [1.0, 1.0]
 
@@ -180,6 +183,10 @@ def test_tf1_graphs_run_the_collectives_in_each_processs_own_session(ranks):
         assert got["v1/grad_allgather"].tolist() == [[[2.0, 4.0]], [[4.0, 4.0]]][r]
         assert got["v1/grad_alltoall"].tolist() == [[[3.0]] * 3, [[3.0]]][r]
         assert got["v1/variable"].tolist() == [1.0, 4.0]  # rank 1's
+        side = str(got["v1/side_by_side"])
+        assert side == str([np.array([3.0], np.float32), np.array([30.0], np.float32)]) or (
+            "the processes made different collective calls" in side
+            and "in op 'hvd_in_session_" in side), side
         # rank 0's: v was rank 1's already, w is a reference variable.
         assert got["v1/global_v"].tolist() == [1.0, 4.0] and got["v1/global_w"].tolist() == [0.0]
 

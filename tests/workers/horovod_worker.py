@@ -132,6 +132,13 @@ def collectives(hvd, out):
     v = tf.Variable([float(r), 5.0 + r])
     hvd.broadcast_variables([v], root_rank=1)
     out["bcast_var"] = v.numpy()
+    # Dtypes TF's broadcast lacks cross widened, beside a packed float32.
+    small = [tf.Variable(tf.constant([200 + r, r], tf.uint8)),
+             tf.Variable(tf.constant([-3 - r], tf.int16)), tf.Variable([r == 1]),
+             tf.Variable([0.5 + r])]
+    hvd.broadcast_variables(small, root_rank=1)
+    for i, var in enumerate(small):
+        out[f"bcast_small{i}"] = var.numpy()
     try:
         hvd.broadcast(x, root_rank=2)
     except ValueError as e:
@@ -279,6 +286,14 @@ def session_graph(hvd, out):
             out["v1/variable"] = session.run(v)
             session.run(hvd.broadcast_global_variables(0))
             out["v1/global_v"], out["v1/global_w"] = session.run([v, w])
+            # Two calls alike that one run may make in either order: never
+            # paired across the two ops (right sums, or an error on both).
+            pair = [hvd.allreduce(tf.constant([1.0]) * (r + 1), op=hvd.Sum),
+                    hvd.allreduce(tf.constant([10.0]) * (r + 1), op=hvd.Sum)]
+            try:
+                out["v1/side_by_side"] = np.array(str(session.run(pair)))
+            except tf.errors.InvalidArgumentError as e:
+                out["v1/side_by_side"] = np.array(e.message)
 
 
 def fit(hvdk, out, name, micro=1, dtype="float32", norm=None, hidden=8, **options):

@@ -112,7 +112,10 @@ def agree(key, tensors, rows_vary=False, name=None, values=None):
         return None
     specs = [_spec(t, rows_vary) for t in tensors]
     functions = eager_functions()
-    every = check_same_call(cluster(), _describe(key, tensors, specs, name), functions, values)
+    description = _describe(key, tensors, specs, name)
+    if _SESSION_OP:  # the TF1 op making this call: the same op on every process
+        description += f" in op {_SESSION_OP[0]!r}"
+    every = check_same_call(cluster(), description, functions, values)
     number = functions.get(_AGREED, -1) + 1
     functions[_AGREED] = number
     # The keys of the functions this call traces (one block per call).
@@ -227,8 +230,12 @@ def result_spec(t, dtype=None, rows_vary=False):
 
 # One collective call at a time per process: a session runs independent ops
 # side by side, and two calls in flight at once would draw keys in an order
-# the other processes cannot know.
+# the other processes cannot know. The name of the op making the call is
+# part of what the processes compare, so that two calls alike made by
+# different ops (in another order on another process) raise instead of
+# pairing one process's tensor with another's.
 _SESSION_CALLS = threading.Lock()
+_SESSION_OP = []
 
 
 def in_session(call, tensors, outputs):
@@ -240,8 +247,10 @@ def in_session(call, tensors, outputs):
     at a time per process. Ops that one ``session.run`` may run side by side
     (neither depends on the other) run in the order the session's executor
     reaches them, which may differ between processes: then every process
-    raises the mismatch error; make one depend on the other
-    (``tf.control_dependencies``) or use a grouped collective.
+    raises the mismatch error (the op's name is part of the call compared,
+    so two calls alike are never paired across different ops); make one
+    depend on the other (``tf.control_dependencies``) or use a grouped
+    collective.
 
     Args:
       call: function (list of eager tf.Tensor or tf.IndexedSlices) -> list
@@ -260,13 +269,21 @@ def in_session(call, tensors, outputs):
     flat = tf.nest.flatten(tensors, expand_composites=True)
     specs = tf.nest.flatten(outputs, expand_composites=True)
 
+    made = []  # the op's name, once built
+
     def run(*values):
         with _SESSION_CALLS:
-            result = call(tf.nest.pack_sequence_as(tensors, list(values), expand_composites=True))
+            _SESSION_OP[:] = made
+            try:
+                result = call(tf.nest.pack_sequence_as(tensors, list(values),
+                                                       expand_composites=True))
+            finally:
+                _SESSION_OP[:] = []
         return tf.nest.flatten(result, expand_composites=True)
 
     out = tf.py_function(run, flat, [spec.dtype for spec in specs], name="hvd_in_session")
     out = out if isinstance(out, list) else [out]
+    made.append(out[0].op.name)
     for t, spec in zip(out, specs):
         t.set_shape(spec.shape)
     return tf.nest.pack_sequence_as(outputs, out, expand_composites=True)

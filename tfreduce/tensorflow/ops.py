@@ -24,7 +24,7 @@ from tfreduce.multiworker import allreduce_grads_multiworker, broadcast_variable
 from tfreduce.tensorflow.calls import (agree, as_tensor, differentiable, in_session, result_spec,
                                       run_cached, session_graph)
 from tfreduce.tensorflow.process import cluster, device
-from tfreduce.tensorflow.wire import narrow, scale, widen
+from tfreduce.tensorflow.wire import narrow, scale, widen, wire_dtype
 
 __all__ = ["Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression", "ProcessSet", "global_process_set", "allreduce",
            "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
@@ -418,6 +418,21 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     return differentiable(forward, gradient, [tensor])[0]
 
 
+def _broadcast_variables_graph(variables, found, root_rank):
+    """The ops that assign root_rank's values to `variables`, in a graph.
+
+    Dtypes TF's broadcast takes go packed, one buffer per dtype
+    (``broadcast_variables_multiworker``); the others (8- and 16-bit
+    integers, bfloat16) one by one, widened on the wire."""
+    packed = [v for v in variables if wire_dtype(v.dtype) == v.dtype.base_dtype]
+    ops = broadcast_variables_multiworker([packed], found, root_rank=root_rank) if packed else []
+    for v in variables:
+        if wire_dtype(v.dtype) != v.dtype.base_dtype:  # after the packed: one order everywhere
+            with tf.control_dependencies(ops):
+                ops = ops + [v.assign(broadcast(v.read_value(), root_rank))]
+    return ops
+
+
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
     """Assigns root_rank's values to the variables of every process, one buffer per dtype.
 
@@ -449,11 +464,10 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
                             [result_spec(t) for t in values])
         return [v.assign(t) for v, t in zip(variables[0], values)]
     if not tf.executing_eagerly():
-        return broadcast_variables_multiworker(variables, found, root_rank=root_rank)
+        return _broadcast_variables_graph(variables[0], found, root_rank)
 
     def build(_):
-        with tf.control_dependencies(broadcast_variables_multiworker(variables, found,
-                                                                     root_rank=root_rank)):
+        with tf.control_dependencies(_broadcast_variables_graph(variables[0], found, root_rank)):
             return [tf.constant(0)]
 
     # Processes compare the variables' shapes and dtypes; the same variables

@@ -18,7 +18,7 @@ one rounding back; float32 and float64 tensors in their own dtype.
 
 import tensorflow as tf
 
-__all__ = ["widen", "narrow", "scale"]
+__all__ = ["widen", "narrow", "scale", "wire_dtype"]
 
 # dtype -> the dtype it crosses the wire in, for the collectives TF lacks.
 _WIDER = {tf.uint8: tf.int32, tf.int8: tf.int32, tf.uint16: tf.int32, tf.int16: tf.int32,
@@ -37,10 +37,14 @@ def widen(t, keep=()):
       tf.Tensor of t's values, int32 for 8- and 16-bit integers and bool,
       float32 for bfloat16.
     """
-    wider = _WIDER.get(t.dtype)
-    if wider is None or t.dtype in keep:
-        return t
-    return tf.cast(t, wider)
+    wider = wire_dtype(t.dtype, keep)
+    return t if wider == t.dtype else tf.cast(t, wider)
+
+
+def wire_dtype(dtype, keep=()):
+    """The dtype a tensor of `dtype` crosses TF's collectives in (see widen)."""
+    dtype = tf.as_dtype(dtype).base_dtype
+    return dtype if dtype in keep else _WIDER.get(dtype, dtype)
 
 
 def narrow(t, dtype):
