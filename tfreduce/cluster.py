@@ -22,6 +22,7 @@ operation in the worker. Run a cluster only on a trusted, firewalled network.
 
 import contextlib
 import time
+import warnings
 
 import tensorflow as tf
 # Private but long-standing TF API, the one MultiWorkerMirroredStrategy uses:
@@ -34,6 +35,7 @@ from tfreduce.contract import shard_sizes
 from tfreduce.devices import local_name, normalize_device
 from tfreduce.failures import COLLECTIVE_FAILURES, lost_worker_message, unreachable_workers
 from tfreduce.tf_config import JOBS, check_port, parse_tf_config
+from tfreduce.watchdog import Watchdog, stall_seconds_from
 
 __all__ = ["Cluster", "WorkerLostError", "parse_tf_config", "DEFAULT_TIMEOUT"]
 
@@ -88,6 +90,10 @@ class Cluster:
       task_index: int, this process's index in its job.
       timeout: float seconds > 0; how long a cross-worker collective waits
         for its peers before failing with DeadlineExceededError.
+      stall_seconds: float seconds >= 0 or None: once started, a peer silent
+        this long is named and this worker's collectives are aborted
+        (``tfreduce.watchdog``); None reads $TFREDUCE_STALL_SECONDS (default
+        20); 0 turns the watchdog off.
 
     Attributes:
       cluster_spec: dict, a copy of the validated spec.
@@ -95,32 +101,38 @@ class Cluster:
       task_index: int.
       timeout: float seconds.
       keys: CollectiveKeys, the instance keys of cross-worker collectives.
+      stall_seconds: float seconds (0: no watchdog).
+      watchdog: the running ``tfreduce.watchdog.Watchdog`` after ``start()``, or None.
 
     Raises:
-      ValueError, TypeError: as ``parse_tf_config``, or a bad timeout.
+      ValueError, TypeError: as ``parse_tf_config``, or a bad timeout or stall_seconds.
     """
 
     #: False: reductions over this cluster cross workers (a LocalCluster's do not).
     is_local = False
 
-    def __init__(self, cluster_spec, task_type, task_index, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, cluster_spec, task_type, task_index, timeout=DEFAULT_TIMEOUT,
+                 stall_seconds=None):
         spec, task_type, task_index = parse_tf_config(
             {"cluster": cluster_spec, "task": {"type": task_type, "index": task_index}})
         self.cluster_spec = spec
         self.task_type = task_type
         self.task_index = task_index
         self.timeout = check_timeout(timeout)
+        self.stall_seconds = stall_seconds_from(stall_seconds)
+        self.watchdog = None
         self.keys = CollectiveKeys(first_instance_key=_FIRST_CROSS_WORKER_KEY)
         self._tasks = [(job, i) for job in JOBS for i in range(len(spec.get(job, [])))]
         self._mode = None
 
     @classmethod
-    def from_tf_config(cls, tf_config=None, timeout=DEFAULT_TIMEOUT):
+    def from_tf_config(cls, tf_config=None, timeout=DEFAULT_TIMEOUT, stall_seconds=None):
         """Builds the Cluster described by TF_CONFIG.
 
         Args:
           tf_config: JSON string or dict; None reads the environment variable.
           timeout: float seconds, see the class.
+          stall_seconds: float seconds or None, see the class.
 
         Returns:
           Cluster.
@@ -129,7 +141,7 @@ class Cluster:
           ValueError, TypeError: see ``parse_tf_config``.
         """
         spec, task_type, task_index = parse_tf_config(tf_config)
-        return cls(spec, task_type, task_index, timeout=timeout)
+        return cls(spec, task_type, task_index, timeout=timeout, stall_seconds=stall_seconds)
 
     def __repr__(self):
         return (f"Cluster({self.describe(self.rank)} of {self.num_workers}, "
@@ -327,7 +339,21 @@ class Cluster:
         ctx.enable_collective_ops(server_def)
         ctx.ensure_initialized()
         self._mode = "eager"
+        self._start_watchdog()
         return self
+
+    def _start_watchdog(self):
+        if not self.stall_seconds or self.num_workers < 2:
+            return
+        try:
+            self.watchdog = Watchdog(self, self.stall_seconds)
+        except OSError as e:
+            warnings.warn(f"{self.describe(self.rank)}: no watchdog (UDP port "
+                          f"{self.address()} cannot be opened: {e}); a frozen peer is "
+                          f"noticed only by the collectives' timeout ({self.timeout:g} s)",
+                          stacklevel=3)
+            return
+        self.watchdog.start()
 
     def start_server(self, config=None):
         """Starts this worker's server for ``tf.compat.v1`` sessions.

@@ -37,6 +37,7 @@ import threading
 import time
 
 from tfreduce.startup import VERBOSE_ENV, ArgumentParser
+from tfreduce.watchdog import DEFAULT_STALL_SECONDS, STALL_ENV
 from tfreduce.tf_config import worker_tf_config as tf_config
 
 __all__ = ["main", "free_ports", "tf_config"]
@@ -211,6 +212,10 @@ def parse_args(argv):
                              f"first start, 1 after the first restart, ...: resume "
                              f"from the latest checkpoint when it is > 0. Ctrl-C, "
                              f"SIGTERM and --timeout never restart")
+    parser.add_argument("--stall-seconds", type=float, default=None, metavar="S",
+                        help=f"a worker silent for S seconds is named and the others "
+                             f"stop (sets {STALL_ENV} for the workers; default "
+                             f"{DEFAULT_STALL_SECONDS:g}, or the environment's; 0: off)")
     parser.add_argument("--verbose", action="store_true",
                         help=f"set {VERBOSE_ENV}=1 for the workers: tfreduce's commands "
                              f"then show TensorFlow's start-up and C++ log lines")
@@ -231,6 +236,8 @@ def parse_args(argv):
         parser.error(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.restarts < 0:
         parser.error(f"--restarts must be >= 0, got {args.restarts}")
+    if args.stall_seconds is not None and not args.stall_seconds >= 0:
+        parser.error(f"--stall-seconds must be >= 0 (0: off), got {args.stall_seconds}")
     args.command = command
     return args
 
@@ -337,6 +344,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"  # the workers inherit the launcher's environment
+    if args.stall_seconds is not None:
+        os.environ[STALL_ENV] = f"{args.stall_seconds:g}"
 
     def log(message):
         sys.stderr.write(f"[launch] {message}\n")

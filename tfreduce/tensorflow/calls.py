@@ -23,12 +23,13 @@ import tensorflow as tf
 from tfreduce.collective import CollectiveKeys
 from tfreduce.consistency import check_same_call
 from tfreduce.tensorflow.process import cluster, eager_functions
+from tfreduce.watchdog import progress
 
-__all__ = ["agree", "as_tensor", "differentiable", "in_session", "result_spec", "run_cached",
-           "session_graph"]
+__all__ = ["agree", "differentiable", "in_session", "result_spec", "run_cached", "session_graph",
+           "tensor_or_slices"]
 
 
-def as_tensor(tensor):
+def tensor_or_slices(tensor):
     """tensor as a tf.Tensor, or as it is if it is tf.IndexedSlices."""
     if isinstance(tensor, tf.IndexedSlices):
         return tensor
@@ -53,7 +54,7 @@ def differentiable(forward, backward, tensors):
     Returns:
       forward(tensors).
     """
-    tensors = [as_tensor(t) for t in tensors]
+    tensors = [tensor_or_slices(t) for t in tensors]
     if not tensors or any(isinstance(t, tf.IndexedSlices) or not t.dtype.is_floating
                           for t in tensors):
         return forward(tensors)
@@ -116,6 +117,7 @@ def agree(key, tensors, rows_vary=False, name=None, values=None):
     if _SESSION_OP:  # the TF1 op making this call: the same op on every process
         description += f" in op {_SESSION_OP[0]!r}"
     every = check_same_call(cluster(), description, functions, values)
+    functions[_LAST_CALL] = description
     number = functions.get(_AGREED, -1) + 1
     functions[_AGREED] = number
     # The keys of the functions this call traces (one block per call).
@@ -132,6 +134,7 @@ def agree(key, tensors, rows_vary=False, name=None, values=None):
 # keys. The block sits above the cluster's own counter (from 2**30 + 1) and
 # below 2**31 (TF's keys are int32); after 2**21 calls the blocks come round.
 _AGREED = "agreed_calls"
+_LAST_CALL = "last_call"
 _CALL_KEYS = "call_keys"
 _EAGER_KEYS = 3 * 2 ** 29
 _KEYS_PER_CALL = 256
@@ -178,7 +181,9 @@ def run_cached(key, build, tensors, rows_vary=False, name=None, check=True):
     functions = eager_functions()  # by what they do and their input signature
     if full not in functions:
         functions[full] = tf.function(build, input_signature=[specs], autograph=False)
-    with _keys_of_call(cluster(), functions.get(_CALL_KEYS)):  # used if it traces now
+    # What this process's heartbeats tell the others (tfreduce.watchdog).
+    with _keys_of_call(cluster(), functions.get(_CALL_KEYS)), \
+            progress.within(functions.get(_LAST_CALL, key[0])):
         return functions[full](tensors)
 
 

@@ -21,8 +21,8 @@ from tfreduce.compression import Compression, as_compressor
 from tfreduce.contract import check_root_rank, tf_variables
 from tfreduce.devices import local_name
 from tfreduce.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
-from tfreduce.tensorflow.calls import (agree, as_tensor, differentiable, in_session, result_spec,
-                                      run_cached, session_graph)
+from tfreduce.tensorflow.calls import (agree, differentiable, in_session, result_spec, run_cached,
+                                      session_graph, tensor_or_slices)
 from tfreduce.tensorflow.process import cluster, device
 from tfreduce.tensorflow.wire import narrow, scale, widen, wire_dtype
 
@@ -138,7 +138,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
 
 def _allreduce_list(tensors, average, compression, op, prescale_factor, postscale_factor,
                     process_set, where, name=None):
-    tensors = [as_tensor(t) for t in tensors]
+    tensors = [tensor_or_slices(t) for t in tensors]
     if op == Adasum and any(isinstance(t, tf.IndexedSlices) for t in tensors):
         # Horovod's class for this case, whose op is refused for any tensor below.
         raise NotImplementedError(f"{where}: op=Adasum does not reduce tf.IndexedSlices (nor "

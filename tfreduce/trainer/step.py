@@ -34,6 +34,7 @@ from tfreduce.trainer.update import (
     nonfinite_error,
     scales_loss,
 )
+from tfreduce.watchdog import progress
 
 # The device that holds the step counter and where the global batch is split
 # and per-tower results are gathered: the host, which every tower can reach.
@@ -345,10 +346,12 @@ class StepFunctions:
                 input_signature=[signature(x), signature(y), tf.TensorSpec([], tf.int32),
                                  tf.TensorSpec([], tf.float64)],
             )
-        with self._options.cluster.detect_lost_workers():
+        with self._options.cluster.detect_lost_workers(), \
+                progress.within(f"training step {number}"):
             loss, correct, stops, finite, report, tower_losses, losses_finite = (
                 self._train_fns[update](x, y, tf.constant(batch, tf.int32),
                                         tf.constant(float(stop), tf.float64)))
+        progress.advance(number)
         raises = self._options.on_nonfinite == "raise"
         if scales_loss(self._towers.optimizers[0]):
             # Non-finite gradients are how a loss scale finds its level; a

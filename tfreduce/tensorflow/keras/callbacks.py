@@ -16,6 +16,7 @@ from tfreduce.tensorflow.keras.optimizer import describe_optimizer, own_sums
 from tfreduce.tensorflow.ops import (allgather, broadcast, broadcast_variables,
                                      grouped_allreduce)
 from tfreduce.tensorflow.process import cluster, rank, size
+from tfreduce.watchdog import progress
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback"]
@@ -61,12 +62,18 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._local = {id(v) for v in local_variables}
         self.broadcast_done = False
         self._first_epoch = False  # the next on_epoch_begin is fit's first
+        self._epoch = 0
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._first_epoch:
             self._first_epoch = False
             _check_same_epoch(epoch)
         follow_fit_epoch(epoch)
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        # What this process's heartbeats tell the others (tfreduce.watchdog).
+        progress.doing = f"fit, epoch {self._epoch + 1}, batch {batch + 1}"
 
     def on_train_end(self, logs=None):
         follow_fit_epoch(None)
@@ -85,6 +92,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             self._broadcast()
 
     def on_train_batch_end(self, batch, logs=None):
+        progress.advance()
+        progress.doing = None
         if not self.broadcast_done:
             # The model and optimizer exist now, and every callback's restore is done.
             self._broadcast(mid_cycle=True)

@@ -1,0 +1,134 @@
+"""The watchdog: a frozen worker is named and the others end, instead of a silent hang.
+
+In one process, two Watchdogs of a 2-worker cluster (real UDP sockets on
+127.0.0.1, ``on_stall`` instead of the abort) check the rules: a peer that
+stops sending is named with its last heartbeat's state; a peer that says
+goodbye, one never heard, or another run's datagrams are not. Under the
+launcher, a worker that freezes itself (SIGSTOP) in each door ends the run
+with the named line on the survivor; a clean run reports nothing.
+"""
+
+import json
+import re
+import socket
+import time
+
+import pytest
+
+from tfreduce import watchdog
+from tfreduce.cluster import Cluster
+from tfreduce.launch import free_ports, parse_args
+from tfreduce.watchdog import Watchdog, progress, stall_seconds_from
+
+from test_multiworker import launch_workers
+
+
+def pair(stall=1.0):
+    """Watchdogs of ranks 0 and 1 of one cluster, and the stalls each reported."""
+    spec = {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]}
+    fired = {0: [], 1: []}
+    dogs = [Watchdog(Cluster(spec, "worker", r), stall, on_stall=fired[r].append)
+            for r in (0, 1)]
+    return dogs, fired
+
+
+def wait_for(condition, seconds=30.0):
+    """Polls until condition() holds (a bound on the test, not an assertion on time)."""
+    end = time.monotonic() + seconds
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_peer_that_stops_sending_is_named_with_its_last_state():
+    dogs, fired = pair()
+    for dog in dogs:
+        dog.start()
+    try:
+        with progress.within("training step 8"):
+            progress.advance(7)
+            assert wait_for(lambda: 1 in dogs[0]._heard and 0 in dogs[1]._heard)
+            time.sleep(0.5)  # heartbeats with this state go out
+            dogs[1]._stop.set()  # rank 1 freezes: it sends nothing more, and no goodbye
+            assert wait_for(lambda: fired[0])
+        assert re.fullmatch(
+            r"worker 0 \(127\.0\.0\.1:\d+\): worker 1 \(127\.0\.0\.1:\d+\) has sent no heartbeat "
+            r"for \d+ s: frozen, stopped or cut off \(its last heartbeat: training step 8 \(7 "
+            r"steps done\)\); this worker waits in training step 8 \(7 steps done\)\. Stopping "
+            r"them \(stall_seconds=1\)\.", fired[0][0]), fired[0][0]
+        assert len(fired[0]) == 1 and dogs[0].fired == fired[0][0]
+        assert fired[1] == []  # rank 0 kept sending
+    finally:
+        progress.advance(0)
+        for dog in dogs:
+            dog.goodbye()
+
+
+def test_a_peer_that_says_goodbye_or_was_never_heard_is_not_named():
+    dogs, fired = pair()
+    dogs[0].start()  # rank 1 never sends: it may still be starting
+    time.sleep(2.5)
+    assert fired[0] == []
+    dogs[1].start()
+    assert wait_for(lambda: 1 in dogs[0]._heard)
+    dogs[1].goodbye()  # a clean exit
+    time.sleep(2.5)
+    assert fired[0] == [] and 1 in dogs[0]._gone
+    dogs[0].goodbye()
+
+
+def test_datagrams_of_another_run_are_ignored():
+    dogs, fired = pair()
+    dogs[0].start()
+    try:
+        stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        beat = json.dumps({"run": "another", "rank": 1, "kind": "beat", "step": 3,
+                           "doing": ""}).encode()
+        stranger.sendto(beat, ("127.0.0.1", dogs[0]._socket.getsockname()[1]))
+        time.sleep(2.5)
+        assert dogs[0]._heard == {} and fired[0] == []
+    finally:
+        dogs[0].goodbye()
+
+
+def test_the_bound_comes_from_the_argument_the_environment_or_the_default(monkeypatch):
+    monkeypatch.delenv(watchdog.STALL_ENV, raising=False)
+    assert stall_seconds_from() == watchdog.DEFAULT_STALL_SECONDS == 20.0
+    monkeypatch.setenv(watchdog.STALL_ENV, "7.5")
+    assert stall_seconds_from() == 7.5 and stall_seconds_from(0) == 0.0
+    spec = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
+    assert Cluster(spec, "worker", 0).stall_seconds == 7.5
+    assert Cluster(spec, "worker", 0, stall_seconds=3).stall_seconds == 3.0
+    for bad in (-1, "soon"):
+        with pytest.raises(ValueError, match=re.escape(
+                f"stall_seconds must be")):
+            stall_seconds_from(bad)
+    assert parse_args(["--workers", "2", "--stall-seconds", "5", "--", "x"]).stall_seconds == 5
+    with pytest.raises(SystemExit):
+        parse_args(["--workers", "2", "--stall-seconds", "-2", "--", "x"])
+
+
+@pytest.mark.parametrize("door", ["tape", "fit", "trainer"])
+def test_a_frozen_worker_is_named_and_the_run_ends(door):
+    code, out, err, seconds = launch_workers(
+        "stall_worker.py", door, launcher=("--stall-seconds", "5"), timeout=240)
+    assert "[worker 1] rank 1: freezing at step 20" in out, (out, err[-3000:])
+    assert code == 1, (code, err[-3000:])  # not 124: the launcher's timeout was not needed
+    line = re.search(r"\[worker 0\] tfreduce watchdog: (worker 0 \(127\.0\.0\.1:\d+\): worker 1 "
+                     r"\(127\.0\.0\.1:\d+\) has sent no heartbeat for \d+ s: frozen, stopped or "
+                     r"cut off.*)", err)
+    assert line, err[-3000:]
+    assert "Stopping them (stall_seconds=5)." in line.group(1)
+    # The survivor's error carries the line; the launcher stops the frozen worker.
+    assert f"Collective ops is aborted by: {line.group(1)}" in err
+    assert re.search(r"\[launch\] worker 0 exited with code 1 after", err)
+    assert "[launch] stopping worker 1" in err
+    print(f"{door}: ended {seconds:.0f} s after the start")
+
+
+def test_a_clean_run_of_a_thousand_steps_reports_nothing():
+    code, out, err, _ = launch_workers("stall_worker.py", "tape", "--freeze-at", "-1",
+                                       "--steps", "1000", launcher=("--stall-seconds", "5"),
+                                       timeout=240)
+    assert code == 0, err[-3000:]
+    assert out.count("finished") == 2 and "watchdog" not in err

@@ -1,0 +1,123 @@
+"""Two workers train; one freezes itself (SIGSTOP) mid-run: the other must name it and end.
+
+Under the launcher (tests/test_watchdog.py), each worker trains a small
+Dense model on random data for up to 10,000 steps through one door:
+
+- ``tape``: Horovod's custom loop, ``DistributedGradientTape`` in a
+  ``tf.function`` with the first-step broadcast;
+- ``fit``: Keras ``fit`` with ``DistributedOptimizer`` and
+  ``BroadcastGlobalVariablesCallback``;
+- ``trainer``: ``ReplicatedTrainer`` with ``cluster="auto"``, 2 towers each.
+
+Rank ``--freeze-rank`` stops itself with SIGSTOP before step ``--freeze-at``
+(printing "rank R: freezing at step S" first); ``--freeze-at -1`` never
+freezes (a clean run). The survivor's watchdog is expected to abort its
+collectives; the error then ends it with a non-zero code.
+"""
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+STEPS = 10_000
+
+
+def freeze(rank, step, args):
+    if rank == args.freeze_rank and step == args.freeze_at:
+        print(f"rank {rank}: freezing at step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def data(rank, rows=64):
+    x = np.random.RandomState(rank).rand(rows, 4).astype("float32")
+    return x, x.sum(axis=1, keepdims=True)
+
+
+def model():
+    return keras.Sequential([keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+
+
+def tape(args):
+    import tfreduce.tensorflow as hvd
+    hvd.init()
+    r = hvd.rank()
+    net, optimizer = model(), keras.optimizers.SGD(0.01)
+    x, y = data(r)
+
+    @tf.function
+    def step(first):
+        with tf.GradientTape() as g:
+            loss = tf.reduce_mean((net(x) - y) ** 2)
+        g = hvd.DistributedGradientTape(g)
+        grads = g.gradient(loss, net.trainable_variables)
+        optimizer.apply_gradients(zip(grads, net.trainable_variables))
+        if first:
+            hvd.broadcast_variables(net.variables, root_rank=0)
+            hvd.broadcast_variables(optimizer.variables, root_rank=0)
+        return loss
+
+    for s in range(args.steps):
+        freeze(r, s, args)
+        step(s == 0)
+
+
+def fit(args):
+    import tfreduce.tensorflow.keras as hvdk
+    hvdk.init()
+    r = hvdk.rank()
+    net = model()
+    net.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    x, y = data(r, rows=8 * 1000)
+
+    class Freeze(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            freeze(r, batch, args)
+
+    net.fit(x, y, batch_size=8, epochs=10, verbose=0,
+            callbacks=[hvdk.callbacks.BroadcastGlobalVariablesCallback(0), Freeze()])
+
+
+def trainer(args):
+    from tfreduce.cluster import Cluster
+    from tfreduce.trainer import ReplicatedTrainer
+    r = Cluster.from_tf_config().rank
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    x, y = data(r, rows=16 * 1000)
+
+    def watch():  # the trainer's steps are counted in tfreduce.watchdog.progress
+        from tfreduce.watchdog import progress
+        while progress.step < args.freeze_at or args.freeze_at < 0:
+            time.sleep(0.01)
+        freeze(r, args.freeze_at, args)
+
+    threading.Thread(target=watch, daemon=True).start()
+    run = ReplicatedTrainer(model, keras.losses.MeanSquaredError(),
+                            lambda: keras.optimizers.SGD(0.01), devices=["/cpu:0", "/cpu:1"],
+                            cluster="auto")
+    run.fit(x, y, epochs=10, batch_size=16, shuffle=False, verbose=0)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("door", choices=["tape", "fit", "trainer"])
+    parser.add_argument("--freeze-rank", type=int, default=1)
+    parser.add_argument("--freeze-at", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=STEPS, help="tape: steps to run")
+    args = parser.parse_args(argv)
+    {"tape": tape, "fit": fit, "trainer": trainer}[args.door](args)
+    print("finished", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
