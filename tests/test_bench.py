@@ -203,6 +203,10 @@ def test_train_mode(tmp_path):
     assert len(row["horovod_rounds"]) == 1 and row["horovod_images_per_s"] > 0
     assert row["horovod_over_trainer"] == pytest.approx(
         row["horovod_images_per_s"] / row["trainer_images_per_s"])
+    # And again without the watchdog: its cost is the ratio of the two.
+    assert len(row["no_watchdog_rounds"]) == 1
+    assert row["watchdog_ratio"] == pytest.approx(
+        row["horovod_images_per_s"] / row["no_watchdog_rounds"][0])
 
 
 def test_train_mode_at_zero_stages_reports_rates_and_state_bytes(tmp_path, capsys):

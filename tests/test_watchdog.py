@@ -5,7 +5,8 @@ In one process, two Watchdogs of a 2-worker cluster (real UDP sockets on
 stops sending is named with its last heartbeat's state; a peer that says
 goodbye, one never heard, or another run's datagrams are not. Under the
 launcher, a worker that freezes itself (SIGSTOP) in each door ends the run
-with the named line on the survivor; a clean run reports nothing.
+with the named line on the survivor; a worker that sleeps 50 ms before
+each step is named a straggler; a clean run of 1,000 steps reports nothing.
 """
 
 import json
@@ -18,7 +19,7 @@ import pytest
 from tfreduce import watchdog
 from tfreduce.cluster import Cluster
 from tfreduce.launch import free_ports, parse_args
-from tfreduce.watchdog import Watchdog, progress, stall_seconds_from
+from tfreduce.watchdog import Watchdog, progress, stall_seconds_from, stragglers
 
 from test_multiworker import launch_workers
 
@@ -91,6 +92,27 @@ def test_datagrams_of_another_run_are_ignored():
         dogs[0].goodbye()
 
 
+def test_the_worker_the_others_wait_for_is_the_straggler():
+    def name(rank):
+        return f"worker {rank}"
+    # Rank 2 sleeps outside its steps: inside them it waits for nobody.
+    assert stragglers({0: 55.0, 1: 54.0, 2: 4.0, 3: 56.0}, name) == [
+        "worker 2 lags: the other workers wait about 51 ms per step for it (its steps take 4 ms "
+        "inside, theirs 55 ms, over the last 20 steps)"]
+    # Jitter is not lag: under 20 ms, or under half the others' time.
+    assert stragglers({0: 15.0, 1: 1.0}, name) == []
+    assert stragglers({0: 300.0, 1: 200.0}, name) == []
+    assert stragglers({0: 80.0}, name) == []
+
+
+def test_steps_are_timed_counted_and_told():
+    before = progress.step
+    with progress.timed():
+        assert progress.doing == f"training step {before + 1}"
+    assert progress.step == before + 1 and progress.doing is None
+    assert len(progress.durations) >= 1
+
+
 def test_the_bound_comes_from_the_argument_the_environment_or_the_default(monkeypatch):
     monkeypatch.delenv(watchdog.STALL_ENV, raising=False)
     assert stall_seconds_from() == watchdog.DEFAULT_STALL_SECONDS == 20.0
@@ -132,3 +154,19 @@ def test_a_clean_run_of_a_thousand_steps_reports_nothing():
                                        timeout=240)
     assert code == 0, err[-3000:]
     assert out.count("finished") == 2 and "watchdog" not in err
+
+
+def test_a_worker_slower_by_50_ms_a_step_is_named_within_the_window():
+    code, out, err, _ = launch_workers("stall_worker.py", "tape", "--freeze-at", "-1",
+                                       "--steps", "150", "--lag-ms", "50",
+                                       launcher=("--stall-seconds", "5"), timeout=240)
+    assert code == 0, err[-3000:]
+    report = re.search(r"\[worker 0\] tfreduce watchdog: at step (\d+): worker 1 "
+                       r"\(127\.0\.0\.1:\d+\) lags: the other workers wait about (\d+) ms per "
+                       r"step for it \(its steps take \d+ ms inside, theirs \d+ ms, over the last "
+                       r"20 steps\)", err)
+    assert report, err[-3000:]
+    # Named once the 20-step window is full, give or take the heartbeats in flight.
+    assert 20 <= int(report.group(1)) <= 60
+    assert 30 <= int(report.group(2)) <= 100  # about the 50 ms it sleeps
+    assert not re.search(r"worker 0 \(127\.0\.0\.1:\d+\) lags", err)

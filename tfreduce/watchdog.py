@@ -6,7 +6,7 @@ others wait in their collective with nothing in the log until the
 collective's timeout (``Cluster.timeout``, 300 s by default) or forever.
 
 Each started worker runs a ``Watchdog`` thread: it sends a small UDP
-heartbeat to every peer once a second (to the peer's host, on the port
+heartbeat to every peer four times a second (to the peer's host, on the port
 number of its gRPC server; UDP and TCP ports are separate spaces) and
 listens for theirs. A heartbeat carries the sender's rank, its progress
 counter (``progress.step``, training steps) and what it is doing
@@ -34,6 +34,7 @@ for its workers); 0 turns the watchdog off.
 """
 
 import atexit
+import collections
 import contextlib
 import hashlib
 import json
@@ -52,8 +53,14 @@ DEFAULT_STALL_SECONDS = 20.0
 EXIT_CODE = 75
 #: The environment variable that sets the bound for every worker.
 STALL_ENV = "TFREDUCE_STALL_SECONDS"
-_INTERVAL = 1.0  # seconds between heartbeats
+_INTERVAL = 0.25  # seconds between heartbeats (at most)
 _DOING_CHARS = 160
+#: Steps whose durations the straggler report compares.
+STRAGGLER_STEPS = 20
+#: Milliseconds per step the others must wait for a worker to name it a straggler.
+STRAGGLER_MS = 20.0
+#: Steps between two reports of stragglers.
+REPORT_EVERY = 500
 
 
 class _Progress:
@@ -61,13 +68,17 @@ class _Progress:
 
     Attributes:
       step: int, training steps done (ReplicatedTrainer's; fit's with
-        BroadcastGlobalVariablesCallback); 0 where nothing counts them.
+        BroadcastGlobalVariablesCallback; a custom loop's with ``timed``);
+        0 where nothing counts them.
       doing: str or None, e.g. "training step 31" or "allreduce of float32 [3]".
+      durations: deque of the last STRAGGLER_STEPS steps' seconds inside
+        the step (``timed``), which the straggler report compares.
     """
 
     def __init__(self):
         self.step = 0
         self.doing = None
+        self.durations = collections.deque(maxlen=STRAGGLER_STEPS)
 
     @contextlib.contextmanager
     def within(self, doing):
@@ -81,6 +92,21 @@ class _Progress:
     def advance(self, step=None):
         """One more step done (or the step counter set to `step`)."""
         self.step = self.step + 1 if step is None else int(step)
+
+    @contextlib.contextmanager
+    def timed(self, doing=None, step=None):
+        """A training step: `doing` while it runs, its duration kept, then ``advance(step)``.
+
+        Wrap only the call of the step itself (not the input pipeline), e.g.
+        in a custom loop ``with progress.timed(f"step {i}"): loss = step(x, y)``:
+        a worker slowed outside its steps is then the one whose steps take
+        least, because the others wait for it inside theirs.
+        """
+        start = time.monotonic()
+        with self.within(doing or f"training step {self.step + 1}"):
+            yield
+        self.durations.append(time.monotonic() - start)
+        self.advance(step)
 
 
 #: This process's progress (one per process: a process is one worker).
@@ -133,12 +159,14 @@ class Watchdog(threading.Thread):
                                    .encode()).hexdigest()[:16]
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._socket.bind(("", _address(cluster.address())[1]))
-        # Several heartbeats per stall bound, at most one a second.
+        # Several heartbeats per stall bound, at most four a second.
         self._interval = min(_INTERVAL, self.stall_seconds / 5)
         self._socket.settimeout(self._interval)
         self._heard = {}  # rank -> (monotonic time, their heartbeat)
         self._gone = set()  # ranks that said goodbye
         self._sent = 0.0
+        self.reported = []  # the straggler reports so far
+        self._next_report = 0  # the step from which another report may come
         self._stop = threading.Event()
         atexit.register(self.goodbye)
 
@@ -152,6 +180,8 @@ class Watchdog(threading.Thread):
             stopped = self._stopped(time.monotonic())
             if stopped is not None and self.fired is None:
                 self._fire(stopped)
+            if self.cluster.rank == 0:  # the chief reports, once for all
+                self._report_stragglers()
 
     def goodbye(self):
         """Tells the peers this process ends on purpose; stops the thread."""
@@ -162,7 +192,7 @@ class Watchdog(threading.Thread):
 
     def _send(self, kind):
         beat = json.dumps({"run": self._run, "rank": self.cluster.rank, "kind": kind,
-                           "step": progress.step,
+                           "step": progress.step, "ms": _mean_ms(progress.durations),
                            "doing": (progress.doing or "")[:_DOING_CHARS]}).encode()
         for address in self._peers.values():
             try:
@@ -194,6 +224,23 @@ class Watchdog(threading.Thread):
                 return rank
         return None
 
+    def _report_stragglers(self):
+        if progress.step < self._next_report:
+            return
+        means = {self.cluster.rank: _mean_ms(progress.durations)}
+        for rank, (_, beat) in self._heard.items():
+            if rank not in self._gone:
+                means[rank] = beat.get("ms")
+        if len(means) < self.cluster.num_workers or None in means.values():
+            return
+        lines = stragglers(means, self.cluster.describe)
+        if lines:
+            self._next_report = progress.step + REPORT_EVERY
+            for line in lines:
+                self.reported.append(line)
+                print(f"tfreduce watchdog: at step {progress.step}: {line}", file=sys.stderr,
+                      flush=True)
+
     def _fire(self, rank):
         when, beat = self._heard[rank]
         theirs = _state(beat.get("step"), beat.get("doing"))
@@ -213,6 +260,43 @@ class Watchdog(threading.Thread):
         context.context().abort_collective_ops(14, self.fired)  # 14: UNAVAILABLE
         if self.exit_seconds is not None:
             threading.Timer(self.exit_seconds, _exit, [self.fired]).start()
+
+
+def stragglers(means, rank_names):
+    """The workers the others wait for, from each one's mean milliseconds inside its steps.
+
+    A worker slowed outside its steps (input, host, network) spends less
+    time inside them: the others wait in their collectives until it comes.
+    One is named when its mean is below the median of the others' by more
+    than STRAGGLER_MS and by more than half of that median.
+
+    Args:
+      means: dict rank -> float, mean ms inside the last STRAGGLER_STEPS
+        steps (every worker's, this one's included).
+      rank_names: function rank -> str.
+
+    Returns:
+      list of str, one line per straggler (empty when none).
+    """
+    lines = []
+    for rank, mine in sorted(means.items()):
+        others = sorted(v for r, v in means.items() if r != rank)
+        if not others:
+            continue
+        theirs = others[len(others) // 2]
+        lag = theirs - mine
+        if lag > STRAGGLER_MS and lag > theirs / 2:
+            lines.append(f"{rank_names(rank)} lags: the other workers wait about {lag:.0f} ms "
+                         f"per step for it (its steps take {mine:.0f} ms inside, theirs "
+                         f"{theirs:.0f} ms, over the last {STRAGGLER_STEPS} steps)")
+    return lines
+
+
+def _mean_ms(durations):
+    """The mean of a full window of step durations, in ms; None before it fills."""
+    if len(durations) < STRAGGLER_STEPS:
+        return None
+    return 1000.0 * sum(durations) / len(durations)
 
 
 def _state(step, doing):

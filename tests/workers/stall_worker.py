@@ -11,7 +11,8 @@ Dense model on random data for up to 10,000 steps through one door:
 
 Rank ``--freeze-rank`` stops itself with SIGSTOP before step ``--freeze-at``
 (printing "rank R: freezing at step S" first); ``--freeze-at -1`` never
-freezes (a clean run). The survivor's watchdog is expected to abort its
+freezes (a clean run). ``--lag-ms M`` makes rank 1 of the tape loop sleep
+M ms before each step (a straggler). The survivor's watchdog is expected to abort its
 collectives; the error then ends it with a non-zero code.
 """
 
@@ -65,9 +66,13 @@ def tape(args):
             hvd.broadcast_variables(optimizer.variables, root_rank=0)
         return loss
 
+    from tfreduce.watchdog import progress
     for s in range(args.steps):
         freeze(r, s, args)
-        step(s == 0)
+        if r == 1 and args.lag_ms:
+            time.sleep(args.lag_ms / 1000)  # outside the step: the others wait for it
+        with progress.timed():
+            step(s == 0)
 
 
 def fit(args):
@@ -113,6 +118,8 @@ def main(argv=None):
     parser.add_argument("--freeze-rank", type=int, default=1)
     parser.add_argument("--freeze-at", type=int, default=20)
     parser.add_argument("--steps", type=int, default=STEPS, help="tape: steps to run")
+    parser.add_argument("--lag-ms", type=float, default=0.0,
+                        help="tape: rank 1 sleeps this long before every step (a straggler)")
     args = parser.parse_args(argv)
     {"tape": tape, "fit": fit, "trainer": trainer}[args.door](args)
     print("finished", flush=True)

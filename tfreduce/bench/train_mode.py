@@ -123,6 +123,8 @@ def _train_one(args, num_devices, log):
                         "MirroredStrategy.fit+tfreduce": tfreduce_fit_round}, args, batch)
     log(f"K={num_devices}: {num_devices} processes with DistributedOptimizer")
     rates["DistributedOptimizer"] = _horovod_rates(args, num_devices)
+    log(f"K={num_devices}: the same without the watchdog (--stall-seconds 0)")
+    rates["DistributedOptimizer, no watchdog"] = _horovod_rates(args, num_devices, 0)
     medians = {name: statistics.median(v) for name, v in rates.items()}
     log(f"K={num_devices}: trainer {medians['ReplicatedTrainer']:.0f} images/s, "
         f"fit {medians['MirroredStrategy.fit']:.0f} images/s, fit with tfreduce "
@@ -143,6 +145,11 @@ def _train_one(args, num_devices, log):
         "horovod_over_fit": medians["DistributedOptimizer"] / medians["MirroredStrategy.fit"],
         "horovod_over_trainer": medians["DistributedOptimizer"] / medians["ReplicatedTrainer"],
         "horovod_rounds": rates["DistributedOptimizer"],
+        # The watchdog's heartbeats and step timing, against the same run
+        # without them: images/s with it over images/s without (medians).
+        "watchdog_ratio": (medians["DistributedOptimizer"]
+                           / medians["DistributedOptimizer, no watchdog"]),
+        "no_watchdog_rounds": rates["DistributedOptimizer, no watchdog"],
         "trainer_over_fit": paired("ReplicatedTrainer"),
         "tfreduce_fit_over_fit": paired("MirroredStrategy.fit+tfreduce"),
         "trainer_rounds": rates["ReplicatedTrainer"],
@@ -155,17 +162,19 @@ def _train_one(args, num_devices, log):
     }
 
 
-def _horovod_rates(args, num_processes):
+def _horovod_rates(args, num_processes, stall_seconds=None):
     # Images/s of each round of the Horovod-style contender: num_processes
-    # processes on 127.0.0.1 under the launcher, one device each.
+    # processes on 127.0.0.1 under the launcher, one device each (with the
+    # launcher's --stall-seconds when given; 0: no watchdog).
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "horovod.json")
         worker = [sys.executable, "-m", "tfreduce.bench.horovod_worker", "--batch-size",
                   str(args.batch_size), "--image-size", str(args.image_size), "--steps",
                   str(args.steps), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
                   "--json", path]
+        stall = [] if stall_seconds is None else ["--stall-seconds", str(stall_seconds)]
         command = [sys.executable, "-m", "tfreduce.launch", "--workers", str(num_processes),
-                   "--timeout", "1800", "--"] + worker
+                   "--timeout", "1800", *stall, "--"] + worker
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"the DistributedOptimizer processes failed (exit "
@@ -335,13 +344,16 @@ def print_result(result, out=None):
              f"{cfg['steps_per_round']} steps; ReplicatedTrainer and CrossDeviceOps with "
              f"algorithm={cfg['algorithm']!r}")
     # x/fit: median over rounds of the two rates' ratio in each round; hvd:
-    # K processes with DistributedOptimizer, a ratio of medians.
+    # K processes with DistributedOptimizer, a ratio of medians; watchdog:
+    # hvd's images/s over the same run's without the watchdog.
     header = (f"{'K':>3s} {'trainer img/s':>14s} {'fit img/s':>10s} "
               f"{'fit+tfreduce img/s':>19s} {'hvd img/s':>10s} {'trainer/fit':>12s} "
-              f"{'fit+tfreduce/fit':>17s} {'hvd/fit':>8s} {'hvd/trainer':>12s}")
+              f"{'fit+tfreduce/fit':>17s} {'hvd/fit':>8s} {'hvd/trainer':>12s} "
+              f"{'watchdog':>9s}")
     print_table(title, header, [
         f"{r['devices']:3d} {r['trainer_images_per_s']:14.0f} {r['fit_images_per_s']:10.0f} "
         f"{r['tfreduce_fit_images_per_s']:19.0f} {r['horovod_images_per_s']:10.0f} "
         f"{r['trainer_over_fit']:12.2f} {r['tfreduce_fit_over_fit']:17.2f} "
-        f"{r['horovod_over_fit']:8.2f} {r['horovod_over_trainer']:12.2f}"
+        f"{r['horovod_over_fit']:8.2f} {r['horovod_over_trainer']:12.2f} "
+        f"{r['watchdog_ratio']:9.3f}"
         for r in result["results"]], out)

@@ -347,11 +347,10 @@ class StepFunctions:
                                  tf.TensorSpec([], tf.float64)],
             )
         with self._options.cluster.detect_lost_workers(), \
-                progress.within(f"training step {number}"):
+                progress.timed(f"training step {number}", number):
             loss, correct, stops, finite, report, tower_losses, losses_finite = (
                 self._train_fns[update](x, y, tf.constant(batch, tf.int32),
                                         tf.constant(float(stop), tf.float64)))
-        progress.advance(number)
         raises = self._options.on_nonfinite == "raise"
         if scales_loss(self._towers.optimizers[0]):
             # Non-finite gradients are how a loss scale finds its level; a

@@ -5,6 +5,7 @@ al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (2017):
 the learning rate rises linearly from initial_lr / size to initial_lr.
 """
 
+import time
 import warnings
 
 import keras
@@ -74,6 +75,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         # What this process's heartbeats tell the others (tfreduce.watchdog).
         progress.doing = f"fit, epoch {self._epoch + 1}, batch {batch + 1}"
+        self._batch_start = time.monotonic()
 
     def on_train_end(self, logs=None):
         follow_fit_epoch(None)
@@ -92,6 +94,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             self._broadcast()
 
     def on_train_batch_end(self, batch, logs=None):
+        # The batch's time from this callback's begin to its end: the
+        # straggler report compares it (tfreduce.watchdog.progress.timed).
+        progress.durations.append(time.monotonic() - self._batch_start)
         progress.advance()
         progress.doing = None
         if not self.broadcast_done:
