@@ -224,14 +224,22 @@ class Watchdog(threading.Thread):
                 return rank
         return None
 
+    def step_means(self):
+        """dict rank -> mean ms inside the last STRAGGLER_STEPS steps (None until known).
+
+        This worker's own and each peer's from its latest heartbeat."""
+        means = {rank: None for rank in range(self.cluster.num_workers)}
+        means[self.cluster.rank] = _mean_ms(progress.durations)
+        for rank, (_, beat) in list(self._heard.items()):
+            if rank not in self._gone:
+                means[rank] = beat.get("ms")
+        return means
+
     def _report_stragglers(self):
         if progress.step < self._next_report:
             return
-        means = {self.cluster.rank: _mean_ms(progress.durations)}
-        for rank, (_, beat) in self._heard.items():
-            if rank not in self._gone:
-                means[rank] = beat.get("ms")
-        if len(means) < self.cluster.num_workers or None in means.values():
+        means = self.step_means()
+        if None in means.values():
             return
         lines = stragglers(means, self.cluster.describe)
         if lines:

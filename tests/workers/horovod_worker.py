@@ -275,6 +275,10 @@ def session_graph(hvd, out):
         ops["alltoall"], ops["alltoall_received"] = hvd.alltoall(rows, splits=splits)
         ops["grad_allgather"] = tf.gradients(tf.reduce_sum(hvd.allgather(x) ** 2), x)[0]
         ops["grad_alltoall"] = tf.gradients(tf.reduce_sum(ops["alltoall"] * 3.0), rows)[0]
+        # Evenly split, rows come back unevenly: rank 0 sends 1 + 1, gets 1 + 2.
+        even = tf.constant([[1.0], [2.0], [3.0], [4.0]][:2 + 2 * r])
+        ops["grad_alltoall_even"] = tf.gradients(tf.reduce_sum(hvd.alltoall(even) * 3.0),
+                                                 even)[0]
         v = tf.compat.v1.Variable([float(r), 3.0 + r])
         w = tf.compat.v1.Variable([float(r)], use_resource=False)  # a reference variable
         assign = hvd.broadcast_variables([v], 1)

@@ -12,7 +12,8 @@ Dense model on random data for up to 10,000 steps through one door:
 Rank ``--freeze-rank`` stops itself with SIGSTOP before step ``--freeze-at``
 (printing "rank R: freezing at step S" first); ``--freeze-at -1`` never
 freezes (a clean run). ``--lag-ms M`` makes rank 1 of the tape loop sleep
-M ms before each step (a straggler). The survivor's watchdog is expected to abort its
+M ms before each step (a straggler); ``--slow-trace S`` makes its step's
+trace take S seconds more (a big model's first step, not a hang). The survivor's watchdog is expected to abort its
 collectives; the error then ends it with a non-zero code.
 """
 
@@ -56,6 +57,12 @@ def tape(args):
 
     @tf.function
     def step(first):
+        if r == 1 and args.slow_trace:
+            # A first trace that takes long (a big model): pure Python, the GIL
+            # taken back every few ms, as a long trace does.
+            end = time.monotonic() + args.slow_trace
+            while time.monotonic() < end:
+                sum(range(1000))
         with tf.GradientTape() as g:
             loss = tf.reduce_mean((net(x) - y) ** 2)
         g = hvd.DistributedGradientTape(g)
@@ -97,7 +104,7 @@ def trainer(args):
     r = Cluster.from_tf_config().rank
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    x, y = data(r, rows=16 * 1000)
+    x, y = data(r, rows=16 * args.steps)
 
     def watch():  # the trainer's steps are counted in tfreduce.watchdog.progress
         from tfreduce.watchdog import progress
@@ -109,7 +116,8 @@ def trainer(args):
     run = ReplicatedTrainer(model, keras.losses.MeanSquaredError(),
                             lambda: keras.optimizers.SGD(0.01), devices=["/cpu:0", "/cpu:1"],
                             cluster="auto")
-    run.fit(x, y, epochs=10, batch_size=16, shuffle=False, verbose=0)
+    run.fit(x, y, epochs=1 if args.logdir else 10, batch_size=16, shuffle=False, verbose=0,
+            logdir=args.logdir and os.path.join(args.logdir, f"rank{r}"))
 
 
 def main(argv=None):
@@ -117,7 +125,12 @@ def main(argv=None):
     parser.add_argument("door", choices=["tape", "fit", "trainer"])
     parser.add_argument("--freeze-rank", type=int, default=1)
     parser.add_argument("--freeze-at", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=STEPS, help="tape: steps to run")
+    parser.add_argument("--steps", type=int, default=STEPS,
+                        help="tape: steps to run; trainer: steps per epoch")
+    parser.add_argument("--logdir", default=None,
+                        help="trainer: one epoch, summaries in LOGDIR/rank<r>")
+    parser.add_argument("--slow-trace", type=float, default=0.0,
+                        help="tape: rank 1's step traces this many seconds longer")
     parser.add_argument("--lag-ms", type=float, default=0.0,
                         help="tape: rank 1 sleeps this long before every step (a straggler)")
     args = parser.parse_args(argv)

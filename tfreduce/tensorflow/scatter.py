@@ -154,27 +154,26 @@ def _check_even(rows, found, first=0):
 
 def _alltoall_in_session(tensor, splits, name):
     # The splits may become known only when the session runs the call
-    # (eagerly, where they are checked); so may the received splits, which
-    # the gradient sends back.
+    # (eagerly, where they are checked); so do the received splits, which
+    # the gradient sends back (evenly split rows may come back unevenly).
     received = []
 
+    def exchange(tensors):
+        out, got = _alltoall(tensors[0], None if len(tensors) == 1 else tensors[1], name)
+        return [out, tf.constant(got, tf.int32) if isinstance(got, list) else got]
+
     def forward(tensors):
-        spec = result_spec(tensors[0], rows_vary=True)
-        if splits is None:
-            return in_session(lambda ts: [alltoall(ts[0], name=name)], tensors, [spec])
-        out = in_session(lambda ts: list(alltoall(ts[0], ts[1], name=name)),
-                         [tensors[0], tf.convert_to_tensor(splits)],
-                         [spec, tf.TensorSpec([cluster().num_workers], tf.int32)])
+        given = [] if splits is None else [tf.convert_to_tensor(splits)]
+        out = in_session(exchange, [tensors[0]] + given,
+                         [result_spec(tensors[0], rows_vary=True),
+                          tf.TensorSpec([cluster().num_workers], tf.int32)])
         received[:] = out[1:]
         return out[:1]
 
     def backward(upstream):
-        if splits is None:
-            return [alltoall(upstream[0])]
         return [alltoall(upstream[0], splits=received[0])[0]]
 
-    out = differentiable(forward, backward, [tensor])[0]
-    return out if splits is None else (out, received[0])
+    return differentiable(forward, backward, [tensor])[0], received[0]
 
 
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
@@ -209,6 +208,13 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     """
     del ignore_name_scope
     check_process_set(process_set, "alltoall")
+    out, received = _alltoall(tensor, splits, name)
+    return out if splits is None else (out, received)
+
+
+def _alltoall(tensor, splits, name):
+    """alltoall's (output, received splits): an int32 tensor, a list of ints, or None (in a
+    tf.function without splits)."""
     tensor = tf.convert_to_tensor(tensor)
     if session_graph():
         return _alltoall_in_session(tensor, splits, name)
@@ -270,4 +276,4 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
         return [alltoall(upstream[0], splits=received[0])[0]]
 
     out = differentiable(exchange, gradient, [tensor])[0]
-    return out if counts is None else (out, received[0])
+    return out, received[0] if received else None

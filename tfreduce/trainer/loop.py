@@ -296,6 +296,7 @@ def fit_epoch(trainer, hooks, run, epoch, skip):
                     tf.summary.scalar("train/accuracy", correct / size)
                 tf.summary.scalar("train/learning_rate", _learning_rate(trainer.optimizers[0]))
                 tf.summary.scalar("train/step_time_s", step_time)
+                _worker_summaries(trainer.cluster)
         if stopping:
             break  # SIGTERM: the step is whole and logged; the caller stops the run
     logs = {"loss": loss_total / max(seen, 1)}
@@ -363,3 +364,18 @@ def predict_loop(batches, steps_for):
     if not outputs:
         raise ValueError("predict: x has no examples")
     return np.concatenate(outputs, axis=0)
+
+
+def _worker_summaries(cluster):
+    """Each worker's mean ms inside its last steps, as the chief's watchdog hears them.
+
+    The worker the others wait for (a straggler) is the one whose steps take
+    least (``tfreduce.watchdog.stragglers``); one scalar per worker,
+    ``workers/ms_inside_step/worker_<r>``."""
+    watchdog = getattr(cluster, "watchdog", None)
+    if watchdog is None:
+        return
+    for rank, ms in sorted(watchdog.step_means().items()):
+        if ms is not None:
+            tf.summary.scalar(f"workers/ms_inside_step/worker_{rank}", ms)
+
