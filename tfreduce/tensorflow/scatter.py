@@ -204,7 +204,10 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     Raises:
       RuntimeError: init() was not called.
       ValueError: splits of the wrong length, that do not add up to the
-        rows, or not known when built; a scalar; an unsupported process set.
+        rows, or (in a tf.function) not known when it traces; a scalar; an
+        unsupported process set.
+      SplitsError: without splits, a rank's rows are not a multiple of the
+        ranks (raised on every rank).
     """
     del ignore_name_scope
     check_process_set(process_set, "alltoall")
