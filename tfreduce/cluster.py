@@ -22,7 +22,6 @@ operation in the worker. Run a cluster only on a trusted, firewalled network.
 
 import contextlib
 import time
-import warnings
 
 import tensorflow as tf
 # Private but long-standing TF API, the one MultiWorkerMirroredStrategy uses:
@@ -33,9 +32,10 @@ from tfreduce.collective import (CollectiveKeys, CollectiveOptions, all_reduce,
                                  check_timeout, in_function)
 from tfreduce.contract import shard_sizes
 from tfreduce.devices import local_name, normalize_device
-from tfreduce.failures import COLLECTIVE_FAILURES, lost_worker_message, unreachable_workers
+from tfreduce.failures import (COLLECTIVE_FAILURES, WorkerLostError, lost_worker_message,
+                               unreachable_workers)
 from tfreduce.tf_config import JOBS, check_port, parse_tf_config
-from tfreduce.watchdog import Watchdog, stall_seconds_from
+from tfreduce.watchdog import stall_seconds_from, start_watchdog
 
 __all__ = ["Cluster", "WorkerLostError", "parse_tf_config", "DEFAULT_TIMEOUT"]
 
@@ -50,23 +50,6 @@ DEFAULT_TIMEOUT = 300.0
 # local collective reduction and the cross-worker one share no key unless a
 # single call draws over a billion keys.
 _FIRST_CROSS_WORKER_KEY = 2 ** 30 + 1
-
-
-class WorkerLostError(RuntimeError):
-    """A cross-worker collective failed because a worker is lost or stuck.
-
-    Attributes:
-      lost: list of str, the workers that did not answer a probe after the
-        failure, e.g. ``["worker 1 (10.0.0.2:2222)"]``; empty when every
-        worker answered (the collective then timed out on a worker that is
-        alive but stuck or far slower than the others).
-      error: the ``tf.errors.OpError`` the collective raised.
-    """
-
-    def __init__(self, message, lost, error):
-        super().__init__(message)
-        self.lost = lost
-        self.error = error
 
 
 class Cluster:
@@ -90,10 +73,8 @@ class Cluster:
       task_index: int, this process's index in its job.
       timeout: float seconds > 0; how long a cross-worker collective waits
         for its peers before failing with DeadlineExceededError.
-      stall_seconds: float seconds >= 0 or None: once started, a peer silent
-        this long is named and this worker's collectives are aborted
-        (``tfreduce.watchdog``); None reads $TFREDUCE_STALL_SECONDS (default
-        20); 0 turns the watchdog off.
+      stall_seconds: float seconds >= 0, or None for $TFREDUCE_STALL_SECONDS
+        (default 20): a peer silent this long is named (``tfreduce.watchdog``); 0: off.
 
     Attributes:
       cluster_spec: dict, a copy of the validated spec.
@@ -101,8 +82,7 @@ class Cluster:
       task_index: int.
       timeout: float seconds.
       keys: CollectiveKeys, the instance keys of cross-worker collectives.
-      stall_seconds: float seconds (0: no watchdog).
-      watchdog: the running ``tfreduce.watchdog.Watchdog`` after ``start()``, or None.
+      stall_seconds: float; watchdog: its Watchdog after ``start()``, or None.
 
     Raises:
       ValueError, TypeError: as ``parse_tf_config``, or a bad timeout or stall_seconds.
@@ -339,21 +319,8 @@ class Cluster:
         ctx.enable_collective_ops(server_def)
         ctx.ensure_initialized()
         self._mode = "eager"
-        self._start_watchdog()
+        self.watchdog = start_watchdog(self)
         return self
-
-    def _start_watchdog(self):
-        if not self.stall_seconds or self.num_workers < 2:
-            return
-        try:
-            self.watchdog = Watchdog(self, self.stall_seconds)
-        except OSError as e:
-            warnings.warn(f"{self.describe(self.rank)}: no watchdog (UDP port "
-                          f"{self.address()} cannot be opened: {e}); a frozen peer is "
-                          f"noticed only by the collectives' timeout ({self.timeout:g} s)",
-                          stacklevel=3)
-            return
-        self.watchdog.start()
 
     def start_server(self, config=None):
         """Starts this worker's server for ``tf.compat.v1`` sessions.

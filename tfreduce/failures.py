@@ -17,7 +17,7 @@ from tensorflow.python.eager import context
 
 from tfreduce.tf_config import parse_address
 
-__all__ = ["COLLECTIVE_FAILURES", "unreachable_workers", "lost_worker_message"]
+__all__ = ["COLLECTIVE_FAILURES", "WorkerLostError", "unreachable_workers", "lost_worker_message"]
 
 # Errors a collective reports when a peer is gone, hangs or restarted.
 COLLECTIVE_FAILURES = (
@@ -27,6 +27,23 @@ COLLECTIVE_FAILURES = (
     tf.errors.CancelledError,
     tf.errors.FailedPreconditionError,
 )
+
+
+class WorkerLostError(RuntimeError):
+    """A cross-worker collective failed because a worker is lost or stuck.
+
+    Attributes:
+      lost: list of str, the workers that did not answer a probe after the
+        failure, e.g. ``["worker 1 (10.0.0.2:2222)"]``; empty when every
+        worker answered (the collective then timed out on a worker that is
+        alive but stuck or far slower than the others).
+      error: the ``tf.errors.OpError`` the collective raised.
+    """
+
+    def __init__(self, message, lost, error):
+        super().__init__(message)
+        self.lost = lost
+        self.error = error
 
 
 def _tf_reason(error):

@@ -43,9 +43,10 @@ import socket
 import sys
 import threading
 import time
+import warnings
 
 __all__ = ["DEFAULT_STALL_SECONDS", "EXIT_CODE", "STALL_ENV", "Watchdog", "progress",
-           "stall_seconds_from"]
+           "stall_seconds_from", "start_watchdog", "stragglers"]
 
 #: Seconds without a heartbeat after which a peer is declared stopped.
 DEFAULT_STALL_SECONDS = 20.0
@@ -268,6 +269,27 @@ class Watchdog(threading.Thread):
         context.context().abort_collective_ops(14, self.fired)  # 14: UNAVAILABLE
         if self.exit_seconds is not None:
             threading.Timer(self.exit_seconds, _exit, [self.fired]).start()
+
+
+def start_watchdog(cluster):
+    """Starts the Watchdog of a started Cluster of several workers, unless stall_seconds is 0.
+
+    Returns:
+      the running Watchdog, or None (off, one worker, or its UDP port taken:
+      then a warning says a frozen peer waits for the collectives' timeout).
+    """
+    if not cluster.stall_seconds or cluster.num_workers < 2:
+        return None
+    try:
+        watchdog = Watchdog(cluster, cluster.stall_seconds)
+    except OSError as e:
+        warnings.warn(f"{cluster.describe(cluster.rank)}: no watchdog (UDP port "
+                      f"{cluster.address()} cannot be opened: {e}); a frozen peer is "
+                      f"noticed only by the collectives' timeout ({cluster.timeout:g} s)",
+                      stacklevel=3)
+        return None
+    watchdog.start()
+    return watchdog
 
 
 def stragglers(means, rank_names):

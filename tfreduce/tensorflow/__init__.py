@@ -26,7 +26,8 @@ from tfreduce.tensorflow.scatter import alltoall, grouped_reducescatter, reduces
 from tfreduce.tensorflow.sync_batch_norm import SyncBatchNormalization
 from tfreduce.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape
 from tfreduce.tensorflow import util
-from tfreduce.tensorflow.util import _executing_eagerly
+
+_executing_eagerly = util._executing_eagerly  # Horovod's name (private there too), which its scripts call
 
 __all__ = ["Adasum", "Average", "Compression", "DistributedGradientTape", "Max", "Min",
            "PartialDistributedGradientTape",

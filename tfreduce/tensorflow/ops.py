@@ -24,7 +24,8 @@ from tfreduce.multiworker import allreduce_grads_multiworker, broadcast_variable
 from tfreduce.tensorflow.calls import (agree, differentiable, in_session, result_spec, run_cached,
                                       session_graph, tensor_or_slices)
 from tfreduce.tensorflow.process import cluster, device
-from tfreduce.tensorflow.wire import narrow, scale, widen, wire_dtype
+from tfreduce.tensorflow.wire import (finish_mean, integer_mean, mean_dtype, narrow, off_wire,
+                                     on_wire, scale, widen, wire_dtype)
 
 __all__ = ["Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression", "ProcessSet", "global_process_set", "allreduce",
            "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
@@ -155,7 +156,7 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
         return in_session(
             lambda ts: _allreduce_list(ts, None, compression, op, prescale_factor,
                                        postscale_factor, process_set, where, name),
-            tensors, [result_spec(t, _mean_dtype(t, op)) for t in tensors])
+            tensors, [result_spec(t, mean_dtype(t, op == Average)) for t in tensors])
     found, place = cluster(), device()
     compression = as_compressor(compression)
 
@@ -163,37 +164,10 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
         with tf.device(place):
             out = _reduce(found, place, [scale(t, prescale_factor) for t in tensors], op,
                           compression)
-            return [_finish_mean(t, op, postscale_factor, found.num_workers) for t in out]
+            return [finish_mean(t, op == Average, postscale_factor, found.num_workers) for t in out]
 
     return run_cached(("allreduce", op, compression.name, prescale_factor, postscale_factor),
                       build, tensors, name=name)
-
-
-def _integer_mean(t, op):
-    values = t.values if isinstance(t, tf.IndexedSlices) else t
-    return op == Average and not values.dtype.is_floating
-
-
-def _mean_dtype(t, op):
-    """The dtype of t's reduction: t's, but TF's true division's for a sparse integer mean."""
-    if isinstance(t, tf.IndexedSlices) and _integer_mean(t, op):
-        return tf.float32 if t.values.dtype.size <= 2 else tf.float64
-    return t.dtype
-
-
-def _finish_mean(t, op, postscale_factor, size):
-    """A reduced tensor times postscale_factor; an integer mean finished as Horovod does.
-
-    Horovod's integer mean: a dense sum scaled once by postscale / size in
-    float64 and truncated; the gathered rows of tf.IndexedSlices divided by
-    size with TF's true division (float32 values for 8- and 16-bit
-    integers, float64 for 32- and 64-bit ones)."""
-    if not _integer_mean(t, op):
-        return scale(t, postscale_factor)
-    if not isinstance(t, tf.IndexedSlices):
-        return scale(t, postscale_factor / size)
-    values = tf.math.truediv(t.values, tf.cast(size, t.values.dtype))
-    return scale(tf.IndexedSlices(values, t.indices, t.dense_shape), postscale_factor)
 
 
 def _reduce(found, place, tensors, op, compression):
@@ -201,7 +175,7 @@ def _reduce(found, place, tensors, op, compression):
     if found.is_local:
         return [t if isinstance(t, tf.IndexedSlices) else tf.identity(t) for t in tensors]
     given = tensors
-    tensors = [_on_wire(t) for t in tensors]
+    tensors = [on_wire(t) for t in tensors]
     if op in _ELEMENTWISE:
         chain, group_key, _ = _chain_for(found, place)
         out = []
@@ -213,8 +187,8 @@ def _reduce(found, place, tensors, op, compression):
                                            merge_op=_ELEMENTWISE[op])
             out.append(compression.decompress(reduced, context))
     else:
-        # Integers are summed; their mean is scaled after (_integer_mean).
-        means = [op == Average and not _integer_mean(t, op) for t in tensors]
+        # Integers are summed; their mean is scaled after (wire.finish_mean).
+        means = [op == Average and not integer_mean(t, op == Average) for t in tensors]
         out = [None] * len(tensors)
         for average in (True, False):
             picked = [n for n, m in enumerate(means) if m == average]
@@ -226,22 +200,7 @@ def _reduce(found, place, tensors, op, compression):
                         cluster=found, compression=compression)[0]
                 for n, t in zip(picked, reduced):
                     out[n] = t
-    return [_off_wire(t, like) for t, like in zip(out, given)]
-
-
-def _on_wire(t):
-    # TF's all-reduce takes bfloat16; the gather of sparse rows does not.
-    if isinstance(t, tf.IndexedSlices):
-        return tf.IndexedSlices(widen(t.values), t.indices, t.dense_shape)
-    return widen(t, keep=(tf.bfloat16,))
-
-
-def _off_wire(t, like):
-    # The input's dtypes again (the gathered indices come as int64).
-    if isinstance(t, tf.IndexedSlices):
-        return tf.IndexedSlices(narrow(t.values, like.dtype),
-                                narrow(t.indices, like.indices.dtype), t.dense_shape)
-    return narrow(t, like.dtype)
+    return [off_wire(t, like) for t, like in zip(out, given)]
 
 
 def allreduce(tensor, average=None, device_dense="", device_sparse="",

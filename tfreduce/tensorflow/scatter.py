@@ -152,6 +152,21 @@ def _check_even(rows, found, first=0):
                           f"of {size}: {', '.join(uneven)} (give splits=)")
 
 
+def _checked_splits(tensor, splits, found):
+    """alltoall's splits as Python ints (None without), checked against the tensor's rows."""
+    if tensor.shape.rank == 0:
+        raise ValueError("alltoall: the tensor is a scalar; send tensors of rank >= 1, whose "
+                         "rows are split (tf.reshape(x, [1]))")
+    counts = _static_splits(splits, found.num_workers)
+    rows = tensor.shape[0] if tensor.shape.rank else None
+    if counts is not None and rows is not None and sum(counts) != rows:
+        raise ValueError(f"alltoall: splits {counts} add up to {sum(counts)}, but the tensor "
+                         f"has {rows} rows")
+    if counts is None and rows is not None and not tf.executing_eagerly():
+        _check_even([rows], found, found.rank)  # eagerly, every process's rows are checked
+    return counts
+
+
 def _alltoall_in_session(tensor, splits, name):
     # The splits may become known only when the session runs the call
     # (eagerly, where they are checked); so do the received splits, which
@@ -222,16 +237,7 @@ def _alltoall(tensor, splits, name):
     if session_graph():
         return _alltoall_in_session(tensor, splits, name)
     found, place = cluster(), device()
-    if tensor.shape.rank == 0:
-        raise ValueError("alltoall: the tensor is a scalar; send tensors of rank >= 1, whose "
-                         "rows are split (tf.reshape(x, [1]))")
-    counts = _static_splits(splits, found.num_workers)
-    rows = tensor.shape[0] if tensor.shape.rank else None
-    if counts is not None and rows is not None and sum(counts) != rows:
-        raise ValueError(f"alltoall: splits {counts} add up to {sum(counts)}, but the tensor "
-                         f"has {rows} rows")
-    if counts is None and rows is not None and not tf.executing_eagerly():
-        _check_even([rows], found, found.rank)  # eagerly, every process's rows are checked
+    counts = _checked_splits(tensor, splits, found)
 
     def build(tensors, received=None):
         # received: the rows from each process, when known (eagerly).

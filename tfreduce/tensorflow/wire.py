@@ -18,7 +18,8 @@ one rounding back; float32 and float64 tensors in their own dtype.
 
 import tensorflow as tf
 
-__all__ = ["widen", "narrow", "scale", "wire_dtype"]
+__all__ = ["finish_mean", "integer_mean", "mean_dtype", "narrow", "off_wire", "on_wire", "scale",
+           "widen", "wire_dtype"]
 
 # dtype -> the dtype it crosses the wire in, for the collectives TF lacks.
 _WIDER = {tf.uint8: tf.int32, tf.int8: tf.int32, tf.uint16: tf.int32, tf.int16: tf.int32,
@@ -71,3 +72,47 @@ def scale(t, factor):
     if t.dtype in (tf.float16, tf.bfloat16):
         return tf.cast(tf.cast(t, tf.float32) * tf.cast(factor, tf.float32), t.dtype)
     return t * tf.cast(factor, t.dtype)
+
+
+def integer_mean(t, mean):
+    """bool: t (a tensor or tf.IndexedSlices) is averaged (`mean`) and holds integers."""
+    values = t.values if isinstance(t, tf.IndexedSlices) else t
+    return mean and not values.dtype.is_floating
+
+
+def mean_dtype(t, mean):
+    """The dtype of t's reduction: t's, but TF's true division's for a sparse integer mean."""
+    if isinstance(t, tf.IndexedSlices) and integer_mean(t, mean):
+        return tf.float32 if t.values.dtype.size <= 2 else tf.float64
+    return t.dtype
+
+
+def finish_mean(t, mean, postscale_factor, size):
+    """A reduced tensor times postscale_factor; an integer mean finished as Horovod does.
+
+    Horovod's integer mean: a dense sum scaled once by postscale / size in
+    float64 and truncated; the gathered rows of tf.IndexedSlices divided by
+    size with TF's true division (float32 values for 8- and 16-bit
+    integers, float64 for 32- and 64-bit ones)."""
+    if not integer_mean(t, mean):
+        return scale(t, postscale_factor)
+    if not isinstance(t, tf.IndexedSlices):
+        return scale(t, postscale_factor / size)
+    values = tf.math.truediv(t.values, tf.cast(size, t.values.dtype))
+    return scale(tf.IndexedSlices(values, t.indices, t.dense_shape), postscale_factor)
+
+
+def on_wire(t):
+    """t (a tensor or tf.IndexedSlices) as it crosses an all-reduce (which takes bfloat16;
+    the gather of sparse rows does not)."""
+    if isinstance(t, tf.IndexedSlices):
+        return tf.IndexedSlices(widen(t.values), t.indices, t.dense_shape)
+    return widen(t, keep=(tf.bfloat16,))
+
+
+def off_wire(t, like):
+    """A reduced t in the dtypes of the input `like` again (gathered indices come as int64)."""
+    if isinstance(t, tf.IndexedSlices):
+        return tf.IndexedSlices(narrow(t.values, like.dtype),
+                                narrow(t.indices, like.indices.dtype), t.dense_shape)
+    return narrow(t, like.dtype)
