@@ -21,7 +21,7 @@ _EXPORTS = {
     "allreduce_grads": "tfreduce.allreduce",
     "choose_algorithm": "tfreduce.registry",
     "Cluster": "tfreduce.cluster",
-    "WorkerLostError": "tfreduce.cluster",
+    "WorkerLostError": "tfreduce.failures",
     "CollectiveKeys": "tfreduce.collective",
     "Compression": "tfreduce.compression",
     "Compressor": "tfreduce.compression",

@@ -21,7 +21,7 @@ of every worker. Only rank 0 (`is_chief`) writes checkpoints and summaries and
 shows progress; `restore` reads the checkpoint on rank 0 only. Every
 worker evaluates and predicts on all the data it is given, so all get
 the same results. A lost worker fails the step with
-`tfreduce.cluster.WorkerLostError`.
+`tfreduce.WorkerLostError`.
 
 Modules: replicated_trainer (the public class), towers (the replicas),
 step (one step's graphs), losses, batching, loop (fit, evaluate, predict),

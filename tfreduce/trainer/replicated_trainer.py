@@ -224,7 +224,7 @@ class ReplicatedTrainer:
         Raises:
           ValueError: x and y disagree on the batch size, or the batch has
             fewer examples than there are towers (of all workers).
-          tfreduce.cluster.WorkerLostError: in a cluster, a worker is lost.
+          tfreduce.WorkerLostError: in a cluster, a worker is lost.
         """
         return self._run_train_step(x, y)[0]
 
