@@ -158,7 +158,8 @@ def test_calls_that_differ_between_ranks_raise_on_every_rank_and_the_next_call_w
                 rf"CallMismatchError: worker {r} \(127\.0\.0\.1:\d+\): the processes made "
                 r"different collective calls, which must be the same, in the same order, on "
                 rf"every process: worker 0 \(127\.0\.0\.1:\d+\): {re.escape(call0)}; "
-                rf"worker 1 \(127\.0\.0\.1:\d+\): {re.escape(call1)}",
+                rf"worker 1 \(127\.0\.0\.1:\d+\): {re.escape(call1)} \(when a process's data "
+                r"ends before the others', it calls join\(\), which lets them finish\)",
                 str(got[f"mismatch_{name}"])), str(got[f"mismatch_{name}"])
             assert got[f"after_{name}"].tolist() == [1.0, 1.0], name
         # In a TF1 session too, the next call pairs up (and then an eager one).
@@ -167,6 +168,27 @@ def test_calls_that_differ_between_ranks_raise_on_every_rank_and_the_next_call_w
                 "worker 1 " in str(got["v1_graph_error"]))
         assert got["v1_graph_next"].tolist() == [1.0, 1.0]
         assert got["after_v1_graph"].tolist() == [1.0, 1.0]
+
+
+def test_join_lets_the_rank_with_more_batches_finish_with_zeros_from_the_joined_one(ranks):
+    # Rank 0 has 3 batches, rank 1 has 2; after join(), rank 1 adds zeros
+    # (a mean still divides by size, as in Horovod).
+    for r, got in enumerate(ranks):
+        assert [got[f"join/sum{s}"].tolist() for s in range(2)] == [[2.0, 10.0], [4.0, 10.0]]
+        assert [got[f"join/int_mean{s}"].tolist() for s in range(2)] == [[5, 0], [6, 0]]
+        assert [got[f"join/grad{s}"].tolist() for s in range(2)] == [[2.0, 2.0], [3.0, 2.0]]
+        assert got["join/last"] == 0 and got["join/last_again"] == 1
+        assert re.fullmatch(
+            rf"CallMismatchError: worker {r} \(127\.0\.0\.1:\d+\): the call of the workers still "
+            r"working, allgather of float32 \[None\], cannot go on while these wait in join\(\) "
+            r"\(their data ended\): worker 1 \(127\.0\.0\.1:\d+\)\. After a join\(\), the others "
+            r"may only all-reduce dense tensors with op Sum or Average, eagerly \(as in Horovod\); "
+            r"call join\(\) after the last other call", str(got["join/refused"])), got["join/refused"]
+        assert got["join/after"].tolist() == [1.0, 1.0]
+    assert ranks[0]["join/sum2"].tolist() == [3.0, 0.0]
+    assert ranks[0]["join/int_mean2"].tolist() == [3, 0]  # (7 + 0) // 2
+    assert ranks[0]["join/grad2"].tolist() == [2.0, 0.0]
+    assert "join/sum2" not in ranks[1] and ranks[1]["join/sum_again"].tolist() == [7.0]
 
 
 def test_tf1_graphs_run_the_collectives_in_each_processs_own_session(ranks):
@@ -184,6 +206,7 @@ def test_tf1_graphs_run_the_collectives_in_each_processs_own_session(ranks):
         assert got["v1/grad_allgather"].tolist() == [[[2.0, 4.0]], [[4.0, 4.0]]][r]
         assert got["v1/grad_alltoall"].tolist() == [[[3.0]] * 3, [[3.0]]][r]
         assert got["v1/grad_alltoall_even"].tolist() == [[[3.0]] * 2, [[3.0]] * 4][r]
+        assert got["v1/grad_broadcast"].tolist() == [[[2.0, 2.0]], [[0.0, 0.0]]][r]
         assert got["v1/variable"].tolist() == [1.0, 4.0]  # rank 1's
         side = str(got["v1/side_by_side"])
         assert side == str([np.array([3.0], np.float32), np.array([30.0], np.float32)]) or (

@@ -55,7 +55,7 @@ HOROVOD = {
     "broadcast_object": "(obj, root_rank=0, session=None, name=None, "
                         "process_set=global_process_set)",
     "broadcast_": "(variables, root_rank, name=None, process_set=global_process_set)",
-    "broadcast_global_variables": "(root_rank)",
+    "broadcast_global_variables": "(root_rank)", "join": "()",
     "rank_op": "(name=None)", "local_rank_op": "(name=None)", "local_size_op": "(name=None)",
     "size_op": "(process_set_id=0, name=None)",
     "DistributedGradientTape": "(gradtape, device_dense='', device_sparse='', "
@@ -130,6 +130,7 @@ def test_one_process_is_rank_0_of_1_and_reduces_to_itself(one_process):
     np.testing.assert_array_equal(out, np.ones([2, 3]))
     assert received.numpy().tolist() == [2]
     np.testing.assert_array_equal(hvd.alltoall(tf.ones([2, 3])), np.ones([2, 3]))
+    assert hvd.join().numpy() == 0 and hvd.join().dtype == tf.int32
 
 
 def test_the_error_before_init():
@@ -186,10 +187,13 @@ def test_the_error_before_init():
                                                                    tf.constant([0]))],
                                    op=hvd.Adasum),
      NotImplementedError, "grouped_allreduce: op=Adasum does not reduce tf.IndexedSlices"),
+    (lambda: tf.function(hvd.join, autograph=False)(), RuntimeError,
+     "join() runs eagerly (or in a tf.compat.v1 session): inside a tf.function the "
+     "collectives are traced"),
 ], ids=["comm", "op", "op-and-average", "scalar-gather", "root", "process-set",
         "scalar-reducescatter", "splits-length", "splits-sum", "tape",
         "keras2-optimizer", "passes", "groups", "predivide", "global-variables",
-        "global-variables-tf2", "max-of-slices", "adasum-of-slices"])
+        "global-variables-tf2", "max-of-slices", "adasum-of-slices", "join-in-function"])
 def test_errors_a_horovod_user_meets(one_process, call, error, message):
     with pytest.raises(error) as info:
         call()

@@ -21,7 +21,8 @@ import tensorflow as tf
 
 from tfreduce.collective import CollectiveOptions, all_gather, in_function
 
-__all__ = ["CallMismatchError", "MessageError", "check_workers_agree", "check_same_call"]
+__all__ = ["JOINED", "CallMismatchError", "MessageError", "check_workers_agree", "check_same_call",
+           "join_round"]
 
 # Bytes of one fact's text sent when it differs (longer texts are cut).
 _TEXT_BYTES = 240
@@ -127,7 +128,11 @@ class CallMismatchError(MessageError, tf.errors.FailedPreconditionError, ValueEr
     """
 
 
-def check_same_call(cluster, description, functions, values=None):
+# What a process waiting in join() says in place of a call's description.
+JOINED = "join"
+
+
+def check_same_call(cluster, description, functions, values=None, recipe=None):
     """Raises on every worker, before any data moves, unless all make the same collective call.
 
     Horovod negotiates every collective by name before it runs; TF's
@@ -143,6 +148,11 @@ def check_same_call(cluster, description, functions, values=None):
     its row counts, its all-to-all splits) are all-gathered next, so that
     every worker builds the data's collectives from the same numbers.
 
+    Workers whose description is ``JOINED`` wait in Horovod's ``join()``
+    (``join_round``): the others' call goes on with them when it has a
+    `recipe` (the bytes from which a joined worker makes the same call, with
+    zeros); otherwise every worker raises.
+
     Args:
       cluster: tfreduce.Cluster, started; or a LocalCluster (nothing to compare).
       description: str, what the call does: the collective, its name, the
@@ -151,29 +161,89 @@ def check_same_call(cluster, description, functions, values=None):
       functions: dict where the traced all-gathers are kept between calls
         (the run's ``process.eager_functions()``).
       values: None, or a sequence of L ints (int64).
+      recipe: None, or bytes: how a joined worker makes this call.
 
     Returns:
       None without `values`; else an int64 array [workers, L]: row r is
       worker r's values (on a LocalCluster, [1, L]: this worker's).
 
     Raises:
-      CallMismatchError: the workers' calls differ (each worker's description named).
+      CallMismatchError: the workers' calls differ (each worker's description
+        named), or some wait in join() and this call cannot go on without them.
       WorkerLostError: a worker is lost or does not arrive in time.
     """
     if cluster.is_local:
         return None if values is None else np.asarray([values], np.int64).reshape(1, -1)
-    hashes = _gather_cached(cluster, functions, [_hash(description)])
-    if len(set(hashes[:, 0].tolist())) > 1:
-        texts = _gather_text(cluster, description)
-        calls = "; ".join(f"{cluster.describe(r)}: {text}" for r, text in enumerate(texts))
-        raise CallMismatchError(f"{cluster.describe(cluster.rank)}: the processes made "
-                                f"different collective calls, which must be the same, in the "
-                                f"same order, on every process: {calls}")
+    hashes = _gather_cached(cluster, functions, [_hash(description)])[:, 0]
+    joined = hashes == _hash(JOINED)
+    if joined.any():
+        _recipe_for_joined(cluster, functions, description, hashes, recipe)
+    elif len(set(hashes.tolist())) > 1:
+        _raise_mismatch(cluster, description)
     if values is None:
         return None
     if len(values) == 0:  # TF's all-gather fails on an empty tensor
         return np.zeros([cluster.num_workers, 0], np.int64)
     return _gather_cached(cluster, functions, values)
+
+
+def join_round(cluster, functions, joined_at):
+    """One round of a worker waiting in join(): the next call to make with zeros, or the end.
+
+    Every worker waiting in join() calls it in a loop; each round pairs with
+    one ``check_same_call`` of the workers still working.
+
+    Args:
+      cluster: tfreduce.Cluster, started (several workers).
+      functions: as in check_same_call.
+      joined_at: int, how many calls this worker had made when it joined.
+
+    Returns:
+      (recipe, None): bytes, the call the working workers make (to make
+      with zeros); or (None, last): every worker has joined, `last` the
+      rank that joined last (the highest such rank on a tie).
+
+    Raises:
+      CallMismatchError: the working workers' call cannot go on without
+        this one (no recipe), or their calls differ.
+    """
+    hashes = _gather_cached(cluster, functions, [_hash(JOINED)])[:, 0]
+    if (hashes == _hash(JOINED)).all():
+        at = _gather_cached(cluster, functions, [joined_at])[:, 0]
+        return None, int(np.flatnonzero(at == at.max())[-1])
+    return _recipe_for_joined(cluster, functions, JOINED, hashes, None), None
+
+
+def _recipe_for_joined(cluster, functions, description, hashes, recipe):
+    """The first working worker's recipe, on every worker, once the working ones agree."""
+    joined = hashes == _hash(JOINED)
+    working = np.flatnonzero(~joined)
+    if len(set(hashes[working].tolist())) > 1:
+        _raise_mismatch(cluster, description)
+    recipe = recipe or b""
+    lengths = _gather_cached(cluster, functions, [len(recipe)])[:, 0]
+    first = int(working[0])
+    if lengths[working].min() == 0:
+        texts = _gather_text(cluster, description)
+        waiting = ", ".join(cluster.describe(int(r)) for r in np.flatnonzero(joined))
+        raise CallMismatchError(
+            f"{cluster.describe(cluster.rank)}: the call of the workers still working, "
+            f"{texts[first]}, cannot go on while these wait in join() (their data ended): "
+            f"{waiting}. After a join(), the others may only all-reduce dense tensors with op "
+            "Sum or Average, eagerly (as in Horovod); call join() after the last other call")
+    words = -(-int(lengths.max()) // 8)
+    mine = np.frombuffer(recipe.ljust(8 * words, b"\0"), np.int64)
+    rows = _gather_cached(cluster, functions, mine)
+    return rows[first].tobytes()[:int(lengths[first])]
+
+
+def _raise_mismatch(cluster, description):
+    texts = _gather_text(cluster, description)
+    calls = "; ".join(f"{cluster.describe(r)}: {text}" for r, text in enumerate(texts))
+    raise CallMismatchError(f"{cluster.describe(cluster.rank)}: the processes made "
+                            f"different collective calls, which must be the same, in the "
+                            f"same order, on every process: {calls} (when a process's data "
+                            "ends before the others', it calls join(), which lets them finish)")
 
 
 def _gather_cached(cluster, functions, values):

@@ -259,6 +259,28 @@ def mismatches(hvd, out):
     out["after_v1_graph"] = hvd.allreduce(tf.ones([2]) * r, op=hvd.Sum).numpy()
 
 
+def uneven(hvd, out):
+    """Ranks with 3 and 2 batches: join() lets rank 0 finish, then a call join() refuses."""
+    r = hvd.rank()
+    w = tf.Variable([1.0, 1.0])
+    for step in range([3, 2][r]):
+        out[f"join/sum{step}"] = hvd.allreduce(tf.constant([1.0 + step, 10.0 * r]),
+                                               op=hvd.Sum).numpy()
+        out[f"join/int_mean{step}"] = hvd.allreduce(tf.constant([5 + step, r], tf.int32)).numpy()
+        with tf.GradientTape() as tape:  # Horovod's custom loop, eagerly
+            loss = tf.reduce_sum(w * tf.constant([2.0 + step, 4.0 * r]))
+        out[f"join/grad{step}"] = hvd.DistributedGradientTape(tape).gradient(loss, [w])[0].numpy()
+    out["join/last"] = hvd.join().numpy()
+    if r == 1:  # now rank 0 joins first
+        out["join/sum_again"] = hvd.allreduce(tf.constant([7.0]), op=hvd.Sum).numpy()
+    out["join/last_again"] = hvd.join().numpy()
+    try:  # only dense Sum and Average all-reduces go on while a rank waits in join()
+        out["join/refused"] = (hvd.join() if r == 1 else hvd.allgather(tf.ones([2]))).numpy()
+    except tf.errors.FailedPreconditionError as e:
+        out["join/refused"] = np.array(f"{type(e).__name__}: {e}")
+    out["join/after"] = hvd.allreduce(tf.ones([2]) * r, op=hvd.Sum).numpy()
+
+
 def session_graph(hvd, out):
     """Horovod's TF1 graph mode: the collectives built in a tf.compat.v1 graph, run by a
     session of each process's own."""
@@ -275,6 +297,8 @@ def session_graph(hvd, out):
         ops["alltoall"], ops["alltoall_received"] = hvd.alltoall(rows, splits=splits)
         ops["grad_allgather"] = tf.gradients(tf.reduce_sum(hvd.allgather(x) ** 2), x)[0]
         ops["grad_alltoall"] = tf.gradients(tf.reduce_sum(ops["alltoall"] * 3.0), rows)[0]
+        # Rank 1's zeros wait for its all-reduce, which the root's needs.
+        ops["grad_broadcast"] = tf.gradients(tf.reduce_sum(hvd.broadcast(x, 0) * 2.0), x)[0]
         # Evenly split, rows come back unevenly: rank 0 sends 1 + 1, gets 1 + 2.
         even = tf.constant([[1.0], [2.0], [3.0], [4.0]][:2 + 2 * r])
         ops["grad_alltoall_even"] = tf.gradients(tf.reduce_sum(hvd.alltoall(even) * 3.0),
@@ -409,6 +433,7 @@ def main(argv=None):
     semantics(hvd, out)
     gradients(hvd, out)
     mismatches(hvd, out)
+    uneven(hvd, out)
     session_graph(hvd, out)
     local_layers(hvd, hvdk, out)
     fit(hvdk, out, "fit")

@@ -12,7 +12,7 @@ See docs/horovod.md for the migration table and what differs.
 """
 
 from tfreduce.tensorflow.functions import (allgather_object, broadcast_, broadcast_global_variables,
-                                           broadcast_object, local_rank_op, local_size_op,
+                                           broadcast_object, join, local_rank_op, local_size_op,
                                            rank_op, size_op)
 from tfreduce.tensorflow.ops import (Adasum, Average, Compression, Max, Min, Product, ProcessSet,
                                      Sum, allgather, allreduce, broadcast, broadcast_variables,
@@ -35,7 +35,7 @@ __all__ = ["Adasum", "Average", "Compression", "DistributedGradientTape", "Max",
            "allgather", "allgather_object", "allreduce", "alltoall", "broadcast", "broadcast_",
            "broadcast_global_variables", "broadcast_object", "broadcast_variables",
            "cross_rank", "cross_size", "global_process_set", "grouped_allgather",
-           "grouped_allreduce", "grouped_reducescatter", "init", "is_initialized",
+           "grouped_allreduce", "grouped_reducescatter", "init", "is_initialized", "join",
            "local_rank", "local_rank_op", "local_size", "local_size_op", "rank", "rank_op",
            "reducescatter", "shutdown", "size", "size_op", "ccl_built", "cuda_built",
            "ddl_built", "gloo_built", "gloo_enabled", "is_homogeneous", "mpi_built",

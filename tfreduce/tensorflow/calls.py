@@ -21,12 +21,12 @@ import threading
 import tensorflow as tf
 
 from tfreduce.collective import CollectiveKeys
-from tfreduce.consistency import check_same_call
+from tfreduce.consistency import check_same_call, join_round
 from tfreduce.tensorflow.process import cluster, eager_functions
 from tfreduce.watchdog import progress
 
-__all__ = ["agree", "differentiable", "in_session", "result_spec", "run_cached", "session_graph",
-           "tensor_or_slices"]
+__all__ = ["agree", "differentiable", "in_session", "result_spec", "run_cached",
+           "session_graph", "tensor_or_slices", "wait_in_join"]
 
 
 def tensor_or_slices(tensor):
@@ -89,7 +89,7 @@ def _spec(t, rows_vary):
     return tf.TensorSpec(shape, t.dtype)
 
 
-def agree(key, tensors, rows_vary=False, name=None, values=None):
+def agree(key, tensors, rows_vary=False, name=None, values=None, recipe=None):
     """Eagerly: raises CallMismatchError on every process unless all make this call.
 
     See ``consistency.check_same_call``; the call is described by its key,
@@ -103,6 +103,9 @@ def agree(key, tensors, rows_vary=False, name=None, values=None):
       name: str or None, the user's name for the call.
       values: None, or L ints this process chooses for itself (its row
         counts, its splits); L must follow from the key and the inputs.
+      recipe: None, or bytes from which a process waiting in join() makes
+        the same call with zeros (``ops.join``); without one, this call
+        raises on every process while one waits there.
 
     Returns:
       Eagerly with `values`: tuple of tuples of int, row r worker r's values
@@ -116,7 +119,10 @@ def agree(key, tensors, rows_vary=False, name=None, values=None):
     description = _describe(key, tensors, specs, name)
     if _SESSION_OP:  # the TF1 op making this call: the same op on every process
         description += f" in op {_SESSION_OP[0]!r}"
-    every = check_same_call(cluster(), description, functions, values)
+    if _JOINED_CALL:  # made by join() for the others: already agreed
+        every = None
+    else:
+        every = check_same_call(cluster(), description, functions, values, recipe)
     functions[_LAST_CALL] = description
     number = functions.get(_AGREED, -1) + 1
     functions[_AGREED] = number
@@ -155,7 +161,7 @@ def _keys_of_call(found, keys):
         found.keys = own
 
 
-def run_cached(key, build, tensors, rows_vary=False, name=None, check=True):
+def run_cached(key, build, tensors, rows_vary=False, name=None, check=True, recipe=None):
     """build(tensors): directly in a graph; eagerly, in a tf.function kept per key and signature.
 
     The collectives' instance keys are drawn as a function traces, the same
@@ -167,7 +173,7 @@ def run_cached(key, build, tensors, rows_vary=False, name=None, check=True):
     input signature), so a mismatch raises on every process before any
     data moves.
 
-    check=False leaves that to the caller (``agree``).
+    check=False leaves that to the caller (``agree``); `recipe` is agree's.
 
     Raises:
       CallMismatchError: eagerly, the processes' calls differ (each one named).
@@ -175,7 +181,7 @@ def run_cached(key, build, tensors, rows_vary=False, name=None, check=True):
     if not tf.executing_eagerly():
         return build(tensors)
     if check:
-        agree(key, tensors, rows_vary, name)
+        agree(key, tensors, rows_vary, name, recipe=recipe)
     specs = [_spec(t, rows_vary) for t in tensors]
     full = (key, tuple(specs))
     functions = eager_functions()  # by what they do and their input signature
@@ -241,6 +247,44 @@ def result_spec(t, dtype=None, rows_vary=False):
 # pairing one process's tensor with another's.
 _SESSION_CALLS = threading.Lock()
 _SESSION_OP = []
+
+
+def wait_in_join(make):
+    """Horovod's join(), eagerly: makes the others' calls with zeros until every process has joined.
+
+    Each round, the processes still working make a call (``agree`` with a
+    recipe) and this one receives its recipe, then ``make(recipe)`` makes
+    the same call with zeros; the call counter and the instance keys advance
+    alike on every process.
+
+    Args:
+      make: function (recipe bytes) -> anything, the call with zeros.
+
+    Returns:
+      int, the rank of the process that joined last (the highest on a tie;
+      this one's on a single process).
+
+    Raises:
+      CallMismatchError: on every process, the others' call cannot go on
+        without this one (see ``consistency.check_same_call``).
+    """
+    found, functions = cluster(), eager_functions()
+    if found.is_local:
+        return found.rank
+    joined_at = functions.get(_AGREED, -1) + 1
+    while True:
+        with progress.within("join() (its data ended)"):
+            recipe, last = join_round(found, functions, joined_at)
+        if recipe is None:
+            return last
+        _JOINED_CALL.append(True)  # agreed already, in join_round
+        try:
+            make(recipe)
+        finally:
+            _JOINED_CALL.pop()
+
+
+_JOINED_CALL = []
 
 
 def in_session(call, tensors, outputs):

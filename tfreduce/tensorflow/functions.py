@@ -5,7 +5,7 @@ bytes of its pickle (a uint8 tensor, widened on the wire), a variable list
 by ``broadcast_variables``.
 
 Sources: Horovod's API (horovod.tensorflow.functions: allgather_object,
-broadcast_object; horovod.tensorflow.mpi_ops: broadcast_, rank_op, size_op,
+broadcast_object; horovod.tensorflow.mpi_ops: broadcast_, join, rank_op, size_op,
 local_rank_op, local_size_op; broadcast_global_variables of TF1 graphs).
 """
 
@@ -14,13 +14,13 @@ import pickle
 import numpy as np
 import tensorflow as tf
 
-from tfreduce.tensorflow.calls import session_graph
+from tfreduce.tensorflow.calls import in_session, session_graph, wait_in_join
 from tfreduce.tensorflow.ops import (allgather, broadcast, broadcast_variables,
-                                     check_process_set, global_process_set)
+                                     check_process_set, global_process_set, grouped_allreduce)
 from tfreduce.tensorflow.process import local_rank, local_size, rank, size
 
 __all__ = ["allgather_object", "broadcast_object", "broadcast_", "broadcast_global_variables",
-           "rank_op", "local_rank_op", "size_op", "local_size_op"]
+           "join", "rank_op", "local_rank_op", "size_op", "local_size_op"]
 
 
 def _as_bytes(obj):
@@ -114,6 +114,51 @@ def broadcast_global_variables(root_rank):
             "broadcast_global_variables works in tf.compat.v1 graphs only: in TF2 call "
             "broadcast_variables(model.variables, root_rank) (and the optimizer's variables)")
     return tf.group(*(broadcast_variables(tf.compat.v1.global_variables(), root_rank) or []))
+
+
+def join():
+    """Horovod's join(): this process's data has ended; the others' all-reduces go on without it.
+
+    Until every process has called join(), this one takes part in each
+    all-reduce the others make, with zeros of its shapes and dtypes: a Sum
+    is the others' sum, an Average their sum divided by size() (as in
+    Horovod). Then every process's join() returns. Example, 2 processes
+    with 3 and 2 batches: rank 1 calls join() after its 2nd step, rank 0
+    makes its 3rd all-reduce alone (rank 1's join() adds zeros), then calls
+    join(); both return 0, the rank that joined last.
+
+    Horovod's limits hold: while a process waits here, the others may only
+    all-reduce dense tensors with op Sum or Average. It pairs eager calls
+    (a custom loop's ``DistributedGradientTape`` outside ``tf.function``)
+    and TF1 session calls; a collective traced in a ``tf.function`` is not
+    seen by join().
+
+    Returns:
+      int32 scalar tensor, the rank of the process that joined last (the
+      highest such rank when several joined in the same round). In a
+      tf.compat.v1 graph of several processes, an op that returns it.
+
+    Raises:
+      CallMismatchError: on every process, when a process still working
+        makes another kind of call (an allgather, a broadcast, a Min) while
+        others wait in join().
+      RuntimeError: inside a tf.function.
+    """
+    if session_graph():
+        return in_session(lambda _: [join()], [], [tf.TensorSpec([], tf.int32)])[0]
+    if not tf.executing_eagerly():
+        raise RuntimeError("join() runs eagerly (or in a tf.compat.v1 session): inside a "
+                           "tf.function the collectives are traced, and a process waiting in "
+                           "join() cannot make them; call it after the tf.function returns")
+    return tf.constant(wait_in_join(_allreduce_zeros), tf.int32)
+
+
+def _allreduce_zeros(recipe):
+    """The all-reduce another process made (recipe from ops), with zeros."""
+    op, compression, prescale_factor, postscale_factor, name, specs = pickle.loads(recipe)
+    grouped_allreduce([tf.zeros(shape, dtype) for shape, dtype in specs], op=op,
+                      compression=compression, prescale_factor=prescale_factor,
+                      postscale_factor=postscale_factor, name=name)
 
 
 def rank_op(name=None):

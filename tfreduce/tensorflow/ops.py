@@ -13,6 +13,8 @@ postscale factors, allgather with uneven first dimensions, broadcast from
 any root rank); TensorFlow's collective ops as the engine.
 """
 
+import pickle
+
 import tensorflow as tf
 
 from tfreduce.collective import (CollectiveChain, CollectiveOptions, broadcast_recv,
@@ -166,8 +168,13 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
                           compression)
             return [finish_mean(t, op == Average, postscale_factor, found.num_workers) for t in out]
 
+    # How a process waiting in join() makes this call with zeros (functions.join).
+    recipe = None if op not in (Sum, Average) or any(
+        isinstance(t, tf.IndexedSlices) for t in tensors) else pickle.dumps(
+        (op, compression.name, prescale_factor, postscale_factor, name,
+         [(t.shape.as_list(), t.dtype.name) for t in tensors]))
     return run_cached(("allreduce", op, compression.name, prescale_factor, postscale_factor),
-                      build, tensors, name=name)
+                      build, tensors, name=name, recipe=recipe)
 
 
 def _reduce(found, place, tensors, op, compression):
@@ -367,7 +374,12 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     def gradient(upstream):
         # Horovod's: the mean of the upstream gradients on the root, zeros elsewhere.
         mean = allreduce(upstream[0])
-        return [mean if found.rank == root_rank else tf.zeros_like(mean)]
+        if found.rank == root_rank:
+            return [mean]
+        # In a graph, zeros that do not depend on the all-reduce would let the
+        # session prune it on this process only, and the root would wait.
+        with tf.control_dependencies([mean]):
+            return [tf.zeros_like(mean)]
 
     def forward(tensors):
         if session_graph():
