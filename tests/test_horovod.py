@@ -207,6 +207,8 @@ def test_tf1_graphs_run_the_collectives_in_each_processs_own_session(ranks):
         assert got["v1/grad_alltoall"].tolist() == [[[3.0]] * 3, [[3.0]]][r]
         assert got["v1/grad_alltoall_even"].tolist() == [[[3.0]] * 2, [[3.0]] * 4][r]
         assert got["v1/grad_broadcast"].tolist() == [[[2.0, 2.0]], [[0.0, 0.0]]][r]
+        assert str(got["v1/allgather_object"]) == "[{'rank': 0}, {'rank': 1}]"
+        assert str(got["v1/broadcast_object"]) == "('r', 1)"
         assert got["v1/variable"].tolist() == [1.0, 4.0]  # rank 1's
         side = str(got["v1/side_by_side"])
         assert side == str([np.array([3.0], np.float32), np.array([30.0], np.float32)]) or (

@@ -141,6 +141,11 @@ def test_the_error_before_init():
             call()
 
 
+def _in_v1_graph(call):
+    with tf.Graph().as_default():
+        return call()
+
+
 @pytest.mark.parametrize("call, error, message", [
     (lambda: hvd.init(comm=[0, 1]), ValueError,
      "init(comm=[0, 1]): tfreduce has no MPI; processes find each other through TF_CONFIG"),
@@ -187,13 +192,20 @@ def test_the_error_before_init():
                                                                    tf.constant([0]))],
                                    op=hvd.Adasum),
      NotImplementedError, "grouped_allreduce: op=Adasum does not reduce tf.IndexedSlices"),
+    (lambda: tf.function(lambda: hvd.allgather_object(1), autograph=False)(), RuntimeError,
+     "allgather_object runs eagerly or in a tf.compat.v1 session (a Python object crosses as "
+     "its pickle): call it outside tf.function"),
+    (lambda: _in_v1_graph(lambda: hvd.broadcast_object(1)), ValueError,
+     "broadcast_object: in a tf.compat.v1 graph, pass session= or call it under a default "
+     "session (with session.as_default())"),
     (lambda: tf.function(hvd.join, autograph=False)(), RuntimeError,
      "join() runs eagerly (or in a tf.compat.v1 session): inside a tf.function the "
      "collectives are traced"),
 ], ids=["comm", "op", "op-and-average", "scalar-gather", "root", "process-set",
         "scalar-reducescatter", "splits-length", "splits-sum", "tape",
         "keras2-optimizer", "passes", "groups", "predivide", "global-variables",
-        "global-variables-tf2", "max-of-slices", "adasum-of-slices", "join-in-function"])
+        "global-variables-tf2", "max-of-slices", "adasum-of-slices", "object-in-function",
+        "object-without-session", "join-in-function"])
 def test_errors_a_horovod_user_meets(one_process, call, error, message):
     with pytest.raises(error) as info:
         call()

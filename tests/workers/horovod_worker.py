@@ -313,6 +313,9 @@ def session_graph(hvd, out):
             session.run(assign)
             out["v1/variable"] = session.run(v)
             session.run(hvd.broadcast_global_variables(0))
+            out["v1/allgather_object"] = np.array(repr(hvd.allgather_object({"rank": r}, session)))
+            with session.as_default():  # Horovod's default: the default session
+                out["v1/broadcast_object"] = np.array(repr(hvd.broadcast_object(("r", r), 1)))
             out["v1/global_v"], out["v1/global_w"] = session.run([v, w])
             # Two calls alike that one run may make in either order: never
             # paired across the two ops (right sums, or an error on both).

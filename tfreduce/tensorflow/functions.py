@@ -34,7 +34,8 @@ def broadcast_object(obj, root_rank=0, session=None, name=None,
     Args:
       obj: any picklable object (only root_rank's is used).
       root_rank: int in 0..size-1.
-      session: Horovod's TF1 session argument; must be None.
+      session: in a tf.compat.v1 graph, the session that runs the exchange
+        (None: the default session); eagerly, unused.
       name: accepted for Horovod's signature.
       process_set: global_process_set (the only one).
 
@@ -42,17 +43,18 @@ def broadcast_object(obj, root_rank=0, session=None, name=None,
       root_rank's object, unpickled.
 
     Raises:
-      ValueError: a session, a bad root_rank or process set.
-      RuntimeError: called in a graph (tf.function or tf.compat.v1).
+      ValueError: a bad root_rank or process set; in a tf.compat.v1 graph,
+        no session and no default session.
+      RuntimeError: called inside a tf.function.
     """
     del name
-    _no_session(session, "broadcast_object")
+    run = _runner(session, "broadcast_object")
     check_process_set(process_set, "broadcast_object")
     data = _as_bytes(obj) if rank() == root_rank else tf.zeros([0], tf.uint8)
-    length = broadcast(tf.constant([int(data.shape[0])], tf.int64), root_rank)
+    length = run(broadcast(tf.constant([int(data.shape[0])], tf.int64), root_rank))
     if rank() != root_rank:
         data = tf.zeros([int(length[0])], tf.uint8)
-    return pickle.loads(broadcast(data, root_rank).numpy().tobytes())
+    return pickle.loads(run(broadcast(data, root_rank)).tobytes())
 
 
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
@@ -62,28 +64,35 @@ def allgather_object(obj, session=None, name=None, process_set=global_process_se
       list of size() objects; item r is rank r's.
 
     Raises:
-      ValueError: a session or an unsupported process set.
-      RuntimeError: called in a graph (tf.function or tf.compat.v1).
+      ValueError: an unsupported process set; in a tf.compat.v1 graph, no
+        session and no default session.
+      RuntimeError: called inside a tf.function.
     """
     del name
-    _no_session(session, "allgather_object")
+    run = _runner(session, "allgather_object")
     check_process_set(process_set, "allgather_object")
     data = _as_bytes(obj)
-    lengths = allgather(tf.constant([int(data.shape[0])], tf.int64)).numpy()
-    joined = allgather(data).numpy().tobytes()
+    lengths = run(allgather(tf.constant([int(data.shape[0])], tf.int64)))
+    joined = run(allgather(data)).tobytes()
     ends = np.cumsum(lengths)
     return [pickle.loads(joined[end - length:end]) for end, length in zip(ends, lengths)]
 
 
-def _no_session(session, where):
-    # Checked before anything is built: a process that built half of the
-    # exchange in a graph would draw collective keys its peers do not.
-    if session is not None:
-        raise ValueError(f"{where}: session={session!r}: pass no session (objects cross "
-                         "eagerly, in TF2)")
-    if not tf.executing_eagerly():
-        raise RuntimeError(f"{where} runs eagerly only (a Python object crosses as its "
-                           "pickle): call it outside tf.function and tf.compat.v1 graphs")
+def _runner(session, where):
+    """A function tensor -> NumPy value: eagerly its value, in a TF1 graph the session's run.
+
+    Checked before anything is built: a process that built half of the
+    exchange in a tf.function would draw collective keys its peers do not."""
+    if tf.executing_eagerly():
+        return lambda t: t.numpy()
+    if tf.inside_function():
+        raise RuntimeError(f"{where} runs eagerly or in a tf.compat.v1 session (a Python "
+                           "object crosses as its pickle): call it outside tf.function")
+    session = session or tf.compat.v1.get_default_session()
+    if session is None:
+        raise ValueError(f"{where}: in a tf.compat.v1 graph, pass session= or call it under "
+                         "a default session (with session.as_default())")
+    return session.run
 
 
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
