@@ -80,6 +80,27 @@ def test_a_peer_that_says_goodbye_or_was_never_heard_is_not_named():
     dogs[0].goodbye()
 
 
+def test_a_peer_that_an_error_ended_stops_the_others_at_once(monkeypatch):
+    dogs, fired = pair(stall=600.0)  # no silence could fire within the test
+    for dog in dogs:
+        dog.start()
+    try:
+        with progress.within("training step 4"):
+            assert wait_for(lambda: 1 in dogs[0]._heard and 0 in dogs[1]._heard)
+            # What the interpreter sets for an uncaught exception, before atexit.
+            monkeypatch.setattr("sys.last_value", ValueError("Shape mismatch: [3] vs [4]\n"
+                                                              "more lines"), raising=False)
+            dogs[1].goodbye()
+            assert wait_for(lambda: fired[0])
+        assert re.fullmatch(
+            r"worker 0 \(127\.0\.0\.1:\d+\): worker 1 \(127\.0\.0\.1:\d+\) ended with ValueError: "
+            r"Shape mismatch: \[3\] vs \[4\] \(training step 4\); this worker cannot go on "
+            r"without it \(it was in training step 4\)\. Stopping them\.", fired[0][0]), fired[0]
+        assert fired[1] == []
+    finally:
+        dogs[0].goodbye()
+
+
 def test_datagrams_of_another_run_are_ignored():
     dogs, fired = pair()
     dogs[0].start()
@@ -148,6 +169,22 @@ def test_a_frozen_worker_is_named_and_the_run_ends(door):
     assert re.search(r"\[launch\] worker 0 exited with code 1 after", err)
     assert "[launch] stopping worker 1" in err
     print(f"{door}: ended {seconds:.0f} s after the start")
+
+
+def test_a_worker_that_an_error_ends_stops_the_others_at_once():
+    # Rank 0 waits in step 20's collective; the launcher would stop it after
+    # its grace period, but rank 1's last heartbeat names the error first.
+    code, out, err, _ = launch_workers("stall_worker.py", "tape", "--fail",
+                                       launcher=("--stall-seconds", "600"), timeout=240)
+    assert code == 1, (code, err[-3000:])
+    line = re.search(r"\[worker 0\] tfreduce watchdog: (worker 0 \(127\.0\.0\.1:\d+\): worker 1 "
+                     r"\(127\.0\.0\.1:\d+\) ended with RuntimeError: rank 1: failing at step 20 "
+                     r"on purpose \(20 steps done\); this worker cannot go on without it \(it was in training step "
+                     r"21 \(20 steps done\)\)\. Stopping them\.)", err)
+    assert line, err[-3000:]
+    assert f"Collective ops is aborted by: {line.group(1)}" in err
+    assert re.search(r"\[launch\] worker 0 exited with code 1 after", err)
+    assert "[launch] stopping worker 0" not in err
 
 
 def test_a_clean_run_of_a_thousand_steps_reports_nothing():

@@ -17,7 +17,9 @@ process's collectives (``context.abort_collective_ops``, TF's way of
 unblocking them, which MultiWorkerMirroredStrategy uses too) so that the
 blocked call raises with that line; if the process is still alive
 ``exit_seconds`` later, it exits with code 75. A process that exits cleanly
-says goodbye first, so a peer that finished is never taken for a frozen one.
+says goodbye first, so a peer that finished is never taken for a frozen one;
+a process that an uncaught exception ends says so instead, with the error,
+and its peers stop at once the same way (they could only wait for it).
 
 A process busy for minutes in its first step (tracing, graph optimisation)
 keeps sending: the thread needs only the GIL now and then, and TF releases
@@ -165,6 +167,7 @@ class Watchdog(threading.Thread):
         self._socket.settimeout(self._interval)
         self._heard = {}  # rank -> (monotonic time, their heartbeat)
         self._gone = set()  # ranks that said goodbye
+        self._failed = {}  # rank -> the error that ended it (a goodbye of a failure)
         self._sent = 0.0
         self.reported = []  # the straggler reports so far
         self._next_report = 0  # the step from which another report may come
@@ -181,20 +184,26 @@ class Watchdog(threading.Thread):
             stopped = self._stopped(time.monotonic())
             if stopped is not None and self.fired is None:
                 self._fire(stopped)
+            if self._failed and self.fired is None:
+                self._fire(min(self._failed))
             if self.cluster.rank == 0:  # the chief reports, once for all
                 self._report_stragglers()
 
     def goodbye(self):
-        """Tells the peers this process ends on purpose; stops the thread."""
+        """Tells the peers this process ends (with the error that ends it, if any); stops the thread.
+
+        Registered with atexit: an uncaught exception is ``sys.last_value`` then."""
         if not self._stop.is_set():
             self._stop.set()
+            error = getattr(sys, "last_value", None)
             for _ in range(3):  # datagrams may be lost between machines
-                self._send("bye")
+                self._send("bye" if error is None else "failed", _error_line(error))
 
-    def _send(self, kind):
+    def _send(self, kind, error=None):
         beat = json.dumps({"run": self._run, "rank": self.cluster.rank, "kind": kind,
                            "step": progress.step, "ms": _mean_ms(progress.durations),
-                           "doing": (progress.doing or "")[:_DOING_CHARS]}).encode()
+                           "doing": (progress.doing or "")[:_DOING_CHARS],
+                           "error": (error or "")[:_DOING_CHARS]}).encode()
         for address in self._peers.values():
             try:
                 self._socket.sendto(beat, address)
@@ -210,8 +219,10 @@ class Watchdog(threading.Thread):
             return
         if rank not in self._peers or beat.get("run") != self._run:
             return
-        if beat.get("kind") == "bye":
+        if beat.get("kind") in ("bye", "failed"):
             self._gone.add(rank)
+        if beat.get("kind") == "failed":
+            self._failed[rank] = beat.get("error") or "an error"
         self._heard[rank] = (time.monotonic(), beat)
 
     def _stopped(self, now):
@@ -254,12 +265,17 @@ class Watchdog(threading.Thread):
         when, beat = self._heard[rank]
         theirs = _state(beat.get("step"), beat.get("doing"))
         mine = _state(progress.step, progress.doing)
-        self.fired = (f"{self.cluster.describe(self.cluster.rank)}: "
-                      f"{self.cluster.describe(rank)} has sent no heartbeat for "
-                      f"{time.monotonic() - when:.0f} s: frozen, stopped or cut off"
-                      f"{f' (its last heartbeat: {theirs})' if theirs else ''}; this worker "
-                      f"waits in {mine or 'its collectives'}. Stopping them "
-                      f"(stall_seconds={self.stall_seconds:g}).")
+        if rank in self._failed:
+            what = (f"{self.cluster.describe(rank)} ended with {self._failed[rank]}"
+                    f"{f' ({theirs})' if theirs else ''}; this worker cannot go on without "
+                    f"it (it was in {mine or 'its collectives'}). Stopping them.")
+        else:
+            what = (f"{self.cluster.describe(rank)} has sent no heartbeat for "
+                    f"{time.monotonic() - when:.0f} s: frozen, stopped or cut off"
+                    f"{f' (its last heartbeat: {theirs})' if theirs else ''}; this worker "
+                    f"waits in {mine or 'its collectives'}. Stopping them "
+                    f"(stall_seconds={self.stall_seconds:g}).")
+        self.fired = f"{self.cluster.describe(self.cluster.rank)}: {what}"
         print(f"tfreduce watchdog: {self.fired}", file=sys.stderr, flush=True)
         if self.on_stall is not None:
             self.on_stall(self.fired)
@@ -268,7 +284,10 @@ class Watchdog(threading.Thread):
         from tensorflow.python.eager import context
         context.context().abort_collective_ops(14, self.fired)  # 14: UNAVAILABLE
         if self.exit_seconds is not None:
-            threading.Timer(self.exit_seconds, _exit, [self.fired]).start()
+            # A daemon: a process that ends by itself is not held back by it.
+            timer = threading.Timer(self.exit_seconds, _exit, [self.fired])
+            timer.daemon = True
+            timer.start()
 
 
 def start_watchdog(cluster):
@@ -334,6 +353,14 @@ def _state(step, doing):
     if doing and step:
         return f"{doing} ({step} steps done)"
     return doing or (f"{step} steps done" if step else "")
+
+
+def _error_line(error):
+    """"ValueError: <its first line>" of an exception; None for None."""
+    if error is None:
+        return None
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def _exit(message):
