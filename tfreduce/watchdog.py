@@ -16,10 +16,15 @@ the step it was at and what this worker waits in, then aborts this
 process's collectives (``context.abort_collective_ops``, TF's way of
 unblocking them, which MultiWorkerMirroredStrategy uses too) so that the
 blocked call raises with that line; if the process is still alive
-``exit_seconds`` later, it exits with code 75. A process that exits cleanly
-says goodbye first, so a peer that finished is never taken for a frozen one;
-a process that an uncaught exception ends says so instead, with the error,
-and its peers stop at once the same way (they could only wait for it).
+``exit_seconds`` later, it exits with code 75. A peer that still sends
+but has not come to the step this worker has waited in for
+``stall_seconds`` (fewer steps done, or outside its next one) is named in
+a warning: it may be saving a checkpoint, or stuck in its own code.
+
+A process that exits cleanly says goodbye first, so a peer that finished
+is never taken for a frozen one; a process that an uncaught exception ends
+says so instead, with the error, and its peers stop at once the same way
+(they could only wait for it).
 
 A process busy for minutes in its first step (tracing, graph optimisation)
 keeps sending: the thread needs only the GIL now and then, and TF releases
@@ -74,14 +79,25 @@ class _Progress:
         BroadcastGlobalVariablesCallback; a custom loop's with ``timed``);
         0 where nothing counts them.
       doing: str or None, e.g. "training step 31" or "allreduce of float32 [3]".
+      since: float, the monotonic time at which `doing` was last set.
       durations: deque of the last STRAGGLER_STEPS steps' seconds inside
         the step (``timed``), which the straggler report compares.
     """
 
     def __init__(self):
         self.step = 0
-        self.doing = None
+        self._doing = None
+        self.since = time.monotonic()
         self.durations = collections.deque(maxlen=STRAGGLER_STEPS)
+
+    @property
+    def doing(self):
+        return self._doing
+
+    @doing.setter
+    def doing(self, value):
+        self._doing = value
+        self.since = time.monotonic()
 
     @contextlib.contextmanager
     def within(self, doing):
@@ -169,7 +185,8 @@ class Watchdog(threading.Thread):
         self._gone = set()  # ranks that said goodbye
         self._failed = {}  # rank -> the error that ended it (a goodbye of a failure)
         self._sent = 0.0
-        self.reported = []  # the straggler reports so far
+        self.reported = []  # the straggler reports and warnings so far
+        self._warned = set()  # (peer rank, this worker's step) warned of
         self._next_report = 0  # the step from which another report may come
         self._stop = threading.Event()
         atexit.register(self.goodbye)
@@ -186,11 +203,13 @@ class Watchdog(threading.Thread):
                 self._fire(stopped)
             if self._failed and self.fired is None:
                 self._fire(min(self._failed))
+            if self.fired is None:
+                self._warn_behind(time.monotonic())
             if self.cluster.rank == 0:  # the chief reports, once for all
                 self._report_stragglers()
 
     def goodbye(self):
-        """Tells the peers this process ends (with the error that ends it, if any); stops the thread.
+        """Tells the peers this process ends (with the error that ends it); stops the thread.
 
         Registered with atexit: an uncaught exception is ``sys.last_value`` then."""
         if not self._stop.is_set():
@@ -235,6 +254,35 @@ class Watchdog(threading.Thread):
             if rank not in self._gone and now - last > self.stall_seconds:
                 return rank
         return None
+
+    def _warn_behind(self, now):
+        """Warns (once per peer and step) of a live peer that this worker has waited for too long.
+
+        After its first step, this worker has been inside a step (or an
+        eager collective) for stall_seconds, and a peer that still sends
+        heartbeats has done fewer steps, or as many and is outside its next
+        one: loading data, saving a checkpoint, or stuck in its own code. It
+        may come yet, so this is a warning; the collectives' timeout ends a
+        wait that never does."""
+        if (not progress.doing or progress.step < 1
+                or now - progress.since <= self.stall_seconds):
+            return  # the first step's skew (imports, tracing) is no one's fault
+        for rank, (_, beat) in sorted(self._heard.items()):
+            step, doing = beat.get("step") or 0, beat.get("doing")
+            key = (rank, progress.step)
+            if rank in self._gone or key in self._warned or not (
+                    step < progress.step or (step == progress.step and not doing)):
+                continue
+            self._warned.add(key)
+            line = (f"{self.cluster.describe(self.cluster.rank)}: "
+                    f"{self.cluster.describe(rank)} is alive but has not come to "
+                    f"{_state(progress.step, progress.doing)} for {now - progress.since:.0f} s "
+                    f"(its heartbeat: {_state(step, doing) or 'no step done'}); it "
+                    f"may be loading data, saving a checkpoint or stuck in its own code. This "
+                    f"worker waits for it until the collectives' timeout "
+                    f"({self.cluster.timeout:g} s).")
+            self.reported.append(line)
+            print(f"tfreduce watchdog: {line}", file=sys.stderr, flush=True)
 
     def step_means(self):
         """dict rank -> mean ms inside the last STRAGGLER_STEPS steps (None until known).

@@ -11,7 +11,8 @@ Dense model on random data for up to 10,000 steps through one door:
 
 Rank ``--freeze-rank`` stops itself with SIGSTOP before step ``--freeze-at``
 (printing "rank R: freezing at step S" first), or with ``--fail`` raises
-an uncaught RuntimeError there; ``--freeze-at -1`` never freezes (a clean
+an uncaught RuntimeError there, or with ``--pause S`` sleeps S seconds
+there (alive, outside its steps); ``--freeze-at -1`` never freezes (a clean
 run). ``--lag-ms M`` makes rank 1 of the tape loop sleep
 M ms before each step (a straggler); ``--slow-trace S`` makes its step's
 trace take S seconds more (a big model's first step, not a hang). The survivor's watchdog is expected to abort its
@@ -38,6 +39,10 @@ def freeze(rank, step, args):
     if rank == args.freeze_rank and step == args.freeze_at:
         if args.fail:
             raise RuntimeError(f"rank {rank}: failing at step {step} on purpose")
+        if args.pause:
+            print(f"rank {rank}: pausing {args.pause:g} s at step {step}", flush=True)
+            time.sleep(args.pause)  # alive (its heartbeats go on), outside its steps
+            return
         print(f"rank {rank}: freezing at step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
 
@@ -136,6 +141,8 @@ def main(argv=None):
                         help="tape: rank 1's step traces this many seconds longer")
     parser.add_argument("--fail", action="store_true",
                         help="--freeze-rank raises an uncaught error at --freeze-at instead")
+    parser.add_argument("--pause", type=float, default=0.0,
+                        help="--freeze-rank sleeps this many seconds at --freeze-at instead")
     parser.add_argument("--lag-ms", type=float, default=0.0,
                         help="tape: rank 1 sleeps this long before every step (a straggler)")
     args = parser.parse_args(argv)
