@@ -266,8 +266,9 @@ def test_a_first_step_that_traces_for_long_is_not_a_hang():
 
 
 def test_the_chief_logs_each_workers_time_inside_its_steps(tmp_path):
+    # Steps enough for a heartbeat (one a second) after each window fills.
     code, out, err, _ = launch_workers("stall_worker.py", "trainer", "--freeze-at", "-1",
-                                       "--steps", "40", "--logdir", tmp_path,
+                                       "--steps", "300", "--logdir", tmp_path,
                                        launcher=("--stall-seconds", "5"), timeout=240)
     assert code == 0, err[-3000:]
     assert "watchdog" not in err
