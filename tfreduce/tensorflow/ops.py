@@ -4,7 +4,10 @@ Each process holds one tower (its device, ``process.device()``); a
 collective spans every process, so a process's tensor is one row of a
 size x 1 K x N list, and the reductions are tfreduce's multi-worker ones:
 gradients packed into 4 MiB buffers, compressed on the wire if asked, summed
-with TensorFlow's ``CollectiveReduceV2`` over gRPC. They run eagerly or
+with TensorFlow's ``CollectiveReduceV2`` over gRPC; allgather and broadcast
+are ``tfreduce.collectives``' (with ``cluster=``), as reducescatter and
+alltoall are (scatter.py); Min, Max and Product, which tfreduce's
+all-reduce does not offer, are TF's collective all-reduce of those ops. They run eagerly or
 inside a ``tf.function`` (``model.fit``'s train step); every process must
 call the same collectives in the same order, as in Horovod.
 
@@ -17,8 +20,9 @@ import pickle
 
 import tensorflow as tf
 
-from tfreduce.collective import (CollectiveChain, CollectiveOptions, broadcast_recv,
-                                 broadcast_send)
+from tfreduce.collective import CollectiveChain, CollectiveOptions
+from tfreduce.collectives import all_gather
+from tfreduce.collectives import broadcast as tfreduce_broadcast
 from tfreduce.compression import Compression, as_compressor
 from tfreduce.contract import check_root_rank, tf_variables
 from tfreduce.devices import local_name
@@ -267,36 +271,14 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
         if t.shape.rank == 0:
             raise ValueError(f"allgather: tensor {n} is a scalar; gather tensors of rank >= 1 "
                              "(tf.reshape(x, [1]))")
-    found, where = cluster(), device()
-    if found.is_local:
-        return [tf.identity(t) for t in tensors]
-    where = found.device(where)
+    found, place = cluster(), device()
 
     def build(tensors):
-        chain, group_key, _ = _chain_for(found, where)
-        out = []
-        for n, t in enumerate(tensors):
-            with chain.after_previous(where):
-                out.append(narrow(chain.all_gather_rows(widen(t), where, found.num_workers,
-                                                        group_key, found.keys,
-                                                        name=f"allgather{n}"), t.dtype))
-        return out
-
-    def build_known(tensors, counts):
-        # counts[r][n]: rank r's rows of tensor n. Padded to the longest,
-        # gathered with one shape everywhere, then each rank's rows kept.
-        chain, group_key, _ = _chain_for(found, where)
-        out = []
-        for n, t in enumerate(tensors):
-            longest = max(1, max(row[n] for row in counts))  # TF crashes on empty tensors
-            padded = tf.pad(widen(t), [[0, longest - counts[found.rank][n]]]
-                            + [[0, 0]] * (t.shape.rank - 1))
-            with chain.after_previous(where):
-                every = chain.all_gather(padded, where, found.num_workers, group_key,
-                                         found.keys.instance_key(), name=f"allgather{n}")
-            out.append(narrow(tf.concat([every[r * longest:r * longest + row[n]]
-                                         for r, row in enumerate(counts)], 0), t.dtype))
-        return out
+        # tfreduce's all-gather across workers: row counts first, then the
+        # rows padded to the longest, each worker's kept.
+        with tf.device(place):
+            out = all_gather([[widen(t) for t in tensors]], [place], cluster=found)[0]
+            return [narrow(o, t.dtype) for o, t in zip(out, tensors)]
 
     def gather(tensors):
         if session_graph():
@@ -308,8 +290,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
         # call with other counts never meets an earlier call's shape.
         counts = agree(("allgather",), tensors, rows_vary=True, name=name,
                        values=[int(t.shape[0]) for t in tensors])
-        return run_cached(("allgather", counts), lambda t: build_known(t, counts), tensors,
-                          check=False)
+        return run_cached(("allgather", counts), build, tensors, check=False)
 
     def gradient(upstream):
         # Horovod's: this process's rows of the mean of the upstream gradients.
@@ -341,34 +322,21 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
 
     Raises:
       RuntimeError: init() was not called.
-      ValueError: a root_rank outside 0..size-1, a shape not fully defined,
-        an unsupported process set.
+      ValueError: a root_rank outside 0..size-1, a shape not known when a
+        tf.function traces (across processes), an unsupported process set.
     """
     del ignore_name_scope
     check_process_set(process_set, "broadcast")
     _check_root(root_rank, "broadcast")
     tensor = tf.convert_to_tensor(tensor)
-    if not tensor.shape.is_fully_defined():
-        raise ValueError(f"broadcast: the tensor's shape {tensor.shape} is not fully defined; "
-                         "every process must know the shape it receives")
-    found, where = cluster(), device()
-    if found.is_local:
-        return tf.identity(tensor)
-    where = found.device(where)
+    found, place = cluster(), device()
 
     def build(tensors):
-        _, group_key, options = _chain_for(found, where)
-        (tensor,) = tensors
-        with tf.device(where):
-            if tensor.shape.num_elements() == 0:
-                return [tf.identity(tensor)]  # TF's kernels crash on empty tensors
-            wire = widen(tensor)
-            if found.rank == root_rank:
-                out = broadcast_send(wire, found.num_workers, group_key,
-                                     found.keys.instance_key(), options, name="hvd_send")
-            else:
-                out = broadcast_recv(wire.shape, wire.dtype, found.num_workers, group_key,
-                                     found.keys.instance_key(), options, name="hvd_recv")
+        # tfreduce's broadcast across workers; root_rank is the root tower
+        # (one tower per process).
+        with tf.device(place):
+            out = tfreduce_broadcast([[widen(tensors[0])]], [place], root=root_rank,
+                                     cluster=found)[0][0]
             return [narrow(out, tensor.dtype)]
 
     def gradient(upstream):
