@@ -52,7 +52,7 @@ import threading
 import time
 import warnings
 
-__all__ = ["DEFAULT_STALL_SECONDS", "EXIT_CODE", "STALL_ENV", "Watchdog", "progress",
+__all__ = ["DEFAULT_STALL_SECONDS", "EXIT_CODE", "IN_JOIN", "STALL_ENV", "Watchdog", "progress",
            "stall_seconds_from", "start_watchdog", "stragglers"]
 
 #: Seconds without a heartbeat after which a peer is declared stopped.
@@ -65,6 +65,8 @@ STALL_ENV = "TFREDUCE_STALL_SECONDS"
 # at 4 a second, 8 workers on this 2-core host spent 1% of it on them.
 _INTERVAL = 1.0
 _DOING_CHARS = 160
+#: What a process waiting in Horovod's join() is doing (it makes the others' calls).
+IN_JOIN = "join() (its data ended)"
 #: Steps whose durations the straggler report compares.
 STRAGGLER_STEPS = 20
 #: Milliseconds per step the others must wait for a worker to name it a straggler.
@@ -276,9 +278,9 @@ class Watchdog(threading.Thread):
         for rank, (_, beat) in sorted(self._heard.items()):
             step, doing = beat.get("step") or 0, beat.get("doing")
             key = (rank, progress.step)
-            if rank in self._gone or key in self._warned or not (
+            if rank in self._gone or key in self._warned or doing == IN_JOIN or not (
                     step < progress.step or (step == progress.step and not doing)):
-                continue
+                continue  # a peer in join() makes the others' calls: it is not waited for
             self._warned.add(key)
             line = (f"{self.cluster.describe(self.cluster.rank)}: "
                     f"{self.cluster.describe(rank)} is alive but has not come to "

@@ -23,7 +23,7 @@ import tensorflow as tf
 from tfreduce.collective import CollectiveKeys
 from tfreduce.consistency import check_same_call, join_round
 from tfreduce.tensorflow.process import cluster, eager_functions
-from tfreduce.watchdog import progress
+from tfreduce.watchdog import IN_JOIN, progress
 
 __all__ = ["agree", "differentiable", "in_session", "result_spec", "run_cached",
            "session_graph", "tensor_or_slices", "wait_in_join"]
@@ -104,7 +104,7 @@ def agree(key, tensors, rows_vary=False, name=None, values=None, recipe=None):
       values: None, or L ints this process chooses for itself (its row
         counts, its splits); L must follow from the key and the inputs.
       recipe: None, or bytes from which a process waiting in join() makes
-        the same call with zeros (``ops.join``); without one, this call
+        the same call with zeros (``functions.join``); without one, this call
         raises on every process while one waits there.
 
     Returns:
@@ -273,7 +273,7 @@ def wait_in_join(make):
         return found.rank
     joined_at = functions.get(_AGREED, -1) + 1
     while True:
-        with progress.within("join() (its data ended)"):
+        with progress.within(IN_JOIN):
             recipe, last = join_round(found, functions, joined_at)
         if recipe is None:
             return last
