@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from tfreduce.collective import CollectiveOptions, all_gather, in_function
 
-__all__ = ["JOINED", "CallMismatchError", "MessageError", "check_workers_agree", "check_same_call",
+__all__ = ["CallMismatchError", "MessageError", "check_workers_agree", "check_same_call",
            "join_round"]
 
 # Bytes of one fact's text sent when it differs (longer texts are cut).
@@ -129,7 +129,7 @@ class CallMismatchError(MessageError, tf.errors.FailedPreconditionError, ValueEr
 
 
 # What a process waiting in join() says in place of a call's description.
-JOINED = "join"
+_JOINED = "join"
 
 
 def check_same_call(cluster, description, functions, values=None, recipe=None):
@@ -148,10 +148,10 @@ def check_same_call(cluster, description, functions, values=None, recipe=None):
     its row counts, its all-to-all splits) are all-gathered next, so that
     every worker builds the data's collectives from the same numbers.
 
-    Workers whose description is ``JOINED`` wait in Horovod's ``join()``
-    (``join_round``): the others' call goes on with them when it has a
-    `recipe` (the bytes from which a joined worker makes the same call, with
-    zeros); otherwise every worker raises.
+    Workers waiting in Horovod's ``join()`` (``join_round``) take part:
+    the others' call goes on with them when it has a `recipe` (the bytes
+    from which a joined worker makes the same call, with zeros); otherwise
+    every worker raises.
 
     Args:
       cluster: tfreduce.Cluster, started; or a LocalCluster (nothing to compare).
@@ -161,7 +161,8 @@ def check_same_call(cluster, description, functions, values=None, recipe=None):
       functions: dict where the traced all-gathers are kept between calls
         (the run's ``process.eager_functions()``).
       values: None, or a sequence of L ints (int64).
-      recipe: None, or bytes: how a joined worker makes this call.
+      recipe: None, or a function () -> bytes: how a joined worker makes
+        this call (called only when one waits).
 
     Returns:
       None without `values`; else an int64 array [workers, L]: row r is
@@ -175,7 +176,7 @@ def check_same_call(cluster, description, functions, values=None, recipe=None):
     if cluster.is_local:
         return None if values is None else np.asarray([values], np.int64).reshape(1, -1)
     hashes = _gather_cached(cluster, functions, [_hash(description)])[:, 0]
-    joined = hashes == _hash(JOINED)
+    joined = hashes == _hash(_JOINED)
     if joined.any():
         _recipe_for_joined(cluster, functions, description, hashes, recipe)
     elif len(set(hashes.tolist())) > 1:
@@ -207,20 +208,20 @@ def join_round(cluster, functions, joined_at):
       CallMismatchError: the working workers' call cannot go on without
         this one (no recipe), or their calls differ.
     """
-    hashes = _gather_cached(cluster, functions, [_hash(JOINED)])[:, 0]
-    if (hashes == _hash(JOINED)).all():
+    hashes = _gather_cached(cluster, functions, [_hash(_JOINED)])[:, 0]
+    if (hashes == _hash(_JOINED)).all():
         at = _gather_cached(cluster, functions, [joined_at])[:, 0]
         return None, int(np.flatnonzero(at == at.max())[-1])
-    return _recipe_for_joined(cluster, functions, JOINED, hashes, None), None
+    return _recipe_for_joined(cluster, functions, _JOINED, hashes, None), None
 
 
 def _recipe_for_joined(cluster, functions, description, hashes, recipe):
     """The first working worker's recipe, on every worker, once the working ones agree."""
-    joined = hashes == _hash(JOINED)
+    joined = hashes == _hash(_JOINED)
     working = np.flatnonzero(~joined)
     if len(set(hashes[working].tolist())) > 1:
         _raise_mismatch(cluster, description)
-    recipe = recipe or b""
+    recipe = recipe() if recipe else b""
     lengths = _gather_cached(cluster, functions, [len(recipe)])[:, 0]
     first = int(working[0])
     if lengths[working].min() == 0:

@@ -103,9 +103,9 @@ def agree(key, tensors, rows_vary=False, name=None, values=None, recipe=None):
       name: str or None, the user's name for the call.
       values: None, or L ints this process chooses for itself (its row
         counts, its splits); L must follow from the key and the inputs.
-      recipe: None, or bytes from which a process waiting in join() makes
-        the same call with zeros (``functions.join``); without one, this call
-        raises on every process while one waits there.
+      recipe: None, or a function () -> bytes from which a process waiting
+        in join() makes the same call with zeros (``functions.join``);
+        without one, this call raises on every process while one waits there.
 
     Returns:
       Eagerly with `values`: tuple of tuples of int, row r worker r's values

@@ -7,9 +7,10 @@ gradients packed into 4 MiB buffers, compressed on the wire if asked, summed
 with TensorFlow's ``CollectiveReduceV2`` over gRPC; allgather and broadcast
 are ``tfreduce.collectives``' (with ``cluster=``), as reducescatter and
 alltoall are (scatter.py); Min, Max and Product, which tfreduce's
-all-reduce does not offer, are TF's collective all-reduce of those ops. They run eagerly or
-inside a ``tf.function`` (``model.fit``'s train step); every process must
-call the same collectives in the same order, as in Horovod.
+all-reduce does not offer, are TF's collective all-reduce of those ops.
+They run eagerly or inside a ``tf.function`` (``model.fit``'s train step);
+every process must call the same collectives in the same order, as in
+Horovod.
 
 Sources: Horovod's API (horovod.tensorflow: allreduce with op, prescale and
 postscale factors, allgather with uneven first dimensions, broadcast from
@@ -172,9 +173,10 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
                           compression)
             return [finish_mean(t, op == Average, postscale_factor, found.num_workers) for t in out]
 
-    # How a process waiting in join() makes this call with zeros (functions.join).
+    # How a process waiting in join() makes this call with zeros (functions.join);
+    # pickled only when one waits.
     recipe = None if op not in (Sum, Average) or any(
-        isinstance(t, tf.IndexedSlices) for t in tensors) else pickle.dumps(
+        isinstance(t, tf.IndexedSlices) for t in tensors) else lambda: pickle.dumps(
         (op, compression.name, prescale_factor, postscale_factor, name,
          [(t.shape.as_list(), t.dtype.name) for t in tensors]))
     return run_cached(("allreduce", op, compression.name, prescale_factor, postscale_factor),
