@@ -220,8 +220,10 @@ def test_a_live_worker_the_others_wait_for_is_named_in_a_warning_and_the_run_goe
                                        timeout=240)
     assert code == 0, err[-3000:]
     assert "[worker 1] rank 1: pausing 12 s at step 20" in out and out.count("finished") == 2
-    warnings = re.findall(r"\[worker 0\] tfreduce watchdog: (.*)", err)
-    assert len(warnings) == 1, err[-3000:]
+    # One warning (the straggler report may name rank 1 too: its pause
+    # sits in rank 0's window of step times), and nothing stopped.
+    warnings = re.findall(r"\[worker 0\] tfreduce watchdog: (.* is alive but .*)", err)
+    assert len(warnings) == 1 and "Stopping them" not in err, err[-3000:]
     assert re.fullmatch(
         r"worker 0 \(127\.0\.0\.1:\d+\): worker 1 \(127\.0\.0\.1:\d+\) is alive but has not come "
         r"to training step 21 \(20 steps done\) for \d+ s \(its heartbeat: 20 steps done\); it may "
