@@ -187,3 +187,19 @@ def load_script(path, name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def scalars(logdir, prefix=""):
+    """tag -> the values, in order, of the TensorBoard scalars whose tag starts with prefix
+    (a str or a tuple of them).
+
+    Every event file under logdir (a run's subdirectories included)."""
+    values = {}
+    for root, _, files in sorted(os.walk(logdir)):
+        for name in sorted(files):
+            for event in tf.compat.v1.train.summary_iterator(os.path.join(root, name)):
+                for value in event.summary.value:
+                    if value.tag.startswith(prefix):
+                        values.setdefault(value.tag, []).append(
+                            float(tf.make_ndarray(value.tensor)))
+    return values

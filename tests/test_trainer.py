@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from helpers import CPU_DEVICES
+from helpers import CPU_DEVICES, scalars
 from tfreduce.trainer import ReplicatedTrainer
 
 CPU_ALGORITHMS = [a for a in tfreduce.ALGORITHMS if a != "nccl"]
@@ -260,10 +260,7 @@ def test_fit_on_a_dataset_of_global_batches_and_tensorboard_logs(tmp_path):
     )
     assert trainer.step == 5
     assert history["val_loss"][0] == pytest.approx(trainer.evaluate(x, y)["loss"], rel=1e-12)
-    tags = set()
-    for name in os.listdir(tmp_path):
-        for event in tf.compat.v1.train.summary_iterator(str(tmp_path / name)):
-            tags.update(value.tag for value in event.summary.value)
+    tags = set(scalars(tmp_path))
     assert {
         "train/loss",
         "train/accuracy",

@@ -23,6 +23,7 @@ from tfreduce.cluster import Cluster
 from tfreduce.launch import free_ports, parse_args
 from tfreduce.watchdog import Watchdog, progress, stall_seconds_from, stragglers
 
+from helpers import scalars
 from test_multiworker import launch_workers
 
 
@@ -274,13 +275,29 @@ def test_the_chief_logs_each_workers_time_inside_its_steps(tmp_path):
                                        launcher=("--stall-seconds", "5"), timeout=240)
     assert code == 0, err[-3000:]
     assert "watchdog" not in err
-    values = {}
-    for name in os.listdir(tmp_path / "rank0"):
-        for event in tf.compat.v1.train.summary_iterator(str(tmp_path / "rank0" / name)):
-            for value in event.summary.value:
-                if value.tag.startswith("workers/"):
-                    values.setdefault(value.tag, []).append(tf.make_ndarray(value.tensor))
-    # Once each worker's 20-step window is full: a positive time for each.
-    assert set(values) == {"workers/ms_inside_step/worker_0", "workers/ms_inside_step/worker_1"}
+    values = scalars(tmp_path / "rank0", prefix=("workers/", "towers/"))
+    # Once each worker's 20-step window is full: a positive time for each;
+    # and each of rank 0's towers' time to its gradients.
+    assert set(values) == {"workers/ms_inside_step/worker_0", "workers/ms_inside_step/worker_1",
+                           "towers/ms_to_gradients/tower_0", "towers/ms_to_gradients/tower_1"}
     assert all(v > 0 for series in values.values() for v in series)
     assert not (tmp_path / "rank1").exists() or not os.listdir(tmp_path / "rank1")
+
+
+def test_fit_names_a_straggler_and_draws_each_workers_time(tmp_path):
+    # Keras fit with DistributedOptimizer; rank 1 sleeps 50 ms before each
+    # batch; WorkerTimesCallback writes on rank 0 every 20 batches.
+    code, out, err, _ = launch_workers("stall_worker.py", "fit", "--freeze-at", "-1",
+                                       "--lag-ms", "50", "--logdir", tmp_path,
+                                       launcher=("--stall-seconds", "5"), timeout=240)
+    assert code == 0, err[-3000:]
+    assert re.search(r"\[worker 0\] tfreduce watchdog: at step \d+: worker 1 \(127\.0\.0\.1:"
+                     r"\d+\) lags: the other workers wait about \d+ ms per step for it", err), \
+        err[-3000:]
+    values = scalars(tmp_path / "rank0" / "train")
+    assert set(values) == {"workers/ms_inside_step/worker_0", "workers/ms_inside_step/worker_1"}
+    # The last point: rank 0 waits inside its batches for rank 1's 50 ms.
+    assert values["workers/ms_inside_step/worker_0"][-1] > \
+        values["workers/ms_inside_step/worker_1"][-1] + 25
+    assert not (tmp_path / "rank1").exists() or not os.listdir(tmp_path / "rank1")
+

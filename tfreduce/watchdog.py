@@ -47,13 +47,14 @@ import hashlib
 import json
 import os
 import socket
+import statistics
 import sys
 import threading
 import time
 import warnings
 
-__all__ = ["DEFAULT_STALL_SECONDS", "EXIT_CODE", "IN_JOIN", "STALL_ENV", "Watchdog", "progress",
-           "stall_seconds_from", "start_watchdog", "stragglers"]
+__all__ = ["DEFAULT_STALL_SECONDS", "EXIT_CODE", "IN_JOIN", "STALL_ENV", "Watchdog", "lagging",
+           "median_ms", "progress", "stall_seconds_from", "start_watchdog", "stragglers"]
 
 #: Seconds without a heartbeat after which a peer is declared stopped.
 DEFAULT_STALL_SECONDS = 20.0
@@ -228,7 +229,7 @@ class Watchdog(threading.Thread):
 
     def _send(self, kind, error=None):
         beat = json.dumps({"run": self._run, "rank": self.cluster.rank, "kind": kind,
-                           "step": progress.step, "ms": _mean_ms(progress.durations),
+                           "step": progress.step, "ms": median_ms(progress.durations),
                            "doing": (progress.doing or "")[:_DOING_CHARS],
                            "error": (error or "")[:_DOING_CHARS]}).encode()
         for address in self._peers.values():
@@ -292,24 +293,24 @@ class Watchdog(threading.Thread):
             self.reported.append(line)
             print(f"tfreduce watchdog: {line}", file=sys.stderr, flush=True)
 
-    def step_means(self):
-        """dict rank -> mean ms inside the last STRAGGLER_STEPS steps (None until known).
+    def step_medians(self):
+        """dict rank -> median ms inside the last STRAGGLER_STEPS steps (None until known).
 
         This worker's own and each peer's from its latest heartbeat."""
-        means = {rank: None for rank in range(self.cluster.num_workers)}
-        means[self.cluster.rank] = _mean_ms(progress.durations)
+        medians = {rank: None for rank in range(self.cluster.num_workers)}
+        medians[self.cluster.rank] = median_ms(progress.durations)
         for rank, (_, beat) in list(self._heard.items()):
             if rank not in self._gone:
-                means[rank] = beat.get("ms")
-        return means
+                medians[rank] = beat.get("ms")
+        return medians
 
     def _report_stragglers(self):
         if progress.step < self._next_report:
             return
-        means = self.step_means()
-        if None in means.values():
+        medians = self.step_medians()
+        if None in medians.values():
             return
-        lines = stragglers(means, self.cluster.describe)
+        lines = stragglers(medians, self.cluster.describe)
         if lines:
             self._next_report = progress.step + REPORT_EVERY
             for line in lines:
@@ -367,41 +368,67 @@ def start_watchdog(cluster):
     return watchdog
 
 
-def stragglers(means, rank_names):
-    """The workers the others wait for, from each one's mean milliseconds inside its steps.
+def lagging(ms, slower):
+    """The members that the others wait for, from each one's milliseconds per step.
 
-    A worker slowed outside its steps (input, host, network) spends less
-    time inside them: the others wait in their collectives until it comes.
-    One is named when its mean is below the median of the others' by more
-    than STRAGGLER_MS and by more than half of that median.
+    One is named when its time differs from the median of the others' by
+    more than STRAGGLER_MS and by more than half of that median, in the
+    direction of `slower`. The same rule serves workers (`stragglers`) and
+    a process's towers (``tfreduce.trainer.towertimes``).
 
     Args:
-      means: dict rank -> float, mean ms inside the last STRAGGLER_STEPS
-        steps (every worker's, this one's included).
+      ms: dict key -> float, each member's median ms over its last steps.
+      slower: "higher" (a slow member takes more ms: a tower's compute) or
+        "lower" (a slow member spends fewer ms inside its steps: the others
+        wait for it inside theirs).
+
+    Returns:
+      list of (key, its ms, the others' median, lag ms > 0), by key.
+    """
+    if slower not in ("higher", "lower"):
+        raise ValueError(f"slower must be 'higher' or 'lower', got {slower!r}")
+    found = []
+    for key, mine in sorted(ms.items()):
+        others = sorted(v for k, v in ms.items() if k != key)
+        if not others:
+            continue
+        theirs = others[len(others) // 2]
+        lag = mine - theirs if slower == "higher" else theirs - mine
+        if lag > STRAGGLER_MS and lag > theirs / 2:
+            found.append((key, mine, theirs, lag))
+    return found
+
+
+def stragglers(medians, rank_names):
+    """The workers the others wait for, from each one's median milliseconds inside its steps.
+
+    A worker slowed outside its steps (input, host, network) spends less
+    time inside them: the others wait in their collectives until it comes
+    (`lagging` with slower="lower").
+
+    Args:
+      medians: dict rank -> float, median ms inside the last
+        STRAGGLER_STEPS steps (every worker's, this one's included).
       rank_names: function rank -> str.
 
     Returns:
       list of str, one line per straggler (empty when none).
     """
-    lines = []
-    for rank, mine in sorted(means.items()):
-        others = sorted(v for r, v in means.items() if r != rank)
-        if not others:
-            continue
-        theirs = others[len(others) // 2]
-        lag = theirs - mine
-        if lag > STRAGGLER_MS and lag > theirs / 2:
-            lines.append(f"{rank_names(rank)} lags: the other workers wait about {lag:.0f} ms "
-                         f"per step for it (its steps take {mine:.0f} ms inside, theirs "
-                         f"{theirs:.0f} ms, over the last {STRAGGLER_STEPS} steps)")
-    return lines
+    return [f"{rank_names(rank)} lags: the other workers wait about {lag:.0f} ms per step "
+            f"for it (its steps take {mine:.0f} ms inside, theirs {theirs:.0f} ms, over the "
+            f"last {STRAGGLER_STEPS} steps)"
+            for rank, mine, theirs, lag in lagging(medians, "lower")]
 
 
-def _mean_ms(durations):
-    """The mean of a full window of step durations, in ms; None before it fills."""
+def median_ms(durations):
+    """The median of a full window of STRAGGLER_STEPS durations in seconds, in ms.
+
+    A median, not a mean: one long pause (a checkpoint, a page fault) is not
+    a straggler; a member slow in most steps is. None before the window fills.
+    """
     if len(durations) < STRAGGLER_STEPS:
         return None
-    return 1000.0 * sum(durations) / len(durations)
+    return 1000.0 * statistics.median(durations)
 
 
 def _state(step, doing):

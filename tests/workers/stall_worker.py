@@ -13,8 +13,9 @@ Rank ``--freeze-rank`` stops itself with SIGSTOP before step ``--freeze-at``
 (printing "rank R: freezing at step S" first), or with ``--fail`` raises
 an uncaught RuntimeError there, or with ``--pause S`` sleeps S seconds
 there (alive, outside its steps); ``--freeze-at -1`` never freezes (a clean
-run). ``--lag-ms M`` makes rank 1 of the tape loop sleep
-M ms before each step (a straggler); ``--slow-trace S`` makes its step's
+run). ``--lag-ms M`` makes rank 1 of the tape loop (or of fit) sleep
+M ms before each step (a straggler); fit with ``--logdir`` runs 300
+batches with WorkerTimesCallback writing to LOGDIR/rank<r>; ``--slow-trace S`` makes its step's
 trace take S seconds more (a big model's first step, not a hang). The survivor's watchdog is expected to abort its
 collectives; the error then ends it with a non-zero code.
 """
@@ -96,14 +97,20 @@ def fit(args):
     r = hvdk.rank()
     net = model()
     net.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
-    x, y = data(r, rows=8 * 1000)
+    x, y = data(r, rows=8 * (300 if args.logdir else 1000))
 
     class Freeze(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
             freeze(r, batch, args)
+            if r == 1 and args.lag_ms:
+                time.sleep(args.lag_ms / 1000)  # before the batch's timer starts
 
-    net.fit(x, y, batch_size=8, epochs=10, verbose=0,
-            callbacks=[hvdk.callbacks.BroadcastGlobalVariablesCallback(0), Freeze()])
+    callbacks = [Freeze(), hvdk.callbacks.BroadcastGlobalVariablesCallback(0)]
+    if args.logdir:
+        callbacks.append(hvdk.callbacks.WorkerTimesCallback(
+            os.path.join(args.logdir, f"rank{r}"), update_freq=20))
+    net.fit(x, y, batch_size=8, epochs=1 if args.logdir else 10, verbose=0,
+            callbacks=callbacks)
 
 
 def trainer(args):
@@ -136,7 +143,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=STEPS,
                         help="tape: steps to run; trainer: steps per epoch")
     parser.add_argument("--logdir", default=None,
-                        help="trainer: one epoch, summaries in LOGDIR/rank<r>")
+                        help="trainer, fit: one epoch, summaries in LOGDIR/rank<r>")
     parser.add_argument("--slow-trace", type=float, default=0.0,
                         help="tape: rank 1's step traces this many seconds longer")
     parser.add_argument("--fail", action="store_true",
@@ -144,7 +151,7 @@ def main(argv=None):
     parser.add_argument("--pause", type=float, default=0.0,
                         help="--freeze-rank sleeps this many seconds at --freeze-at instead")
     parser.add_argument("--lag-ms", type=float, default=0.0,
-                        help="tape: rank 1 sleeps this long before every step (a straggler)")
+                        help="tape, fit: rank 1 sleeps this long before every step (a straggler)")
     args = parser.parse_args(argv)
     {"tape": tape, "fit": fit, "trainer": trainer}[args.door](args)
     print("finished", flush=True)

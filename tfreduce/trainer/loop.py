@@ -47,6 +47,9 @@ class FitHooks:
       graphs: fn() -> list of the traced step graphs (a timeline places
         the profiled ops with them).
       rank: int, this worker's rank (0 in one process).
+      tower_medians: fn() -> dict tower -> median ms from the split to its
+        gradients over the last steps, or None before they are known
+        (towertimes.TowerTimes.medians).
     """
 
     run_step: Callable
@@ -56,6 +59,7 @@ class FitHooks:
     finish: Callable
     graphs: Callable
     rank: int
+    tower_medians: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,7 +300,7 @@ def fit_epoch(trainer, hooks, run, epoch, skip):
                     tf.summary.scalar("train/accuracy", correct / size)
                 tf.summary.scalar("train/learning_rate", _learning_rate(trainer.optimizers[0]))
                 tf.summary.scalar("train/step_time_s", step_time)
-                _worker_summaries(trainer.cluster)
+                _straggler_summaries(trainer.cluster, hooks.tower_medians())
         if stopping:
             break  # SIGTERM: the step is whole and logged; the caller stops the run
     logs = {"loss": loss_total / max(seen, 1)}
@@ -366,16 +370,22 @@ def predict_loop(batches, steps_for):
     return np.concatenate(outputs, axis=0)
 
 
-def _worker_summaries(cluster):
-    """Each worker's mean ms inside its last steps, as the chief's watchdog hears them.
+def _straggler_summaries(cluster, tower_medians):
+    """The scalars that show who the others wait for: each worker's, each tower's.
 
-    The worker the others wait for (a straggler) is the one whose steps take
-    least (``tfreduce.watchdog.stragglers``); one scalar per worker,
-    ``workers/ms_inside_step/worker_<r>``."""
+    ``workers/ms_inside_step/worker_<r>``: each worker's median ms inside its
+    last steps, as the chief's watchdog hears them; the worker the others
+    wait for is the one whose steps take least
+    (``tfreduce.watchdog.stragglers``).
+    ``towers/ms_to_gradients/tower_<k>``: each of this worker's towers'
+    median ms from the split to its gradients; the tower the others wait for
+    takes most (``tfreduce.trainer.towertimes``).
+    """
+    for k, ms in sorted((tower_medians or {}).items()):
+        tf.summary.scalar(f"towers/ms_to_gradients/tower_{k}", ms)
     watchdog = getattr(cluster, "watchdog", None)
     if watchdog is None:
         return
-    for rank, ms in sorted(watchdog.step_means().items()):
+    for rank, ms in sorted(watchdog.step_medians().items()):
         if ms is not None:
             tf.summary.scalar(f"workers/ms_inside_step/worker_{rank}", ms)
-

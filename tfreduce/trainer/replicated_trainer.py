@@ -332,7 +332,8 @@ class ReplicatedTrainer:
             stop=self._stop, epoch_totals=self._epoch_totals,
             reports_skipped=self._options.on_nonfinite == "skip", finish=self._cluster.finish,
             # The graphs once the first batch has built them (a model without an Input).
-            graphs=lambda: self._steps.graphs(), rank=self._cluster.rank)
+            graphs=lambda: self._steps.graphs(), rank=self._cluster.rank,
+            tower_medians=lambda: self._steps.tower_times.medians())
         return fit_loop(
             self, hooks, x, y, self._options.total_towers, epochs=epochs, batch_size=batch_size,
             shuffle=shuffle, seed=seed, validation_data=validation_data, logdir=logdir,

@@ -26,6 +26,7 @@ from tfreduce.trainer.checkpoints import TrainerCheckpoint
 from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
 from tfreduce.trainer.statistics import sum_metrics, sync_moving
 from tfreduce.trainer.towers import build_towers, state_bytes, sync_functions
+from tfreduce.trainer.towertimes import TowerTimes
 from tfreduce.trainer.update import (
     TowerState,
     all_finite,
@@ -115,6 +116,32 @@ def _tower_gradients(towers, options, x_shards, y_shards, batch, accumulating):
     return all_grads, loss_sums, corrects, regs
 
 
+def _timestamp():
+    """tf.timestamp(), left out of tf.function's automatic control dependencies.
+
+    They chain every stateful op that uses no resource in program order, so
+    each tower's stamp would wait for the stamps (and py_functions) of the
+    towers before it; the graph's ACD manager runs this one independently."""
+    stamp = tf.timestamp()
+    manager = getattr(tf.compat.v1.get_default_graph(), "experimental_acd_manager", None)
+    if manager is not None:
+        manager.run_independently(stamp.op)
+    return stamp
+
+
+def _tower_seconds(start, all_grads, loss_sums):
+    """float64 [K]: seconds from `start` until each tower's loss and gradients exist.
+
+    Timestamps on the host behind control dependencies: nothing is copied
+    and nothing waits for them (tfreduce.trainer.towertimes)."""
+    with tf.device(HOST):
+        ready = []
+        for grads, loss in zip(all_grads, loss_sums):
+            with tf.control_dependencies([loss.op] + [g.op for g in grads if g is not None]):
+                ready.append(_timestamp())
+        return tf.stack(ready) - start
+
+
 def _update(towers, options, state, all_grads, batch, losses_finite, after):
     """The update of a step: reduce, check once, apply.
 
@@ -171,15 +198,19 @@ def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
       applied (see _update); int32 [K + 1, N], where the gradients are not
       finite (see update.locate_nonfinite); float64 [K], each tower's loss sum; bool
       scalar, every loss of the update cycle on every tower of every worker
-      is finite).
+      is finite; float64 [K], each tower's seconds from the split to its
+      gradients).
     """
     num_towers = len(towers.devices)
     sizes, (x_shards, y_shards) = _split([x, y], num_towers)
+    with tf.device(HOST), tf.control_dependencies(x_shards):
+        start = _timestamp()  # the towers start from here
     # A step is a transaction: what its forward pass changes is kept first,
     # to be put back if the update cycle does not commit.
     state.save_forward()
     all_grads, loss_sums, corrects, regs = _tower_gradients(
         towers, options, x_shards, y_shards, batch, state.accumulate_steps > 1)
+    tower_seconds = _tower_seconds(start, all_grads, loss_sums)
     with tf.device(HOST):
         tower_losses = tf.stack([tf.cast(loss, tf.float64) for loss in loss_sums])
         losses_finite = tf.reduce_all(tf.math.is_finite(tower_losses))
@@ -226,7 +257,7 @@ def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
             tf.cast(tf.add_n(corrects), tf.int64) if has_accuracy else tf.constant(-1, tf.int64)
         )
     return (tf.cast(mean_loss, tf.float64), correct, stop, finite, report, tower_losses,
-            losses_finite)
+            losses_finite, tower_seconds)
 
 
 def eval_graph(towers, loss_fn, x, y):
@@ -290,6 +321,8 @@ class StepFunctions:
     Attributes:
       difference: tf.function () -> float64 scalar, the largest absolute
         difference between any tower's variable and tower 0's.
+      tower_times: TowerTimes, each tower's time to its gradients over the
+        last steps (it reports a tower that lags).
     """
 
     def __init__(self, towers, options, state, step, epoch_totals):
@@ -300,6 +333,9 @@ class StepFunctions:
         self._broadcast_fn, self.difference = sync_functions(
             towers, options.cluster, [step, epoch_totals])
         self._train_fns = {True: None, False: None}  # update -> tf.function
+        cluster = options.cluster
+        self.tower_times = TowerTimes(
+            towers.devices, "" if cluster.is_local else f"{cluster.describe(cluster.rank)}: ")
         self._eval_fn = None
         self._predict_fn = None
 
@@ -348,9 +384,10 @@ class StepFunctions:
             )
         with self._options.cluster.detect_lost_workers(), \
                 progress.timed(f"training step {number}", number):
-            loss, correct, stops, finite, report, tower_losses, losses_finite = (
+            loss, correct, stops, finite, report, tower_losses, losses_finite, seconds = (
                 self._train_fns[update](x, y, tf.constant(batch, tf.int32),
                                         tf.constant(float(stop), tf.float64)))
+        self.tower_times.add(number, seconds.numpy())
         raises = self._options.on_nonfinite == "raise"
         if scales_loss(self._towers.optimizers[0]):
             # Non-finite gradients are how a loss scale finds its level; a

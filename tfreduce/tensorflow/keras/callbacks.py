@@ -1,10 +1,14 @@
 """Horovod's Keras callbacks: the first broadcast, averaged metrics, learning-rate warmup.
 
+One more of tfreduce's own: WorkerTimesCallback writes each worker's time
+inside its batches to TensorBoard, so a straggler shows there too.
+
 Sources: Horovod's horovod.tensorflow.keras.callbacks; the warmup of Goyal et
 al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (2017):
 the learning rate rises linearly from initial_lr / size to initial_lr.
 """
 
+import os
 import time
 import warnings
 
@@ -20,7 +24,7 @@ from tfreduce.tensorflow.process import cluster, rank, size
 from tfreduce.watchdog import progress
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
-           "LearningRateScheduleCallback", "LearningRateWarmupCallback"]
+           "LearningRateScheduleCallback", "LearningRateWarmupCallback", "WorkerTimesCallback"]
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -160,6 +164,67 @@ class MetricAverageCallback(keras.callbacks.Callback):
                                    for name in names])
         for name, mean in zip(names, means):
             logs[name] = float(mean)
+
+
+class WorkerTimesCallback(keras.callbacks.Callback):
+    """On rank 0: each worker's median ms inside its last fit batches, as TensorBoard scalars.
+
+    The worker the others wait for (a straggler: slow input, a busy host)
+    spends the least time inside its batches, because the others wait for
+    it inside theirs; the chief's watchdog names it in its log
+    (``tfreduce.watchdog.stragglers``), and this callback draws every
+    worker's curve: ``workers/ms_inside_step/worker_<r>``, the tag
+    ``ReplicatedTrainer.fit(logdir=)`` writes, in ``log_dir/train`` (where
+    ``keras.callbacks.TensorBoard(log_dir)`` writes fit's curves), against
+    the batches done. The batches are timed by
+    BroadcastGlobalVariablesCallback; each worker's median (over the last
+    ``tfreduce.watchdog.STRAGGLER_STEPS`` batches) comes with its heartbeat,
+    once a second. Other ranks and a single process write nothing.
+
+    Args:
+      log_dir: str, TensorBoard's log directory.
+      update_freq: "epoch" (at each epoch's end) or int N > 0 (every N batches).
+
+    Raises:
+      ValueError: a bad update_freq.
+    """
+
+    def __init__(self, log_dir, update_freq="epoch"):
+        super().__init__()
+        if update_freq != "epoch" and (isinstance(update_freq, bool)
+                                       or not isinstance(update_freq, int) or update_freq < 1):
+            raise ValueError(f"WorkerTimesCallback: update_freq must be 'epoch' or an int "
+                             f"number of batches > 0, got {update_freq!r}")
+        self.log_dir = os.fspath(log_dir)
+        self.update_freq = update_freq
+        self._writer = None
+
+    def on_train_begin(self, logs=None):
+        if rank() == 0 and getattr(cluster(), "watchdog", None) is not None:
+            self._writer = tf.summary.create_file_writer(os.path.join(self.log_dir, "train"))
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.update_freq != "epoch" and (batch + 1) % self.update_freq == 0:
+            self._write()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.update_freq == "epoch":
+            self._write()
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _write(self):
+        if self._writer is None:
+            return
+        medians = cluster().watchdog.step_medians()
+        with self._writer.as_default(step=progress.step):
+            for r, ms in sorted(medians.items()):
+                if ms is not None:
+                    tf.summary.scalar(f"workers/ms_inside_step/worker_{r}", ms)
+        self._writer.flush()
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
