@@ -247,6 +247,23 @@ def test_lost_worker_is_named():
         "(TF: UnavailableError: Collective ops is aborted by: Socket closed)")
 
 
+def test_lost_worker_error_names_the_collective_it_waited_in():
+    cluster = two_workers(closed_port())
+    error = tf.errors.UnavailableError(
+        None, None, "Graph execution error:\n\nDetected at node "
+        "allreduce_multiworker/entry0_cross_worker defined at (most recent call last):\n"
+        "  File step.py, line 3\n\nCollective ops is aborted by: worker 1 froze\n\t "
+        "[[{{node allreduce_multiworker/entry0_cross_worker}}]] [Op:__inference_train_9]")
+    with pytest.raises(WorkerLostError, match=re.escape(
+            f"lost worker 1 ({cluster.address(1)}): it does not answer, and the collective "
+            f"this worker waits in (allreduce_multiworker/entry0_cross_worker) cannot go on "
+            f"without it.")) as info:
+        with cluster.detect_lost_workers(probe_timeout=1.0):
+            raise error
+    assert str(info.value).endswith(
+        "(TF: UnavailableError: Collective ops is aborted by: worker 1 froze)")
+
+
 def test_timeout_with_every_worker_answering():
     peer = listening_socket()
     try:

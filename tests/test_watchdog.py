@@ -193,6 +193,11 @@ def test_a_frozen_worker_is_named_and_the_run_ends(door):
     assert "Stopping them (stall_seconds=5)." in line.group(1)
     # The survivor's error carries the line; the launcher stops the frozen worker.
     assert f"Collective ops is aborted by: {line.group(1)}" in err
+    if door == "trainer":  # its error names the collective it waited in too
+        assert re.search(r"WorkerLostError: worker 0 \(127\.0\.0\.1:\d+\): lost worker 1 "
+                         r"\(127\.0\.0\.1:\d+\): it does not answer, and the collective this "
+                         r"worker waits in \(\S*allreduce\S*\) cannot go on without it", err), \
+            err[-3000:]
     assert re.search(r"\[launch\] worker 0 exited with code 1 after", err)
     assert "[launch] stopping worker 1" in err
     print(f"{door}: ended {seconds:.0f} s after the start")

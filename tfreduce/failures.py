@@ -8,6 +8,7 @@ and ``lost_worker_message`` names the ones that do not answer;
 ``Cluster.detect_lost_workers`` raises it as a ``WorkerLostError``.
 """
 
+import re
 import socket
 
 import tensorflow as tf
@@ -58,6 +59,12 @@ def _tf_reason(error):
         if "Collective" in line or "collective" in line:
             return line
     return lines[0] if lines else ""
+
+
+def _tf_node(error):
+    """The name of the op a TF error came from ("[[{{node NAME}}]]"), or None."""
+    found = re.search(r"\{\{node ([^}]+)\}\}", str(error.message or ""))
+    return found.group(1) if found else None
 
 
 def unreachable_workers(cluster, probe_timeout, eager):
@@ -111,13 +118,16 @@ def lost_worker_message(cluster, error, lost):
     """
     names = [cluster.describe(r) for r in lost]
     reason = f"(TF: {type(error).__name__}: {_tf_reason(error)})"
+    node = _tf_node(error)
     if names:
+        what = f"the collective this worker waits in ({node})" if node else "the all-reduce"
         return (f"{cluster.describe(cluster.rank)}: lost {', '.join(names)}: "
-                f"{'it does' if len(names) == 1 else 'they do'} not answer, and the "
-                f"all-reduce cannot go on without {'it' if len(names) == 1 else 'them'}. "
+                f"{'it does' if len(names) == 1 else 'they do'} not answer, and {what} "
+                f"cannot go on without {'it' if len(names) == 1 else 'them'}. "
                 f"Stop every worker, restart them all and resume from the last "
                 f"checkpoint. {reason}")
-    return (f"{cluster.describe(cluster.rank)}: a collective waited {cluster.timeout:g}s for "
+    what = f"a collective ({node})" if node else "a collective"
+    return (f"{cluster.describe(cluster.rank)}: {what} waited {cluster.timeout:g}s for "
             f"its peers and every worker still answers: one of them is stuck, much "
             f"slower, or running a different program (other models, shapes or number of "
             f"steps). {reason}")
