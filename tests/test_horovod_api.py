@@ -90,11 +90,20 @@ HOROVOD_KERAS = {
 }
 
 
+# tfreduce's own settings: keyword-only, after Horovod's parameters, so that
+# every call Horovod accepts means the same here.
+OWN_KEYWORDS = {"init": ("stall_seconds", "timeout_seconds")}
+
+
 def signature(module, name):
     obj = module
     for part in name.split("."):
         obj = getattr(obj, part)
-    text = str(inspect.signature(obj))
+    full = inspect.signature(obj)
+    own = [p.name for p in full.parameters.values() if p.kind is p.KEYWORD_ONLY]
+    assert own == list(OWN_KEYWORDS.get(name, ())), (name, own)
+    text = str(full.replace(parameters=[p for p in full.parameters.values()
+                                        if p.kind is not p.KEYWORD_ONLY]))
     # Our defaults print as their values; Horovod's source names them.
     return (text.replace(f"compression={tfreduce.Compression.none!r}", "compression=Compression.none")
             .replace("op='average'", "op=Average"))
@@ -149,6 +158,12 @@ def _in_v1_graph(call):
 @pytest.mark.parametrize("call, error, message", [
     (lambda: hvd.init(comm=[0, 1]), ValueError,
      "init(comm=[0, 1]): tfreduce has no MPI; processes find each other through TF_CONFIG"),
+    (lambda: hvd.init(stall_seconds=-1), ValueError,
+     "init(stall_seconds=-1, timeout_seconds=None): stall_seconds must be >= 0 (0: off), "
+     "got -1"),
+    (lambda: hvd.init(timeout_seconds=0), ValueError,
+     "init(stall_seconds=None, timeout_seconds=0): timeout must be a number of seconds > 0 "
+     "or None (300 s), got 0"),
     (lambda: hvd.allreduce(tf.ones([2]), op=hvd.Adasum), ValueError,
      "allreduce: op must be tfreduce.tensorflow.Average, Sum, Min, Max or Product, got "
      "'adasum' (Adasum is not supported)"),
@@ -201,7 +216,8 @@ def _in_v1_graph(call):
     (lambda: tf.function(hvd.join, autograph=False)(), RuntimeError,
      "join() runs eagerly (or in a tf.compat.v1 session): inside a tf.function the "
      "collectives are traced"),
-], ids=["comm", "op", "op-and-average", "scalar-gather", "root", "process-set",
+], ids=["comm", "stall-seconds", "timeout-seconds", "op", "op-and-average", "scalar-gather",
+        "root", "process-set",
         "scalar-reducescatter", "splits-length", "splits-sum", "tape",
         "keras2-optimizer", "passes", "groups", "predivide", "global-variables",
         "global-variables-tf2", "max-of-slices", "adasum-of-slices", "object-in-function",

@@ -182,9 +182,15 @@ def test_the_bound_comes_from_the_argument_the_environment_or_the_default(monkey
 
 @pytest.mark.parametrize("door", ["tape", "fit", "trainer"])
 def test_a_frozen_worker_is_named_and_the_run_ends(door):
+    # The tape loop sets its bounds in hvd.init() rather than through the launcher.
+    settings = (("--init-stall", "5", "--init-timeout", "120") if door == "tape" else ())
     code, out, err, seconds = launch_workers(
-        "stall_worker.py", door, launcher=("--stall-seconds", "5"), timeout=240)
+        "stall_worker.py", door, *settings,
+        launcher=() if door == "tape" else ("--stall-seconds", "5"), timeout=240)
     assert "[worker 1] rank 1: freezing at step 20" in out, (out, err[-3000:])
+    if door == "tape":
+        assert re.search(r"\[worker 0\] rank 0: Cluster\(worker 0 \(127\.0\.0\.1:\d+\) of 2, "
+                         r"timeout=120s\)", out), out
     assert code == 1, (code, err[-3000:])  # not 124: the launcher's timeout was not needed
     line = re.search(r"\[worker 0\] tfreduce watchdog: (worker 0 \(127\.0\.0\.1:\d+\): worker 1 "
                      r"\(127\.0\.0\.1:\d+\) has sent no heartbeat for \d+ s: frozen, stopped or "

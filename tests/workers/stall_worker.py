@@ -59,7 +59,9 @@ def model():
 
 def tape(args):
     import tfreduce.tensorflow as hvd
-    hvd.init()
+    hvd.init(stall_seconds=args.init_stall, timeout_seconds=args.init_timeout)
+    from tfreduce.tensorflow.process import cluster
+    print(f"rank {hvd.rank()}: {cluster()!r}", flush=True)
     r = hvd.rank()
     net, optimizer = model(), keras.optimizers.SGD(0.01)
     x, y = data(r)
@@ -152,6 +154,10 @@ def main(argv=None):
                         help="--freeze-rank sleeps this many seconds at --freeze-at instead")
     parser.add_argument("--lag-ms", type=float, default=0.0,
                         help="tape, fit: rank 1 sleeps this long before every step (a straggler)")
+    parser.add_argument("--init-stall", type=float, default=None,
+                        help="tape: hvd.init(stall_seconds=)")
+    parser.add_argument("--init-timeout", type=float, default=None,
+                        help="tape: hvd.init(timeout_seconds=)")
     args = parser.parse_args(argv)
     {"tape": tape, "fit": fit, "trainer": trainer}[args.door](args)
     print("finished", flush=True)

@@ -24,9 +24,11 @@ import os
 
 import tensorflow as tf
 
-from tfreduce.cluster import Cluster
+from tfreduce.cluster import DEFAULT_TIMEOUT, Cluster
+from tfreduce.collective import check_timeout
 from tfreduce.localcluster import LocalCluster
 from tfreduce.tf_config import SLURM_PORT_BASE, parse_address, slurm_tf_config
+from tfreduce.watchdog import stall_seconds_from
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "cluster", "device", "eager_functions", "is_homogeneous",
@@ -57,7 +59,7 @@ def _hosts(found):
     return [order.index(name) for name in names]
 
 
-def init(comm=None, process_sets=None):
+def init(comm=None, process_sets=None, *, stall_seconds=None, timeout_seconds=None):
     """Makes this process a rank of the run: reads TF_CONFIG, starts TF's server.
 
     Call it first, before TensorFlow creates a tensor or a model. With GPUs,
@@ -72,9 +74,15 @@ def init(comm=None, process_sets=None):
     Args:
       comm: Horovod's MPI communicator; tfreduce has no MPI: must be None.
       process_sets: Horovod's process sets; not supported: must be None.
+      stall_seconds: float seconds (tfreduce's own): a peer silent this long
+        is named and the run ends (``tfreduce.watchdog``); 0 turns the
+        watchdog off; None: $TFREDUCE_STALL_SECONDS, else 20.
+      timeout_seconds: float seconds > 0 (tfreduce's own): the longest a
+        collective waits for its peers; None: ``Cluster``'s default, 300.
 
     Raises:
-      ValueError: comm or process_sets given; a malformed TF_CONFIG (see
+      ValueError: comm or process_sets given; a bad stall_seconds or
+        timeout_seconds; a malformed TF_CONFIG (see
         ``tfreduce.Cluster.from_tf_config``); this task's port cannot be
         opened.
     """
@@ -84,13 +92,21 @@ def init(comm=None, process_sets=None):
     if process_sets is not None:
         raise ValueError(f"init(process_sets={process_sets!r}): process sets are not "
                          "supported; every collective spans all processes")
+    # Checked on one process too: a bad setting fails where it is written.
+    try:
+        stall = stall_seconds_from(stall_seconds)
+        timeout = check_timeout(timeout_seconds, none_means=f"{DEFAULT_TIMEOUT:g} s")
+    except ValueError as e:
+        raise ValueError(f"init(stall_seconds={stall_seconds!r}, timeout_seconds="
+                         f"{timeout_seconds!r}): {e}") from None
     if _RUN.cluster is not None:
         return
     if _RUN.started is None:
         slurm = None if os.environ.get("TF_CONFIG") else slurm_tf_config(
             port_base=int(os.environ.get("TFREDUCE_SLURM_PORT_BASE", SLURM_PORT_BASE)))
         if os.environ.get("TF_CONFIG") or slurm:
-            found = Cluster.from_tf_config(slurm)
+            found = Cluster.from_tf_config(
+                slurm, timeout=timeout or DEFAULT_TIMEOUT, stall_seconds=stall)
         else:
             found = LocalCluster()
         _RUN.hosts = _hosts(found)
