@@ -60,6 +60,16 @@ def test_tower_times_report_a_lagging_tower_once_per_500_steps(capfd):
         times.add(521, [0.1, 0.1, 0.1])
 
 
+def test_a_tower_that_becomes_slow_is_named_within_20_steps():
+    times = TowerTimes(DEVICES)
+    for step in range(1, 131):
+        times.add(step, [0.005, 0.060 if step > 107 else 0.005, 0.006, 0.004])
+        if times.reported:
+            break
+    # Slow from step 108: most of the window by step 118, looked at every 10 steps.
+    assert step == 120 and times.reported[0].startswith("tower 1 (/device:CPU:1) lags")
+
+
 class _Answered(keras.layers.Layer):
     """Passes x on after a request to `ask` is answered on `answer` (tower 1's slowness)."""
 

@@ -24,9 +24,9 @@ the same results. A lost worker fails the step with
 `tfreduce.WorkerLostError`.
 
 Modules: replicated_trainer (the public class), towers (the replicas),
-step (one step's graphs), losses, batching, loop (fit, evaluate, predict),
-checkpoints and signals (SIGTERM); replicated_trainer imports the others,
-and none imports it.
+step (one step's graphs), towertimes (the tower the others wait for),
+losses, batching, loop (fit, evaluate, predict), checkpoints and signals
+(SIGTERM); replicated_trainer imports the others, and none imports it.
 """
 
 from tfreduce.trainer.replicated_trainer import ReplicatedTrainer

@@ -15,12 +15,18 @@ each tower's median as the TensorBoard scalar
 ``towers/ms_to_gradients/tower_<k>``.
 """
 
-import collections
 import sys
 
-from tfreduce.watchdog import REPORT_EVERY, STRAGGLER_STEPS, lagging, median_ms
+import numpy as np
+
+from tfreduce.watchdog import REPORT_EVERY, STRAGGLER_STEPS, lagging
 
 __all__ = ["TowerTimes"]
+
+# Steps between two looks at the window (each costs tens of µs): a tower
+# slow from step s on fills most of the window by s + 11 and is named by
+# s + 20.
+_CHECK_EVERY = 10
 
 
 class TowerTimes:
@@ -38,26 +44,31 @@ class TowerTimes:
         self.devices = list(devices)
         self.prefix = prefix
         self.reported = []
-        self._window = collections.deque(maxlen=STRAGGLER_STEPS)
+        # The last STRAGGLER_STEPS steps' seconds, a ring of rows [steps, K].
+        self._window = np.zeros([STRAGGLER_STEPS, len(self.devices)])
+        self._steps = 0
         self._next_report = 0
 
     def add(self, step, seconds):
         """Records step `step`'s float [K] seconds from the split to each tower's gradients.
 
-        Reports a tower that lags (stderr) once the window is full, at most
-        once every REPORT_EVERY steps.
+        Looks for a tower that lags every _CHECK_EVERY steps once the window
+        is full, and reports it (stderr), at most once every REPORT_EVERY
+        steps.
 
         Raises:
           ValueError: `seconds` does not hold one value per tower.
         """
-        seconds = [float(s) for s in seconds]
+        seconds = np.asarray(seconds, dtype=np.float64).reshape(-1)
         if len(seconds) != len(self.devices):
             raise ValueError(f"TowerTimes.add: {len(seconds)} times for "
                              f"{len(self.devices)} towers")
-        self._window.append(seconds)
-        medians = self.medians()
-        if medians is None or len(medians) < 2 or step < self._next_report:
+        self._window[self._steps % STRAGGLER_STEPS] = seconds
+        self._steps += 1
+        if (len(self.devices) < 2 or self._steps < STRAGGLER_STEPS
+                or self._steps % _CHECK_EVERY or step < self._next_report):
             return
+        medians = self.medians()
         found = lagging(medians, "higher")
         if found:
             self._next_report = step + REPORT_EVERY
@@ -71,6 +82,7 @@ class TowerTimes:
 
     def medians(self):
         """dict tower -> median ms over the last STRAGGLER_STEPS steps; None until that many ran."""
-        if len(self._window) < STRAGGLER_STEPS:
+        if self._steps < STRAGGLER_STEPS:
             return None
-        return {k: median_ms([step[k] for step in self._window]) for k in range(len(self.devices))}
+        medians = 1000.0 * np.median(self._window, axis=0)
+        return {k: float(ms) for k, ms in enumerate(medians)}
