@@ -196,7 +196,7 @@ def scalars(logdir, prefix=""):
     Every event file under logdir (a run's subdirectories included)."""
     values = {}
     for root, _, files in sorted(os.walk(logdir)):
-        for name in sorted(files):
+        for name in sorted(f for f in files if ".tfevents." in f):
             for event in tf.compat.v1.train.summary_iterator(os.path.join(root, name)):
                 for value in event.summary.value:
                     if value.tag.startswith(prefix):
