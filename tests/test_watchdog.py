@@ -21,7 +21,8 @@ import tensorflow as tf
 from tfreduce import watchdog
 from tfreduce.cluster import Cluster
 from tfreduce.launch import free_ports, parse_args
-from tfreduce.watchdog import Watchdog, progress, stall_seconds_from, stragglers
+from tfreduce.stragglers import stragglers
+from tfreduce.watchdog import Watchdog, progress, stall_seconds_from
 
 from helpers import scalars
 from test_multiworker import launch_workers

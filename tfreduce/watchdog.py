@@ -47,14 +47,15 @@ import hashlib
 import json
 import os
 import socket
-import statistics
 import sys
 import threading
 import time
 import warnings
 
-__all__ = ["DEFAULT_STALL_SECONDS", "EXIT_CODE", "IN_JOIN", "STALL_ENV", "Watchdog", "lagging",
-           "median_ms", "progress", "stall_seconds_from", "start_watchdog", "stragglers"]
+from tfreduce.stragglers import REPORT_EVERY, STRAGGLER_STEPS, median_ms, stragglers
+
+__all__ = ["DEFAULT_STALL_SECONDS", "EXIT_CODE", "IN_JOIN", "STALL_ENV", "Watchdog", "progress",
+           "stall_seconds_from", "start_watchdog"]
 
 #: Seconds without a heartbeat after which a peer is declared stopped.
 DEFAULT_STALL_SECONDS = 20.0
@@ -68,12 +69,6 @@ _INTERVAL = 1.0
 _DOING_CHARS = 160
 #: What a process waiting in Horovod's join() is doing (it makes the others' calls).
 IN_JOIN = "join() (its data ended)"
-#: Steps whose durations the straggler report compares.
-STRAGGLER_STEPS = 20
-#: Milliseconds per step the others must wait for a worker to name it a straggler.
-STRAGGLER_MS = 20.0
-#: Steps between two reports of stragglers.
-REPORT_EVERY = 500
 
 
 class _Progress:
@@ -366,69 +361,6 @@ def start_watchdog(cluster):
         return None
     watchdog.start()
     return watchdog
-
-
-def lagging(ms, slower):
-    """The members that the others wait for, from each one's milliseconds per step.
-
-    One is named when its time differs from the median of the others' by
-    more than STRAGGLER_MS and by more than half of that median, in the
-    direction of `slower`. The same rule serves workers (`stragglers`) and
-    a process's towers (``tfreduce.trainer.towertimes``).
-
-    Args:
-      ms: dict key -> float, each member's median ms over its last steps.
-      slower: "higher" (a slow member takes more ms: a tower's compute) or
-        "lower" (a slow member spends fewer ms inside its steps: the others
-        wait for it inside theirs).
-
-    Returns:
-      list of (key, its ms, the others' median, lag ms > 0), by key.
-    """
-    if slower not in ("higher", "lower"):
-        raise ValueError(f"slower must be 'higher' or 'lower', got {slower!r}")
-    found = []
-    for key, mine in sorted(ms.items()):
-        others = sorted(v for k, v in ms.items() if k != key)
-        if not others:
-            continue
-        theirs = others[len(others) // 2]
-        lag = mine - theirs if slower == "higher" else theirs - mine
-        if lag > STRAGGLER_MS and lag > theirs / 2:
-            found.append((key, mine, theirs, lag))
-    return found
-
-
-def stragglers(medians, rank_names):
-    """The workers the others wait for, from each one's median milliseconds inside its steps.
-
-    A worker slowed outside its steps (input, host, network) spends less
-    time inside them: the others wait in their collectives until it comes
-    (`lagging` with slower="lower").
-
-    Args:
-      medians: dict rank -> float, median ms inside the last
-        STRAGGLER_STEPS steps (every worker's, this one's included).
-      rank_names: function rank -> str.
-
-    Returns:
-      list of str, one line per straggler (empty when none).
-    """
-    return [f"{rank_names(rank)} lags: the other workers wait about {lag:.0f} ms per step "
-            f"for it (its steps take {mine:.0f} ms inside, theirs {theirs:.0f} ms, over the "
-            f"last {STRAGGLER_STEPS} steps)"
-            for rank, mine, theirs, lag in lagging(medians, "lower")]
-
-
-def median_ms(durations):
-    """The median of a full window of STRAGGLER_STEPS durations in seconds, in ms.
-
-    A median, not a mean: one long pause (a checkpoint, a page fault) is not
-    a straggler; a member slow in most steps is. None before the window fills.
-    """
-    if len(durations) < STRAGGLER_STEPS:
-        return None
-    return 1000.0 * statistics.median(durations)
 
 
 def _state(step, doing):

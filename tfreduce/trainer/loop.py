@@ -376,7 +376,7 @@ def _straggler_summaries(cluster, tower_medians):
     ``workers/ms_inside_step/worker_<r>``: each worker's median ms inside its
     last steps, as the chief's watchdog hears them; the worker the others
     wait for is the one whose steps take least
-    (``tfreduce.watchdog.stragglers``).
+    (``tfreduce.stragglers``).
     ``towers/ms_to_gradients/tower_<k>``: each of this worker's towers'
     median ms from the split to its gradients; the tower the others wait for
     takes most (``tfreduce.trainer.towertimes``).

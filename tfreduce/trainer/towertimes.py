@@ -8,7 +8,7 @@ and backward passes take consistently longer than the others' (a GPU that
 throttles, a device that shares its host or its link with other work)
 costs every step its lag. `TowerTimes` keeps each tower's time over the
 last STRAGGLER_STEPS steps and names a tower whose median lags by the
-watchdog's rule for workers (``tfreduce.watchdog.lagging``: more than STRAGGLER_MS
+watchdog's rule for workers (``tfreduce.stragglers.lagging``: more than STRAGGLER_MS
 ms and more than half the other towers' median). The report goes to
 stderr, at most once every REPORT_EVERY steps; ``fit(logdir=)`` writes
 each tower's median as the TensorBoard scalar
@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from tfreduce.watchdog import REPORT_EVERY, STRAGGLER_STEPS, lagging
+from tfreduce.stragglers import REPORT_EVERY, STRAGGLER_STEPS, lagging
 
 __all__ = ["TowerTimes"]
 

@@ -172,13 +172,13 @@ class WorkerTimesCallback(keras.callbacks.Callback):
     The worker the others wait for (a straggler: slow input, a busy host)
     spends the least time inside its batches, because the others wait for
     it inside theirs; the chief's watchdog names it in its log
-    (``tfreduce.watchdog.stragglers``), and this callback draws every
+    (``tfreduce.stragglers``), and this callback draws every
     worker's curve: ``workers/ms_inside_step/worker_<r>``, the tag
     ``ReplicatedTrainer.fit(logdir=)`` writes, in ``log_dir/train`` (where
     ``keras.callbacks.TensorBoard(log_dir)`` writes fit's curves), against
     the batches done. The batches are timed by
     BroadcastGlobalVariablesCallback; each worker's median (over the last
-    ``tfreduce.watchdog.STRAGGLER_STEPS`` batches) comes with its heartbeat,
+    ``tfreduce.stragglers.STRAGGLER_STEPS`` batches) comes with its heartbeat,
     once a second. Other ranks and a single process write nothing.
 
     Args:
