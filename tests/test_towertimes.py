@@ -8,6 +8,7 @@ slow every tower of the process alike).
 
 import re
 import threading
+import types
 import time
 
 import keras
@@ -41,7 +42,9 @@ def test_one_long_pause_is_not_a_lag_but_a_slow_majority_is():
 
 
 def test_tower_times_report_a_lagging_tower_once_per_500_steps(capfd):
-    times = TowerTimes(DEVICES, prefix="worker 1 (127.0.0.1:5): ")
+    worker = types.SimpleNamespace(is_local=False, rank=1,
+                                   describe=lambda rank: f"worker {rank} (127.0.0.1:5)")
+    times = TowerTimes(DEVICES, worker)
     for step in range(1, 20):
         times.add(step, [0.005, 0.060, 0.006, 0.004])
     assert times.reported == [] and times.medians() is None

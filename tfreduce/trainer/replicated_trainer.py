@@ -8,11 +8,7 @@ from tfreduce.trainer.losses import per_example_loss_fn, takes_class_indices
 from tfreduce.trainer.options import StepOptions, check_trainer_options, trainer_reduction
 from tfreduce.trainer.signals import StopRequest
 from tfreduce.trainer.step import build_run, make_counters
-from tfreduce.trainer.towers import (
-    check_factories,
-    create_replicas,
-    resolve_cluster,
-)
+from tfreduce.trainer.towers import check_factories, create_replicas, resolve_cluster
 
 
 class ReplicatedTrainer:
@@ -301,8 +297,10 @@ class ReplicatedTrainer:
           validation_data: (x_val, y_val) arrays or a dataset of (x, y)
             batches, evaluated after every epoch.
           logdir: directory for TensorBoard summaries: per step loss,
-            accuracy, learning rate and step time; per epoch the epoch
-            means, validation results and images/s. None: no summaries.
+            accuracy, learning rate, step time and who the others wait for
+            (each tower's and worker's ms: towertimes, tfreduce.stragglers);
+            per epoch the epoch means, validation results and images/s.
+            None: no summaries.
           checkpoint_dir: directory where a checkpoint is written after every
             epoch and on Ctrl-C (see `save`). None: no checkpoints.
           callbacks: functions fn(epoch, logs) called after every epoch with

@@ -5,11 +5,10 @@ callable, flags in StepOptions) that set no state of the trainer while
 tracing. One exception is inherent: in a cluster each trace draws the
 cross-worker collectives' instance keys from the cluster's CollectiveKeys,
 so a step function must be traced once, the same way on every worker
-(hence the open batch axis of every input signature).
-Whatever the caller needs to know about the result it reads from the
-returned values; a correct count of -1 means accuracy is not defined for the
-model's outputs. StepFunctions, at the end, holds the tf.functions made from
-them.
+(hence the open batch axis of every input signature). The caller reads
+all it needs from the returned values; a correct count of -1 means
+accuracy is not defined for the model's outputs. StepFunctions, at the
+end, holds the tf.functions made from them.
 
 The global batch is split on the host into K contiguous shards, the first
 B % K one example larger (tfreduce.contract.shard_sizes), one per tower.
@@ -26,7 +25,7 @@ from tfreduce.trainer.checkpoints import TrainerCheckpoint
 from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
 from tfreduce.trainer.statistics import sum_metrics, sync_moving
 from tfreduce.trainer.towers import build_towers, state_bytes, sync_functions
-from tfreduce.trainer.towertimes import TowerTimes
+from tfreduce.trainer.towertimes import TowerTimes, split_stamp, stamp_towers
 from tfreduce.trainer.update import (
     TowerState,
     all_finite,
@@ -116,32 +115,6 @@ def _tower_gradients(towers, options, x_shards, y_shards, batch, accumulating):
     return all_grads, loss_sums, corrects, regs
 
 
-def _timestamp():
-    """tf.timestamp(), left out of tf.function's automatic control dependencies.
-
-    They chain every stateful op that uses no resource in program order, so
-    each tower's stamp would wait for the stamps (and py_functions) of the
-    towers before it; the graph's ACD manager runs this one independently."""
-    stamp = tf.timestamp()
-    manager = getattr(tf.compat.v1.get_default_graph(), "experimental_acd_manager", None)
-    if manager is not None:
-        manager.run_independently(stamp.op)
-    return stamp
-
-
-def _tower_seconds(start, all_grads, loss_sums):
-    """float64 [K]: seconds from `start` until each tower's loss and gradients exist.
-
-    Timestamps on the host behind control dependencies: nothing is copied
-    and nothing waits for them (tfreduce.trainer.towertimes)."""
-    with tf.device(HOST):
-        ready = []
-        for grads, loss in zip(all_grads, loss_sums):
-            with tf.control_dependencies([loss.op] + [g.op for g in grads if g is not None]):
-                ready.append(_timestamp())
-        return tf.stack(ready) - start
-
-
 def _update(towers, options, state, all_grads, batch, losses_finite, after):
     """The update of a step: reduce, check once, apply.
 
@@ -182,8 +155,7 @@ def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
       state: TowerState, the per-tower state of the update.
       step: the int64 step counter tf.Variable, incremented by one unless
         the step's gradients are not finite and on_nonfinite is "raise".
-      x, y: [b, ...], this worker's part of the global batch (all of it in a
-        single process).
+      x, y: [b, ...], this worker's part of the global batch (all of it alone).
       batch: int32 scalar B, the size of the global batch.
       stop: float64 scalar, 1 when this worker was asked to stop (SIGTERM).
       update: bool, reduce and apply (False: only accumulate; the only
@@ -191,26 +163,24 @@ def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
         cluster the step's metrics, and at ZeRO stage 2 the reduce-scatter).
 
     Returns:
-      (float64 scalar, the mean loss over the global batch plus
-      regularisation; int64 scalar, the correct predictions in the global
-      batch, -1 when accuracy is not defined; float64 scalar, the workers
-      asked to stop, summed over the cluster; bool scalar, the update
+      (float64 mean loss over the global batch plus regularisation; int64
+      correct predictions in it, -1 when accuracy is not defined; float64
+      workers asked to stop, summed over the cluster; bool, the update
       applied (see _update); int32 [K + 1, N], where the gradients are not
-      finite (see update.locate_nonfinite); float64 [K], each tower's loss sum; bool
-      scalar, every loss of the update cycle on every tower of every worker
-      is finite; float64 [K], each tower's seconds from the split to its
-      gradients).
+      finite (update.locate_nonfinite); float64 [K], each tower's loss sum;
+      bool, every loss of the update cycle on every tower of every worker is
+      finite; float64 [K], each tower's seconds from the split to its
+      gradients (towertimes.stamp_towers)). Unshaped ones are scalars.
     """
     num_towers = len(towers.devices)
     sizes, (x_shards, y_shards) = _split([x, y], num_towers)
-    with tf.device(HOST), tf.control_dependencies(x_shards):
-        start = _timestamp()  # the towers start from here
+    start = split_stamp(x_shards, HOST)  # the towers start from here
     # A step is a transaction: what its forward pass changes is kept first,
     # to be put back if the update cycle does not commit.
     state.save_forward()
     all_grads, loss_sums, corrects, regs = _tower_gradients(
         towers, options, x_shards, y_shards, batch, state.accumulate_steps > 1)
-    tower_seconds = _tower_seconds(start, all_grads, loss_sums)
+    tower_seconds = stamp_towers(start, towers.devices, all_grads, loss_sums, HOST)
     with tf.device(HOST):
         tower_losses = tf.stack([tf.cast(loss, tf.float64) for loss in loss_sums])
         losses_finite = tf.reduce_all(tf.math.is_finite(tower_losses))
@@ -333,9 +303,7 @@ class StepFunctions:
         self._broadcast_fn, self.difference = sync_functions(
             towers, options.cluster, [step, epoch_totals])
         self._train_fns = {True: None, False: None}  # update -> tf.function
-        cluster = options.cluster
-        self.tower_times = TowerTimes(
-            towers.devices, "" if cluster.is_local else f"{cluster.describe(cluster.rank)}: ")
+        self.tower_times = TowerTimes(towers.devices, options.cluster)
         self._eval_fn = None
         self._predict_fn = None
 

@@ -1,9 +1,9 @@
 """Which tower of this process the others wait for: each tower's time to its gradients.
 
 Every training step stamps, on the host, the time at which its batch was
-split and the time at which each tower's loss and gradients were ready
-(``tf.timestamp`` behind a control dependency on them: no copy, no extra
-sync). The reduction waits for the last tower, so a tower whose forward
+split and the time at which each tower's loss and gradients were computed
+(``tf.timestamp`` after a copy of one scalar per tower, `stamp_towers`:
+nothing else is copied and nothing waits for the stamps). The reduction waits for the last tower, so a tower whose forward
 and backward passes take consistently longer than the others' (a GPU that
 throttles, a device that shares its host or its link with other work)
 costs every step its lag. `TowerTimes` keeps each tower's time over the
@@ -18,14 +18,15 @@ each tower's median as the TensorBoard scalar
 import sys
 
 import numpy as np
+import tensorflow as tf
 
 from tfreduce.stragglers import REPORT_EVERY, STRAGGLER_STEPS, lagging
 
-__all__ = ["TowerTimes"]
+__all__ = ["TowerTimes", "split_stamp", "stamp_towers"]
 
 # Steps between two looks at the window (each costs tens of µs): a tower
-# slow from step s on fills most of the window by s + 11 and is named by
-# s + 20.
+# slow from step s on holds the window's median from about s + 10, and is
+# named by s + 20.
 _CHECK_EVERY = 10
 
 
@@ -34,15 +35,17 @@ class TowerTimes:
 
     Args:
       devices: list of K str, the towers' devices (they name a tower).
-      prefix: str before each report line ("worker 1: " in a cluster, or "").
+      cluster: the Cluster (its reports begin with "worker r (host:port): ")
+        or LocalCluster of this process, or None.
 
     Attributes:
       reported: list of str, the report lines so far.
     """
 
-    def __init__(self, devices, prefix=""):
+    def __init__(self, devices, cluster=None):
         self.devices = list(devices)
-        self.prefix = prefix
+        self.prefix = ("" if cluster is None or cluster.is_local
+                       else f"{cluster.describe(cluster.rank)}: ")
         self.reported = []
         # The last STRAGGLER_STEPS steps' seconds, a ring of rows [steps, K].
         self._window = np.zeros([STRAGGLER_STEPS, len(self.devices)])
@@ -86,3 +89,41 @@ class TowerTimes:
             return None
         medians = 1000.0 * np.median(self._window, axis=0)
         return {k: float(ms) for k, ms in enumerate(medians)}
+
+
+def _timestamp():
+    """tf.timestamp(), left out of tf.function's automatic control dependencies.
+
+    They chain every stateful op that uses no resource in program order, so
+    each tower's stamp would wait for the stamps (and py_functions) of the
+    towers before it; the graph's ACD manager runs this one independently."""
+    stamp = tf.timestamp()
+    manager = getattr(tf.compat.v1.get_default_graph(), "experimental_acd_manager", None)
+    if manager is not None:
+        manager.run_independently(stamp.op)
+    return stamp
+
+
+def split_stamp(x_shards, host):
+    """float64 scalar: the time at which the global batch is split, stamped on `host`."""
+    with tf.device(host), tf.control_dependencies(x_shards):
+        return _timestamp()
+
+
+def stamp_towers(start, devices, all_grads, loss_sums, host):
+    """float64 [K]: seconds from `start` until each tower's loss and gradients are computed.
+
+    On each tower's device, its loss passes through an identity after all
+    its gradients; the stamp on `host` follows the copy of that scalar. On
+    a GPU the copy to the host waits for the device's compute stream, so
+    the stamp follows the kernels' completion, not their launch (which is
+    all a control edge would wait for); it costs one scalar copy per tower.
+    """
+    ready = []
+    for device, grads, loss in zip(devices, all_grads, loss_sums):
+        with tf.device(device), tf.control_dependencies([g.op for g in grads if g is not None]):
+            done = tf.identity(loss)
+        with tf.device(host), tf.control_dependencies([tf.identity(done)]):
+            ready.append(_timestamp())
+    with tf.device(host):
+        return tf.stack(ready) - start
