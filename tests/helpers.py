@@ -190,10 +190,10 @@ def load_script(path, name):
 
 
 def scalars(logdir, prefix=""):
-    """tag -> the values, in order, of the TensorBoard scalars whose tag starts with prefix
-    (a str or a tuple of them).
+    """tag -> the values, in order, of the TensorBoard scalars whose tag starts with prefix.
 
-    Every event file under logdir (a run's subdirectories included)."""
+    prefix: a str or a tuple of them. Every event file under logdir (a
+    run's subdirectories included)."""
     values = {}
     for root, _, files in sorted(os.walk(logdir)):
         for name in sorted(f for f in files if ".tfevents." in f):

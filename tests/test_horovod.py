@@ -296,7 +296,7 @@ def test_distributed_gradient_tape_equals_one_process(ranks):
 def test_processes_that_built_other_models_fail_fast_on_every_process(tmp_path):
     # Under Horovod they would hang in the first collective.
     code, _, err, _ = launch_workers("horovod_worker.py", "--out", tmp_path,
-                                           "--rank1-hidden", 9)
+                                     "--rank1-hidden", 9)
     assert code != 0
     for rank in range(2):
         assert re.search(

@@ -161,6 +161,11 @@ def _in_v1_graph(call):
     (lambda: hvd.init(stall_seconds=-1), ValueError,
      "init(stall_seconds=-1, timeout_seconds=None): stall_seconds must be >= 0 (0: off), "
      "got -1"),
+    (lambda: hvd.init(stall_seconds="5"), TypeError,
+     "init: stall_seconds must be a number of seconds (0: off) or None, got str '5'"),
+    (lambda: hvdk.callbacks.WorkerTimesCallback("logs", update_freq=0), ValueError,
+     "WorkerTimesCallback: update_freq must be 'epoch', 'batch' or an int number of batches "
+     "> 0, got 0"),
     (lambda: hvd.init(timeout_seconds=0), ValueError,
      "init(stall_seconds=None, timeout_seconds=0): timeout must be a number of seconds > 0 "
      "or None (300 s), got 0"),
@@ -216,7 +221,8 @@ def _in_v1_graph(call):
     (lambda: tf.function(hvd.join, autograph=False)(), RuntimeError,
      "join() runs eagerly (or in a tf.compat.v1 session): inside a tf.function the "
      "collectives are traced"),
-], ids=["comm", "stall-seconds", "timeout-seconds", "op", "op-and-average", "scalar-gather",
+], ids=["comm", "stall-seconds", "stall-seconds-type", "worker-times-freq", "timeout-seconds",
+        "op", "op-and-average", "scalar-gather",
         "root", "process-set",
         "scalar-reducescatter", "splits-length", "splits-sum", "tape",
         "keras2-optimizer", "passes", "groups", "predivide", "global-variables",
@@ -238,7 +244,7 @@ def test_the_distributed_optimizer_is_a_subclass_of_the_users_class(one_process)
     assert isinstance(scaled.inner_optimizer, keras.optimizers.Adam)
 
 
-def test_fit_in_one_process_with_the_callbacks_and_a_schedule(one_process):
+def test_fit_in_one_process_with_the_callbacks_and_a_schedule(one_process, tmp_path):
     # The schedule multiplies by 0.5 per epoch from epoch 1.
     def run(distributed):
         keras.utils.set_random_seed(0)
@@ -249,7 +255,8 @@ def test_fit_in_one_process_with_the_callbacks_and_a_schedule(one_process):
             optimizer = hvdk.DistributedOptimizer(optimizer)
             callbacks = [hvdk.callbacks.BroadcastGlobalVariablesCallback(0),
                          hvdk.callbacks.MetricAverageCallback(),
-                         hvdk.callbacks.LearningRateScheduleCallback(0.1, 0.5, start_epoch=1)]
+                         hvdk.callbacks.LearningRateScheduleCallback(0.1, 0.5, start_epoch=1),
+                         hvdk.callbacks.WorkerTimesCallback(tmp_path, update_freq="batch")]
         record = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda b, logs: rates.append(
             float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))))
         model.compile(optimizer=optimizer, loss="mse")
@@ -265,6 +272,7 @@ def test_fit_in_one_process_with_the_callbacks_and_a_schedule(one_process):
     assert rates == [pytest.approx(r) for r in [0.1, 0.1, 0.1, 0.1, 0.05, 0.05]]
     assert history["learning_rate"] == [pytest.approx(r) for r in (0.1, 0.1, 0.05)]
     np.testing.assert_array_equal(weights[0], run(True)[0][0])  # repeatable
+    assert list(tmp_path.iterdir()) == []  # one process: no worker times to draw
 
 
 def test_the_warmup_rate_per_batch(one_process, monkeypatch):

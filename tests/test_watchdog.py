@@ -16,7 +16,6 @@ import socket
 import time
 
 import pytest
-import tensorflow as tf
 
 from tfreduce import watchdog
 from tfreduce.cluster import Cluster
@@ -312,4 +311,3 @@ def test_fit_names_a_straggler_and_draws_each_workers_time(tmp_path):
     assert values["workers/ms_inside_step/worker_0"][-1] > \
         values["workers/ms_inside_step/worker_1"][-1] + 25
     assert not (tmp_path / "rank1").exists() or not os.listdir(tmp_path / "rank1")
-

@@ -23,12 +23,14 @@ class LocalCluster:
       num_workers: 1.
       rank: 0.
       is_chief: True: this process writes checkpoints and logs.
+      watchdog: None: no peer to watch (``tfreduce.watchdog``).
     """
 
     is_local = True
     num_workers = 1
     rank = 0
     is_chief = True
+    watchdog = None
 
     def __repr__(self):
         return "LocalCluster()"

@@ -39,15 +39,18 @@ def lagging(ms, slower):
 
     Returns:
       list of (key, its ms, the others' median, lag ms > 0), by key.
+
+    Raises:
+      ValueError: `slower` is neither "higher" nor "lower".
     """
     if slower not in ("higher", "lower"):
         raise ValueError(f"slower must be 'higher' or 'lower', got {slower!r}")
     found = []
     for key, mine in sorted(ms.items()):
-        others = sorted(v for k, v in ms.items() if k != key)
+        others = [v for k, v in ms.items() if k != key]
         if not others:
             continue
-        theirs = others[len(others) // 2]
+        theirs = statistics.median(others)
         lag = mine - theirs if slower == "higher" else theirs - mine
         if lag > STRAGGLER_MS and lag > theirs / 2:
             found.append((key, mine, theirs, lag))

@@ -9,9 +9,11 @@ Each started worker runs a ``Watchdog`` thread: it sends a small UDP
 heartbeat to every peer once a second (to the peer's host, on the port
 number of its gRPC server; UDP and TCP ports are separate spaces) and
 listens for theirs. A heartbeat carries the sender's rank, its progress
-counter (``progress.step``, training steps) and what it is doing
-(``progress.doing``: a training step, a fit batch, an eager collective). A peer silent for ``stall_seconds``
-(default 20) is declared stopped: the watchdog prints one line naming it,
+counter (``progress.step``, training steps), its median time inside its
+last steps (``tfreduce.stragglers``: rank 0 names a straggler) and what
+it is doing (``progress.doing``: a training step, a fit batch, an eager
+collective). A peer silent for ``stall_seconds`` (default 20) is declared
+stopped: the watchdog prints one line naming it,
 the step it was at and what this worker waits in, then aborts this
 process's collectives (``context.abort_collective_ops``, TF's way of
 unblocking them, which MultiWorkerMirroredStrategy uses too) so that the
@@ -35,7 +37,8 @@ shuts down only when asked (``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``);
 PyTorch's NCCL watchdog aborts after 10 minutes; TF's
 MultiWorkerMirroredStrategy probes peers every 30 s, eagerly only.
 
-Settings: ``Cluster(..., stall_seconds=)``, the environment variable
+Settings: ``Cluster(..., stall_seconds=)``,
+``tfreduce.tensorflow.init(stall_seconds=)``, the environment variable
 ``TFREDUCE_STALL_SECONDS`` (which ``tfreduce-launch --stall-seconds`` sets
 for its workers); 0 turns the watchdog off.
 """
@@ -298,6 +301,16 @@ class Watchdog(threading.Thread):
             if rank not in self._gone:
                 medians[rank] = beat.get("ms")
         return medians
+
+    def write_scalars(self):
+        """Writes each known median as ``workers/ms_inside_step/worker_<r>``.
+
+        Into the default tf.summary writer, at its step; the straggler is the
+        lowest curve (``tfreduce.stragglers``)."""
+        import tensorflow as tf  # here: the launcher imports this module without TensorFlow
+        for rank, ms in sorted(self.step_medians().items()):
+            if ms is not None:
+                tf.summary.scalar(f"workers/ms_inside_step/worker_{rank}", ms)
 
     def _report_stragglers(self):
         if progress.step < self._next_report:

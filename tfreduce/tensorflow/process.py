@@ -65,7 +65,8 @@ def init(comm=None, process_sets=None, *, stall_seconds=None, timeout_seconds=No
     Call it first, before TensorFlow creates a tensor or a model. With GPUs,
     the process sees only the GPU of its local rank (GPU ``local_rank() % n``
     of the n it has), as Horovod scripts arrange with
-    ``tf.config.set_visible_devices``. Calling it again does nothing.
+    ``tf.config.set_visible_devices``. Calling it again does nothing (its
+    settings are checked, not applied: the first call's stand).
 
     The cluster: TF_CONFIG; else a SLURM job step's variables
     (``tf_config.slurm_tf_config``; task i of a node listens on port 8888 + i,
@@ -81,6 +82,7 @@ def init(comm=None, process_sets=None, *, stall_seconds=None, timeout_seconds=No
         collective waits for its peers; None: ``Cluster``'s default, 300.
 
     Raises:
+      TypeError: stall_seconds not a number.
       ValueError: comm or process_sets given; a bad stall_seconds or
         timeout_seconds; a malformed TF_CONFIG (see
         ``tfreduce.Cluster.from_tf_config``); this task's port cannot be
@@ -93,6 +95,10 @@ def init(comm=None, process_sets=None, *, stall_seconds=None, timeout_seconds=No
         raise ValueError(f"init(process_sets={process_sets!r}): process sets are not "
                          "supported; every collective spans all processes")
     # Checked on one process too: a bad setting fails where it is written.
+    if stall_seconds is not None and (isinstance(stall_seconds, bool)
+                                      or not isinstance(stall_seconds, (int, float))):
+        raise TypeError(f"init: stall_seconds must be a number of seconds (0: off) or None, "
+                        f"got {type(stall_seconds).__name__} {stall_seconds!r}")
     try:
         stall = stall_seconds_from(stall_seconds)
         timeout = check_timeout(timeout_seconds, none_means=f"{DEFAULT_TIMEOUT:g} s")

@@ -50,6 +50,8 @@ class FitHooks:
       tower_medians: fn() -> dict tower -> median ms from the split to its
         gradients over the last steps, or None before they are known
         (towertimes.TowerTimes.medians).
+      watchdog: this worker's tfreduce.watchdog.Watchdog, or None (one
+        process, or stall_seconds=0).
     """
 
     run_step: Callable
@@ -60,6 +62,7 @@ class FitHooks:
     graphs: Callable
     rank: int
     tower_medians: Callable
+    watchdog: object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +303,7 @@ def fit_epoch(trainer, hooks, run, epoch, skip):
                     tf.summary.scalar("train/accuracy", correct / size)
                 tf.summary.scalar("train/learning_rate", _learning_rate(trainer.optimizers[0]))
                 tf.summary.scalar("train/step_time_s", step_time)
-                _straggler_summaries(trainer.cluster, hooks.tower_medians())
+                _straggler_summaries(hooks.watchdog, hooks.tower_medians())
         if stopping:
             break  # SIGTERM: the step is whole and logged; the caller stops the run
     logs = {"loss": loss_total / max(seen, 1)}
@@ -370,7 +373,7 @@ def predict_loop(batches, steps_for):
     return np.concatenate(outputs, axis=0)
 
 
-def _straggler_summaries(cluster, tower_medians):
+def _straggler_summaries(watchdog, tower_medians):
     """The scalars that show who the others wait for: each worker's, each tower's.
 
     ``workers/ms_inside_step/worker_<r>``: each worker's median ms inside its
@@ -383,9 +386,5 @@ def _straggler_summaries(cluster, tower_medians):
     """
     for k, ms in sorted((tower_medians or {}).items()):
         tf.summary.scalar(f"towers/ms_to_gradients/tower_{k}", ms)
-    watchdog = getattr(cluster, "watchdog", None)
-    if watchdog is None:
-        return
-    for rank, ms in sorted(watchdog.step_medians().items()):
-        if ms is not None:
-            tf.summary.scalar(f"workers/ms_inside_step/worker_{rank}", ms)
+    if watchdog is not None:
+        watchdog.write_scalars()

@@ -331,7 +331,8 @@ class ReplicatedTrainer:
             reports_skipped=self._options.on_nonfinite == "skip", finish=self._cluster.finish,
             # The graphs once the first batch has built them (a model without an Input).
             graphs=lambda: self._steps.graphs(), rank=self._cluster.rank,
-            tower_medians=lambda: self._steps.tower_times.medians())
+            tower_medians=lambda: self._steps.tower_times.medians(),
+            watchdog=self._cluster.watchdog)
         return fit_loop(
             self, hooks, x, y, self._options.total_towers, epochs=epochs, batch_size=batch_size,
             shuffle=shuffle, seed=seed, validation_data=validation_data, logdir=logdir,

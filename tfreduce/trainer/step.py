@@ -172,8 +172,7 @@ def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
       finite; float64 [K], each tower's seconds from the split to its
       gradients (towertimes.stamp_towers)). Unshaped ones are scalars.
     """
-    num_towers = len(towers.devices)
-    sizes, (x_shards, y_shards) = _split([x, y], num_towers)
+    sizes, (x_shards, y_shards) = _split([x, y], len(towers.devices))
     start = split_stamp(x_shards, HOST)  # the towers start from here
     # A step is a transaction: what its forward pass changes is kept first,
     # to be put back if the update cycle does not commit.
@@ -208,7 +207,7 @@ def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
             state.accumulate(all_grads, batch)
         with tf.device(HOST):
             finite = tf.constant(True)
-            report = tf.zeros([num_towers + 1, len(all_grads[0])], tf.int32)
+            report = tf.zeros([len(all_grads) + 1, len(all_grads[0])], tf.int32)
     # Every step, between updates too: each forward pass moved every tower's
     # BatchNorm statistics, and the replicas must stay equal.
     sync_moving(towers, sizes, batch, after, options.allreduce_exact)
@@ -303,7 +302,8 @@ class StepFunctions:
         self._broadcast_fn, self.difference = sync_functions(
             towers, options.cluster, [step, epoch_totals])
         self._train_fns = {True: None, False: None}  # update -> tf.function
-        self.tower_times = TowerTimes(towers.devices, options.cluster)
+        cluster = options.cluster
+        self.tower_times = TowerTimes(towers.devices, cluster.describe(cluster.rank))
         self._eval_fn = None
         self._predict_fn = None
 

@@ -2,16 +2,17 @@
 
 Every training step stamps, on the host, the time at which its batch was
 split and the time at which each tower's loss and gradients were computed
-(``tf.timestamp`` after a copy of one scalar per tower, `stamp_towers`:
-nothing else is copied and nothing waits for the stamps). The reduction waits for the last tower, so a tower whose forward
-and backward passes take consistently longer than the others' (a GPU that
-throttles, a device that shares its host or its link with other work)
-costs every step its lag. `TowerTimes` keeps each tower's time over the
-last STRAGGLER_STEPS steps and names a tower whose median lags by the
-watchdog's rule for workers (``tfreduce.stragglers.lagging``: more than STRAGGLER_MS
-ms and more than half the other towers' median). The report goes to
-stderr, at most once every REPORT_EVERY steps; ``fit(logdir=)`` writes
-each tower's median as the TensorBoard scalar
+(``tf.timestamp`` after a copy of one scalar per tower, `stamp_towers`;
+nothing else is copied and nothing waits for the stamps). The reduction
+waits for the last tower, so a tower whose forward and backward passes
+take consistently longer than the others' (a GPU that throttles, a device
+that shares its host or its link with other work) costs every step its
+lag. `TowerTimes` keeps each tower's time over the last STRAGGLER_STEPS
+steps and names a tower whose median lags by the rule the watchdog
+applies to workers (``tfreduce.stragglers.lagging``: more than
+STRAGGLER_MS ms and more than half the other towers' median). The report
+goes to stderr, at most once every REPORT_EVERY steps; ``fit(logdir=)``
+writes each of rank 0's towers' medians as the TensorBoard scalar
 ``towers/ms_to_gradients/tower_<k>``.
 """
 
@@ -35,17 +36,16 @@ class TowerTimes:
 
     Args:
       devices: list of K str, the towers' devices (they name a tower).
-      cluster: the Cluster (its reports begin with "worker r (host:port): ")
-        or LocalCluster of this process, or None.
+      where: str, the process the towers belong to, as reports name it
+        ("this process", or "worker 1 (host:port)": Cluster.describe).
 
     Attributes:
       reported: list of str, the report lines so far.
     """
 
-    def __init__(self, devices, cluster=None):
+    def __init__(self, devices, where="this process"):
         self.devices = list(devices)
-        self.prefix = ("" if cluster is None or cluster.is_local
-                       else f"{cluster.describe(cluster.rank)}: ")
+        self.where = where
         self.reported = []
         # The last STRAGGLER_STEPS steps' seconds, a ring of rows [steps, K].
         self._window = np.zeros([STRAGGLER_STEPS, len(self.devices)])
@@ -76,7 +76,7 @@ class TowerTimes:
         if found:
             self._next_report = step + REPORT_EVERY
         for k, mine, theirs, lag in found:
-            line = (f"{self.prefix}tower {k} ({self.devices[k]}) lags: the other towers wait "
+            line = (f"tower {k} ({self.devices[k]}) of {self.where} lags: the other towers wait "
                     f"about {lag:.0f} ms per step for its gradients (its forward and backward "
                     f"take {mine:.0f} ms, theirs {theirs:.0f} ms, over the last "
                     f"{STRAGGLER_STEPS} steps)")

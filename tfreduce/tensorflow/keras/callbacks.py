@@ -177,13 +177,17 @@ class WorkerTimesCallback(keras.callbacks.Callback):
     ``ReplicatedTrainer.fit(logdir=)`` writes, in ``log_dir/train`` (where
     ``keras.callbacks.TensorBoard(log_dir)`` writes fit's curves), against
     the batches done. The batches are timed by
-    BroadcastGlobalVariablesCallback; each worker's median (over the last
-    ``tfreduce.stragglers.STRAGGLER_STEPS`` batches) comes with its heartbeat,
-    once a second. Other ranks and a single process write nothing.
+    BroadcastGlobalVariablesCallback, which must be among the callbacks,
+    before this one; each worker's median (over the last
+    ``tfreduce.stragglers.STRAGGLER_STEPS`` batches) comes with its
+    heartbeat, once a second. Other ranks, a single process and a run
+    without the watchdog (``stall_seconds=0``) write nothing.
 
     Args:
       log_dir: str, TensorBoard's log directory.
-      update_freq: "epoch" (at each epoch's end) or int N > 0 (every N batches).
+      update_freq: "epoch" (at each epoch's end), "batch" (every batch) or
+        int N > 0 (every N batches, counted across epochs, as Keras'
+        TensorBoard counts them).
 
     Raises:
       ValueError: a bad update_freq.
@@ -191,20 +195,24 @@ class WorkerTimesCallback(keras.callbacks.Callback):
 
     def __init__(self, log_dir, update_freq="epoch"):
         super().__init__()
+        if update_freq == "batch":
+            update_freq = 1
         if update_freq != "epoch" and (isinstance(update_freq, bool)
                                        or not isinstance(update_freq, int) or update_freq < 1):
-            raise ValueError(f"WorkerTimesCallback: update_freq must be 'epoch' or an int "
-                             f"number of batches > 0, got {update_freq!r}")
+            raise ValueError(f"WorkerTimesCallback: update_freq must be 'epoch', 'batch' or an "
+                             f"int number of batches > 0, got {update_freq!r}")
         self.log_dir = os.fspath(log_dir)
         self.update_freq = update_freq
         self._writer = None
+        self._batches = 0  # across epochs and fits
 
     def on_train_begin(self, logs=None):
-        if rank() == 0 and getattr(cluster(), "watchdog", None) is not None:
+        if rank() == 0 and cluster().watchdog is not None:
             self._writer = tf.summary.create_file_writer(os.path.join(self.log_dir, "train"))
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.update_freq != "epoch" and (batch + 1) % self.update_freq == 0:
+        self._batches += 1
+        if self.update_freq != "epoch" and self._batches % self.update_freq == 0:
             self._write()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -219,11 +227,8 @@ class WorkerTimesCallback(keras.callbacks.Callback):
     def _write(self):
         if self._writer is None:
             return
-        medians = cluster().watchdog.step_medians()
         with self._writer.as_default(step=progress.step):
-            for r, ms in sorted(medians.items()):
-                if ms is not None:
-                    tf.summary.scalar(f"workers/ms_inside_step/worker_{r}", ms)
+            cluster().watchdog.write_scalars()
         self._writer.flush()
 
 
