@@ -285,7 +285,9 @@ def test_the_chief_logs_each_workers_time_inside_its_steps(tmp_path):
                                        "--steps", "300", "--logdir", tmp_path,
                                        launcher=("--stall-seconds", "5"), timeout=240)
     assert code == 0, err[-3000:]
-    assert "watchdog" not in err
+    # A busy host (the other test process) may make one worker a straggler,
+    # which may be reported: only a stall would be wrong here.
+    assert "has sent no heartbeat" not in err, err[-3000:]
     values = scalars(tmp_path / "rank0", prefix=("workers/", "towers/"))
     # Once each worker's 20-step window is full: a positive time for each;
     # and each of rank 0's towers' time to its gradients.
