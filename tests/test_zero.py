@@ -226,11 +226,14 @@ def test_a_stage_1_step_sends_the_bytes_of_a_ring_all_reduce():
     size = tower_bytes(t.models[0].trainable_variables)  # S, float32
     ring = 4 * 2 * 3 / 4 * size  # 2 (K-1)/K S from each of the K towers
     losses = 3 * 4  # towers 1..3 send their float32 loss sums to the host
+    # and, once their gradients are computed, their loss again: the host
+    # stamps each tower's time after that copy (towertimes.stamp_towers).
+    stamps = 3 * 4
     # Besides: zero_stage 0 sends the finiteness flag (a bool) to towers
     # 1..3; stage 1 all-reduces each tower's count of non-finite elements
     # (one float32 along the ring, 2 (K-1) hops).
-    assert sent[0] == ring + losses + 3 * 1
-    assert sent[1] == ring + losses + 2 * 3 * 4
+    assert sent[0] == ring + losses + stamps + 3 * 1
+    assert sent[1] == ring + losses + stamps + 2 * 3 * 4
 
 
 def gathered_slots(t):
