@@ -297,7 +297,10 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
     def gradient(upstream):
         # Horovod's: this process's rows of the mean of the upstream gradients.
         means = grouped_allreduce(upstream)
-        rows = gather([tf.shape(t, tf.int64)[:1] for t in tensors])
+        # After the means: in a TF1 session two side-by-side collectives run
+        # in any order, which may differ between the processes.
+        with tf.control_dependencies(means):
+            rows = gather([tf.shape(t, tf.int64)[:1] for t in tensors])
         return [tf.split(g, tf.cast(r, tf.int32), num=found.num_workers)[found.rank]
                 for g, r in zip(means, rows)]
 
