@@ -30,6 +30,7 @@ __all__ = ["allreduce_grads", "allreduce_grads_flat", "allreduce_grads_hierarchi
            "plan_allreduce"]
 
 
+@tf.autograph.experimental.do_not_convert
 def allreduce_grads(all_grads, devices=None, average=False, algorithm="auto", *, reduction=None,
                     **options):
     """All-reduces K x N gradients with the named algorithm (the module's K x N contract).
@@ -91,6 +92,7 @@ def plan_allreduce(shapes, devices, topology, dtype=tf.float32, average=True, **
     return Reduction(topology=topology, **options).plan(shapes, devices, dtype, average)
 
 
+@tf.autograph.experimental.do_not_convert
 def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=DEFAULT_PACK_BYTES,
                          sparse_as_dense=False, compression=None):
     """All-reduces K x N gradients by reducing each to one root and broadcasting.
@@ -120,6 +122,7 @@ def allreduce_grads_flat(all_grads, devices=None, average=False, pack_bytes=DEFA
                      compression=compression)(all_grads, devices, average)
 
 
+@tf.autograph.experimental.do_not_convert
 def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=None,
                                  pack_bytes=DEFAULT_PACK_BYTES, sparse_as_dense=False,
                                  compression=None):
@@ -163,6 +166,7 @@ def allreduce_grads_hierarchical(all_grads, devices=None, average=False, groups=
         all_grads, devices, average)
 
 
+@tf.autograph.experimental.do_not_convert
 def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=DEFAULT_PACK_BYTES,
                          sparse_as_dense=False, compression=None):
     """All-reduces K x N gradients with a ring reduce-scatter and all-gather.
@@ -214,6 +218,7 @@ def allreduce_grads_ring(all_grads, devices=None, average=False, pack_bytes=DEFA
                      compression=compression)(all_grads, devices, average)
 
 
+@tf.autograph.experimental.do_not_convert
 def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=DEFAULT_PACK_BYTES,
                          sparse_as_dense=False, compression=None):
     """All-reduces K x N gradients with NCCL ``all_sum`` (GPUs only).
@@ -248,6 +253,7 @@ def allreduce_grads_nccl(all_grads, average=False, devices=None, pack_bytes=DEFA
                      compression=compression)(all_grads, devices, average)
 
 
+@tf.autograph.experimental.do_not_convert
 def allreduce_grads_collective(all_grads, devices=None, average=False, communication="auto",
                                pack_bytes=DEFAULT_PACK_BYTES, sparse_as_dense=False, keys=None,
                                timeout=None, compression=None):

@@ -76,6 +76,7 @@ from tfreduce.stage import ReduceContext
 __all__ = ["COLLECTIVES", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all"]
 
 
+@tf.autograph.experimental.do_not_convert
 def reduce_scatter(all_tensors, devices=None, average=False, algorithm="auto", *, groups=None,
                    reduction=None, cluster=None, **options):
     """Sums K x N tensors and leaves shard k of each sum on device k.
@@ -120,6 +121,7 @@ def reduce_scatter(all_tensors, devices=None, average=False, algorithm="auto", *
                 average=average, cluster=cluster)
 
 
+@tf.autograph.experimental.do_not_convert
 def all_gather(all_tensors, devices=None, algorithm="auto", *, groups=None, reduction=None,
                cluster=None, **options):
     """Concatenates the towers' tensors along axis 0, on every device.
@@ -155,6 +157,7 @@ def all_gather(all_tensors, devices=None, algorithm="auto", *, groups=None, redu
                 cluster=cluster)
 
 
+@tf.autograph.experimental.do_not_convert
 def broadcast(all_tensors, devices=None, root=0, algorithm="auto", *, groups=None,
               reduction=None, cluster=None, **options):
     """Copies the root tower's N tensors to every device.
@@ -187,6 +190,7 @@ def broadcast(all_tensors, devices=None, root=0, algorithm="auto", *, groups=Non
                 root=root, cluster=cluster)
 
 
+@tf.autograph.experimental.do_not_convert
 def reduce(all_tensors, devices=None, root=0, average=False, algorithm="auto", *, groups=None,
            reduction=None, cluster=None, **options):
     """Sums K x N tensors on the root device.
@@ -220,6 +224,7 @@ def reduce(all_tensors, devices=None, root=0, average=False, algorithm="auto", *
     return out[0] if groups is None else out
 
 
+@tf.autograph.experimental.do_not_convert
 def all_to_all(all_tensors, devices=None, splits=None, algorithm="auto", *, groups=None,
                reduction=None, cluster=None, **options):
     """Sends piece k of every tower's tensors to tower k.

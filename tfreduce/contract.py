@@ -333,6 +333,7 @@ def check_flag(value, name):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
 
 
+@tf.autograph.experimental.do_not_convert
 def split_grad_list(grad_list):
     """Splits K x N (grad, var) pairs into K x N grads and K x N vars.
 
@@ -363,6 +364,7 @@ def split_grad_list(grad_list):
     return all_grads, all_vars
 
 
+@tf.autograph.experimental.do_not_convert
 def merge_grad_list(all_grads, all_vars):
     """Zips K x N grads and K x N vars back into K x N (grad, var) pairs.
 

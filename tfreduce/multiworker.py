@@ -81,6 +81,7 @@ def _check_cluster(cluster, local_too=False):
             f"then cluster.start()){local}, got {type(cluster).__name__} {cluster!r}")
 
 
+@tf.autograph.experimental.do_not_convert
 def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=None,
                                 local_algorithm="auto", local_options=None,
                                 pack_bytes=CROSS_WORKER_PACK_BYTES, communication="auto",
@@ -180,6 +181,7 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
         CrossWorkerStage(cluster, options, keys, reduction.compression)])
 
 
+@tf.autograph.experimental.do_not_convert
 def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
                                     communication="auto", root_rank=0):
     """Copies tower 0 of rank 0 (the chief; or of root_rank) to every tower of every worker.

@@ -177,6 +177,7 @@ class Reduction:
             parts.append(f"compression={self.compression.name!r}")
         return ", ".join(parts)
 
+    @tf.autograph.experimental.do_not_convert
     def __call__(self, all_grads, devices=None, average=False, *, cluster=None):
         """All-reduces K x N gradients: ``out[k][n]`` is the sum (or mean) over k, on devices[k].
 

@@ -87,6 +87,7 @@ class FlatStage(Stage):
                 for m in range(len(buffers[0]))]
 
 
+@tf.autograph.experimental.do_not_convert
 def broadcast_variables(all_vars, root=0):
     """Copies the root tower's variable values to every other tower.
 
@@ -123,6 +124,7 @@ def broadcast_variables(all_vars, root=0):
     return ops
 
 
+@tf.autograph.experimental.do_not_convert
 def max_replica_difference(all_vars):
     """The largest absolute difference between any tower's copy and tower 0's.
 

@@ -95,6 +95,7 @@ def check_process_set(process_set, where):
                          "(every process) is supported")
 
 
+@tf.autograph.experimental.do_not_convert
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set,
@@ -216,6 +217,7 @@ def _reduce(found, place, tensors, op, compression):
     return [off_wire(t, like) for t, like in zip(out, given)]
 
 
+@tf.autograph.experimental.do_not_convert
 def allreduce(tensor, average=None, device_dense="", device_sparse="",
               compression=Compression.none, op=None, prescale_factor=1.0, postscale_factor=1.0,
               name=None, process_set=global_process_set, ignore_name_scope=False):
@@ -246,6 +248,7 @@ def _chain_for(found, where):
     return chain, group_key, options
 
 
+@tf.autograph.experimental.do_not_convert
 def grouped_allgather(tensors, name=None, ignore_name_scope=False,
                       process_set=global_process_set):
     """All-gathers each tensor along axis 0 over every process, in rank order.
@@ -307,6 +310,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
     return differentiable(gather, gradient, tensors)
 
 
+@tf.autograph.experimental.do_not_convert
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """All-gathers one tensor along axis 0: ``grouped_allgather([tensor])[0]``."""
     return grouped_allgather([tensor], name, ignore_name_scope, process_set)[0]
@@ -316,6 +320,7 @@ def _check_root(root_rank, where):
     check_root_rank(root_rank, cluster().num_workers, f"{where}: ", " processes")
 
 
+@tf.autograph.experimental.do_not_convert
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
               process_set=global_process_set):
     """Every process gets root_rank's tensor (same shape and dtype on every process).
@@ -377,6 +382,7 @@ def _broadcast_variables_graph(variables, found, root_rank):
     return ops
 
 
+@tf.autograph.experimental.do_not_convert
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
     """Assigns root_rank's values to the variables of every process, one buffer per dtype.
 

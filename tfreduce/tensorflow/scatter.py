@@ -38,6 +38,7 @@ class SplitsError(MessageError, tf.errors.InvalidArgumentError, ValueError):
     """
 
 
+@tf.autograph.experimental.do_not_convert
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
@@ -113,6 +114,7 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
     return differentiable(forward, gradient, tensors)
 
 
+@tf.autograph.experimental.do_not_convert
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
                   process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
                   postscale_factor=1.0):
@@ -191,6 +193,7 @@ def _alltoall_in_session(tensor, splits, name):
     return differentiable(forward, backward, [tensor])[0], received[0]
 
 
+@tf.autograph.experimental.do_not_convert
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
              process_set=global_process_set):
     """Sends rows of a tensor to every process and joins what each receives, in rank order.

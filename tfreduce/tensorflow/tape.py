@@ -125,6 +125,7 @@ class _DistributedGradientTape:
     def __exit__(self, *exc):
         return self._tape.__exit__(*exc)
 
+    @tf.autograph.experimental.do_not_convert
     def gradient(self, target, sources, output_gradients=None, unconnected_gradients=None):
         """The tape's gradients of target, all-reduced over every process.
 
@@ -143,6 +144,7 @@ class _DistributedGradientTape:
         out = self._reduction.reduce_partly(flat, local, self._scale_local)
         return tf.nest.pack_sequence_as(grads, out)
 
+    @tf.autograph.experimental.do_not_convert
     def get_local_and_global_gradients(self, target, sources, output_gradients=None):
         """Horovod's split of ``gradient``'s result: (local pairs, reduced pairs).
 
@@ -156,6 +158,7 @@ class _DistributedGradientTape:
                 [p for p in pairs if id(p[0]) not in self._local])
 
 
+@tf.autograph.experimental.do_not_convert
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa: N802
                             compression=Compression.none, sparse_as_dense=False, op=Average,
                             gradient_predivide_factor=1.0, num_groups=0, groups=None,
@@ -205,6 +208,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa
         num_groups, groups, process_set), bool(scale_local_gradients))
 
 
+@tf.autograph.experimental.do_not_convert
 def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa: N802
                                    compression=Compression.none, sparse_as_dense=False,
                                    op=Average, gradient_predivide_factor=1.0, num_groups=0,

@@ -39,6 +39,7 @@ def _distributed_class(base):
         out = self._tfreduce_reduction.reduce_partly(grads, local, self._tfreduce_scale_local)
         return base.apply(self, out, variables)
 
+    @tf.autograph.experimental.do_not_convert
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
         passes = self._tfreduce_passes_per_step
@@ -69,6 +70,7 @@ def _distributed_class(base):
                                          "__module__": base.__module__})
 
 
+@tf.autograph.experimental.do_not_convert
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",  # noqa: N802
                          compression=Compression.none, sparse_as_dense=False,
                          gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
@@ -154,6 +156,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     return distributed
 
 
+@tf.autograph.experimental.do_not_convert
 def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",  # noqa: N802
                                 compression=Compression.none, sparse_as_dense=False,
                                 gradient_predivide_factor=1.0, op=Average,
