@@ -5,6 +5,7 @@ test modules import what they use from here.
 """
 
 import importlib.util
+import itertools
 import os
 
 import ml_dtypes
@@ -203,3 +204,23 @@ def scalars(logdir, prefix=""):
                         values.setdefault(value.tag, []).append(
                             float(tf.make_ndarray(value.tensor)))
     return values
+
+
+def covering_array(features, strength, start):
+    """Cases, `start` first then greedily, in which any `strength` features take
+    every combination of their values together."""
+    def combinations(case):
+        return {(axes, tuple(case[i] for i in axes))
+                for axes in itertools.combinations(range(len(features)), strength)}
+
+    every = list(itertools.product(*features))
+    missing = set().union(*map(combinations, every))
+    cases = []
+    for case in start:
+        cases.append(case)
+        missing -= combinations(case)
+    while missing:
+        case = max(every, key=lambda c: len(combinations(c) & missing))
+        cases.append(case)
+        missing -= combinations(case)
+    return cases

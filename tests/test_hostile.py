@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from helpers import CPU_DEVICES
+from helpers import CPU_DEVICES, covering_array
 from tfreduce.trainer import ReplicatedTrainer
 
 CPU_ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]
@@ -218,26 +218,6 @@ def test_a_raised_nan_batch_changes_nothing(features, request):
 FEATURES = [(True, False), (False, True), (1, 3), (False, True), ("none", "fp16", "bf16"), (0, 2)]
 QUICK = [(True, True, 3, True, "fp16", 2), (False, False, 1, True, "bf16", 0),
          (True, False, 1, False, "none", 0)]
-
-
-def covering_array(features, strength, start):
-    """Cases, `start` first then greedily, in which any `strength` features take
-    every combination of their values together."""
-    def combinations(case):
-        return {(axes, tuple(case[i] for i in axes))
-                for axes in itertools.combinations(range(len(features)), strength)}
-
-    every = list(itertools.product(*features))
-    missing = set().union(*map(combinations, every))
-    cases = []
-    for case in start:
-        cases.append(case)
-        missing -= combinations(case)
-    while missing:
-        case = max(every, key=lambda c: len(combinations(c) & missing))
-        cases.append(case)
-        missing -= combinations(case)
-    return cases
 
 
 GRID = covering_array(FEATURES, 3, QUICK)
