@@ -1,6 +1,14 @@
-"""pytest set-up for the Python blocks of the README and docs/ (pytest-markdown-docs).
+"""pytest set-up for the whole run: the size classes, and the README's and docs/' blocks.
 
-A block marked ``python runner:TwoWorkers`` is a multi-worker program: it
+Size classes (docs/testing.md): every test's time (setup, call and
+teardown) is recorded with its class, ``small`` (unmarked, at most
+``LIMITS["small"]`` seconds) or ``slow``, into pytest's cache under
+``tfreduce/sizes``; the terminal summary lists the tests over their class's
+limit, and ``python tests/sizes.py`` (which CI runs after the suite) fails
+on them.
+
+Python blocks of the README and docs/ run through pytest-markdown-docs. A
+block marked ``python runner:TwoWorkers`` is a multi-worker program: it
 runs as two worker processes under ``tfreduce.launch`` on 127.0.0.1, and
 fails the test with their output unless both exit with 0. Every other block
 runs in the test process, on the logical CPU devices tests/conftest.py makes.
@@ -16,6 +24,42 @@ from pytest_markdown_docs._runners import DefaultRunner, register_runner
 
 # MkDocs' hook (mkdocs.yml), not a test module.
 collect_ignore = ["docs/_hooks"]
+
+
+#: The most a test of each size class may take, in seconds (setup, call and
+#: teardown together, in the README's `pytest -n 2`).
+LIMITS = {"small": 2.0, "slow": 60.0}
+SIZES_KEY = "tfreduce/sizes"
+_times = {}  # nodeid -> [seconds, size class]
+
+
+def pytest_runtest_logreport(report):
+    """Adds each phase's time to its test (in the xdist controller: every test's)."""
+    entry = _times.setdefault(report.nodeid, [0.0, "slow" if "slow" in report.keywords
+                                                    else "small"])
+    entry[0] += report.duration
+
+
+def offenders(times):
+    """[(seconds, class, nodeid)] of the tests over their class's limit, slowest first."""
+    return sorted(((seconds, size, nodeid) for nodeid, (seconds, size) in times.items()
+                   if seconds > LIMITS[size]), reverse=True)
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workerinput") or not _times:
+        return  # an xdist worker: the controller has every test's times
+    if getattr(session.config, "cache", None) is not None:  # None under -p no:cacheprovider
+        session.config.cache.set(SIZES_KEY, _times)
+
+
+def pytest_terminal_summary(terminalreporter):
+    over = offenders(_times)
+    if over and not hasattr(terminalreporter.config, "workerinput"):
+        terminalreporter.section("tests over their size class's limit")
+        for seconds, size, nodeid in over:
+            terminalreporter.line(f"{seconds:7.1f} s  {size} (limit {LIMITS[size]:.0f} s)  "
+                                  f"{nodeid}")
 
 
 def pytest_collection_modifyitems(items):

@@ -10,6 +10,7 @@ import os
 
 import ml_dtypes
 import numpy as np
+import pytest
 import tensorflow as tf
 
 NUM_CPUS = 8
@@ -224,3 +225,37 @@ def covering_array(features, strength, start):
         cases.append(case)
         missing -= combinations(case)
     return cases
+
+
+#: The runners of a reduction by name, for grids that choose them case by case.
+RUNNERS = {"function": run_in_function, "session": run_in_session}
+
+
+def covering(strength=2, slow=None, **factors):
+    """``pytest.mark.parametrize`` over a covering array of the factors.
+
+    Every combination of the values of any `strength` factors appears in
+    some case (``covering_array``, the same cases on every run): a grid of
+    2 runners x 4 algorithms x 6 K x 2 x 2 takes 26 cases instead of 192,
+    and still runs every algorithm at every K and in each runner. A bug
+    that needs three factors together is not certain to be met; where one
+    matters, pass strength=3 or give that triple its own test.
+
+    Args:
+      strength: int >= 2, how many factors each combination covers.
+      slow: None, or a function of a case's values (a dict) that is true
+        for the cases to mark `slow`.
+      **factors: name -> list of values (any objects), in the test's
+        argument order.
+
+    Returns:
+      the parametrize mark; case ids join the values' str with "-".
+    """
+    names = list(factors)
+    indices = covering_array([range(len(factors[n])) for n in names], strength, [])
+    cases = []
+    for index in indices:
+        row = [factors[n][i] for n, i in zip(names, index)]
+        marks = [pytest.mark.slow] if slow is not None and slow(dict(zip(names, row))) else []
+        cases.append(pytest.param(*row, marks=marks, id="-".join(str(v) for v in row)))
+    return pytest.mark.parametrize(names, cases)

@@ -7,17 +7,24 @@ import tensorflow as tf
 from hypothesis import given, settings, strategies as st
 
 import tfreduce
-from helpers import CPU_DEVICES, GPU_DEVICES, placeholders, run_in_function, run_in_session
+from helpers import CPU_DEVICES, GPU_DEVICES, RUNNERS, covering, placeholders, run_in_function
 
 ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int32, np.int64]
 FLOATS = DTYPES[:4]
 HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
-# (runner, K): every K in a tf.function (3 and 8 in the full suite only), K = 1
-# and 4 in a TF1-style graph too.
-RUNS = ([pytest.param(run_in_function, k, id=f"function-K{k}",
-                      marks=[pytest.mark.slow] if k in (3, 8) else []) for k in (1, 2, 3, 4, 8)]
-        + [pytest.param(run_in_session, k, id=f"session-K{k}") for k in (1, 4)])
+# Runs, as "<runner>-K<k>": every K in a tf.function (3 and 8 in the full
+# suite only), K = 1 and 4 in a TF1-style graph too. The grids below cover
+# every pair of their settings (every algorithm in every run), not their
+# whole product.
+RUNS = [f"function-K{k}" for k in (1, 2, 3, 4, 8)] + [f"session-K{k}" for k in (1, 4)]
+SLOW_RUNS = ("function-K3", "function-K8")
+
+
+def runner_and_towers(mode):
+    """"function-K4" -> (run_in_function, 4)."""
+    runner, towers = mode.split("-K")
+    return RUNNERS[runner], int(towers)
 
 
 def values(rng, shape, dtype):
@@ -122,11 +129,10 @@ def placement(collective, devices, groups, root):
     return [devices[g[root]].replace("/device", "") for g in groups]
 
 
-@pytest.mark.parametrize("average", [False, True])
-@pytest.mark.parametrize("collective", ["reduce_scatter", "reduce"])
-@pytest.mark.parametrize("runner, num_towers", RUNS)
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_sums_equal_numpy_on_every_device(runner, algorithm, num_towers, collective, average):
+@covering(algorithm=ALGORITHMS, mode=RUNS, collective=["reduce_scatter", "reduce"],
+          average=[False, True], slow=lambda case: case["mode"] in SLOW_RUNS)
+def test_sums_equal_numpy_on_every_device(algorithm, mode, collective, average):
+    runner, num_towers = runner_and_towers(mode)
     devices = CPU_DEVICES[:num_towers]
     arrays = same_shapes(num_towers, FLOATS if average else DTYPES, seed=num_towers)
     root = num_towers - 1
@@ -136,10 +142,10 @@ def test_sums_equal_numpy_on_every_device(runner, algorithm, num_towers, collect
     check(got, got_devices, want, placement(collective, devices, None, root))
 
 
-@pytest.mark.parametrize("collective", ["all_gather", "broadcast", "all_to_all"])
-@pytest.mark.parametrize("runner, num_towers", RUNS)
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_data_movement_equals_numpy_on_every_device(runner, algorithm, num_towers, collective):
+@covering(algorithm=ALGORITHMS, mode=RUNS, collective=["all_gather", "broadcast", "all_to_all"],
+          slow=lambda case: case["mode"] in SLOW_RUNS)
+def test_data_movement_equals_numpy_on_every_device(algorithm, mode, collective):
+    runner, num_towers = runner_and_towers(mode)
     devices = CPU_DEVICES[:num_towers]
     arrays = uneven_rows(num_towers, DTYPES, seed=num_towers)
     root = num_towers // 2
@@ -155,15 +161,14 @@ def test_data_movement_equals_numpy_on_every_device(runner, algorithm, num_tower
 GROUPS = [
     [[0, 2], [1]],                       # K=3, unequal sizes
     [[3, 0], [1, 2]],                    # K=4, out of order
-    pytest.param([[0], [1, 2, 3]], marks=pytest.mark.slow),                 # a group of one
-    pytest.param([[0, 1, 2, 3], [4, 5], [6], [7]], marks=pytest.mark.slow),  # K=8
+    [[0], [1, 2, 3]],                    # a group of one (full suite)
+    [[0, 1, 2, 3], [4, 5], [6], [7]],    # K=8 (full suite)
 ]
 
 
-@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather", "broadcast", "reduce",
-                                        "all_to_all"])
-@pytest.mark.parametrize("groups", GROUPS, ids=str)
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@covering(algorithm=ALGORITHMS, groups=GROUPS,
+          collective=["reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all"],
+          slow=lambda case: case["groups"] in GROUPS[2:])
 def test_groups_run_their_own_collective(algorithm, groups, collective):
     runner = run_in_function  # the TF1-style graph: in the grids above
     num_towers = sum(map(len, groups))

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from helpers import CPU_DEVICES, check
+from helpers import CPU_DEVICES, RUNNERS, check, covering
 
 ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]
 DTYPES = {
@@ -36,13 +36,14 @@ def make_grads(num_towers, seed):
 
 
 # 256: buffers of several gradients, sizes that are multiples of 64 bytes
-# (handed out as slices) beside others (the copied tail).
-@pytest.mark.parametrize("pack_bytes", [None, 256])
-@pytest.mark.parametrize("average", [False, True])
-@pytest.mark.parametrize("num_towers", [1, 2, 3, 4] + [pytest.param(k, marks=pytest.mark.slow)
-                                                      for k in (6, 8)])
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+# (handed out as slices) beside others (the copied tail). Every pair of
+# settings meets in some case (every algorithm at every K, in each runner);
+# K = 6 and 8 are in the full suite only.
+@covering(runner=list(RUNNERS), algorithm=ALGORITHMS, num_towers=[1, 2, 3, 4, 6, 8],
+          average=[False, True], pack_bytes=[None, 256],
+          slow=lambda case: case["num_towers"] >= 6)
 def test_exact_values_on_every_device(runner, algorithm, num_towers, average, pack_bytes):
+    runner = RUNNERS[runner]
     devices = CPU_DEVICES[:num_towers]
     grads = make_grads(num_towers, seed=num_towers)
 

@@ -36,7 +36,7 @@ def gradients(rng, devices, shapes=SHAPES):
 
 
 def run(state, devices, grads, average):
-    return tf.function(lambda: powersgd_allreduce(
+    return tf.function(autograph=False)(lambda: powersgd_allreduce(
         grads, state, flat(devices), average, len(devices)))()
 
 
