@@ -18,7 +18,9 @@ limit here (which stops the launcher, and so its workers, if it is reached):
 - ``ReplicatedTrainer`` on 2 workers x 2 devices (BatchNorm, SGD with
   momentum, uneven shards, a skipped small last batch) gives the weights,
   losses, evaluation and predictions of 1 process with 4 devices, resumes
-  from rank 0's checkpoint, and only rank 0 writes.
+  from rank 0's checkpoint, and only rank 0 writes; so do accumulation,
+  PowerSGD, ZeRO and a skipped NaN batch. These fits share one launch
+  (``FITS``): each worker trains them in turn on one cluster.
 """
 
 import gzip
@@ -414,19 +416,49 @@ def test_resume_continues_from_the_last_checkpoint(killed, trained, tmp_path):
 # ------------------------------------------------------------------ ReplicatedTrainer
 
 
+NAN_OPTIONS = ["--on-nonfinite", "skip", "--compression", "fp16", "--powersgd-rank", 1,
+               "--mixed", "--no-shuffle"]
+# name -> arguments of trainer_worker.py; the runs share one launch (one
+# process per worker, one cluster), in this order: the second of a pair
+# resumes from the first's checkpoint.
+FITS = {
+    "first": ["--logdir", "{logs}", "--profile-steps", "2,3"],
+    "resumed": ["--logdir", "{logs}", "--epochs", 2, "--resume"],
+    "accumulated": ["--accumulate-steps", 2, "--powersgd-rank", 1],
+    "zero2": ["--accumulate-steps", 2, "--zero-stage", 2],
+    "zero1": ["--logdir", "{zero_logs}", "--zero-stage", 1],
+    "zero1_resumed": ["--logdir", "{zero_logs}", "--zero-stage", 1, "--epochs", 2, "--resume"],
+    # 53 rows in batches of 10, not shuffled: row 28 is in batch 2.
+    "nan": NAN_OPTIONS + ["--nan-row", 28],
+    "without": NAN_OPTIONS + ["--drop-rows", "20:30"],
+}
+
+
 @pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory):
-    """One epoch on 2 workers x 2 devices, then a resumed second epoch."""
-    logdir = tmp_path_factory.mktemp("trainer_logs")
-    first, second = tmp_path_factory.mktemp("epoch1"), tmp_path_factory.mktemp("epoch2")
-    code, out, err, _ = launch_workers("trainer_worker.py", "--out", first, "--logdir", logdir,
-                                       "--profile-steps", "2,3")
+def fits(tmp_path_factory):
+    """The FITS on 2 workers x 2 devices: (name -> [rank 0's, rank 1's results], stdout, root).
+
+    root/logs and root/zero_logs hold the runs' logdirs (rank r's in rank<r>).
+    """
+    root = tmp_path_factory.mktemp("fits")
+    runs = {}
+    for name, arguments in FITS.items():
+        (root / name).mkdir()
+        runs[name] = ["--out", str(root / name)] + [
+            str(a).format(logs=root / "logs", zero_logs=root / "zero_logs") for a in arguments]
+    (root / "runs.json").write_text(json.dumps(runs))
+    code, out, err, _ = launch_workers("trainer_worker.py", "--runs", root / "runs.json",
+                                       timeout=300)
     assert code == 0, err[-3000:]
-    resumed = launch_workers("trainer_worker.py", "--out", second, "--logdir", logdir,
-                             "--epochs", 2, "--resume")
-    assert resumed[0] == 0, resumed[2][-3000:]
-    return ([np.load(first / f"rank{r}.npz") for r in range(2)],
-            [np.load(second / f"rank{r}.npz") for r in range(2)], resumed[1], logdir)
+    results = {name: [np.load(root / name / f"rank{r}.npz") for r in range(2)] for name in FITS}
+    return results, out, root
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(fits):
+    """One epoch on 2 workers x 2 devices, then a resumed second epoch."""
+    results, out, root = fits
+    return results["first"], results["resumed"], out, root / "logs"
 
 
 def assert_matches(got, want, rank):
@@ -479,8 +511,8 @@ def test_trainer_on_two_workers_matches_one_process_with_four_devices(trainer_ru
 @pytest.mark.slow
 def test_trainer_resume_reads_rank_0_checkpoint_and_only_rank_0_writes(trainer_runs):
     _, second, out, logdir = trainer_runs
-    assert re.search(r"\[worker 0\] rank 0: restored .*ckpt-1 at step 5", out), out
-    assert "[worker 1] rank 1: restored None at step 5" in out
+    assert re.search(r"\[worker 0\] rank 0: resumed: restored .*ckpt-1 at step 5", out), out
+    assert "[worker 1] rank 1: resumed: restored None at step 5" in out
     want = trainer_worker.fit_reference(CPU_DEVICES[:4], epochs=2)
     for r, got in enumerate(second):
         assert_matches(got, want, r)
@@ -494,31 +526,27 @@ def test_trainer_resume_reads_rank_0_checkpoint_and_only_rank_0_writes(trainer_r
 
 
 @pytest.mark.slow
-def test_accumulation_and_powersgd_on_two_workers_match_one_process(tmp_path):
-    options = ["--accumulate-steps", 2, "--powersgd-rank", 1]
-    code, _, err, _ = launch_workers("trainer_worker.py", "--out", tmp_path, *options)
-    assert code == 0, err[-3000:]
+def test_accumulation_and_powersgd_on_two_workers_match_one_process(fits, tmp_path):
+    results = fits[0]["accumulated"]
     want = trainer_worker.fit_reference(
         CPU_DEVICES[:4], **trainer_worker.update_options(accumulate_steps=2, powersgd_rank=1))
     for r in range(2):
-        got = np.load(tmp_path / f"rank{r}.npz")
+        got = results[r]
         assert_matches(got, want, r)
         for key in got.files:
-            np.testing.assert_array_equal(got[key], np.load(tmp_path / "rank0.npz")[key])
+            np.testing.assert_array_equal(got[key], results[0][key])
 
 
 @pytest.mark.slow
-def test_zero_stage_2_on_two_workers_matches_one_unsharded_process(tmp_path):
+def test_zero_stage_2_on_two_workers_matches_one_unsharded_process(fits, tmp_path):
     # Each of the 4 towers of both workers holds a quarter of the momentum
     # and of the accumulated shards: every micro-batch is reduce-scattered
     # across the workers, every update all-gathered.
-    options = ["--accumulate-steps", 2, "--zero-stage", 2]
-    code, _, err, _ = launch_workers("trainer_worker.py", "--out", tmp_path, *options)
-    assert code == 0, err[-3000:]
+    results = fits[0]["zero2"]
     want = trainer_worker.fit_reference(
         CPU_DEVICES[:4], **trainer_worker.update_options(accumulate_steps=2))
     for r in range(2):
-        got = np.load(tmp_path / f"rank{r}.npz")
+        got = results[r]
         # 227 weights over 4 towers: 57, 57, 57, 56, in a packed buffer's
         # order (backward, 64-byte multiples first: kernel 1, beta, gamma,
         # bias 0, kernel 0, bias 1); tower 1 of rank 0 holds the first
@@ -535,19 +563,15 @@ def assert_models_match(got, want, rank, tmp_path):
 
 
 @pytest.mark.slow
-def test_zero_stage_1_checkpoints_on_two_workers_are_whole_and_resume(tmp_path):
+def test_zero_stage_1_checkpoints_on_two_workers_are_whole_and_resume(fits, tmp_path):
     # Rank 0 writes every worker's shards, gathered; the resumed run gets
     # its ranges back from rank 0's read, on each tower of each worker.
-    logdir = tmp_path / "logs"
-    for out, more in [("first", []), ("second", ["--epochs", 2, "--resume"])]:
-        (tmp_path / out).mkdir()
-        code, stdout, err, _ = launch_workers("trainer_worker.py", "--out", tmp_path / out,
-                                              "--logdir", logdir, "--zero-stage", 1, *more)
-        assert code == 0, err[-3000:]
-    assert "[worker 1] rank 1: restored None at step 5" in stdout
+    results, stdout, root = fits
+    logdir = root / "zero_logs"
+    assert "[worker 1] rank 1: zero1_resumed: restored None at step 5" in stdout
     want = trainer_worker.fit_reference(CPU_DEVICES[:4], epochs=2)
     for r in range(2):
-        assert_models_match(np.load(tmp_path / "second" / f"rank{r}.npz"), want, r, tmp_path)
+        assert_models_match(results["zero1_resumed"][r], want, r, tmp_path)
     # The first epoch's checkpoint holds whole slots: an unsharded trainer
     # of 4 towers in this process reads the reference's momentum from it.
     first = trainer_worker.fit_reference(CPU_DEVICES[:4])
@@ -559,21 +583,13 @@ def test_zero_stage_1_checkpoints_on_two_workers_are_whole_and_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_nan_on_one_worker_is_skipped_by_both_like_the_run_without_its_batch(tmp_path):
+def test_a_nan_on_one_worker_is_skipped_by_both_like_the_run_without_its_batch(fits):
     # 53 rows in batches of 10, not shuffled: row 28 is in batch 2, on a
     # tower of rank 1 only (shards 3, 3 | 2, 2). Rank 0's losses are
     # finite, so only a cluster-wide check keeps its LossScaleOptimizer
     # from lowering its scale, and its BatchNorm statistics, PowerSGD state
     # and weights from moving.
-    options = ["--on-nonfinite", "skip", "--compression", "fp16", "--powersgd-rank", 1,
-               "--mixed", "--no-shuffle"]
-    runs = {}
-    for name, data in [("nan", ["--nan-row", 28]), ("without", ["--drop-rows", "20:30"])]:
-        (tmp_path / name).mkdir()
-        code, _, err, _ = launch_workers("trainer_worker.py", "--out", tmp_path / name,
-                                         *options, *data)
-        assert code == 0, err[-3000:]
-        runs[name] = [np.load(tmp_path / name / f"rank{r}.npz") for r in range(2)]
+    runs = fits[0]
     for r in range(2):
         got, want = runs["nan"][r], runs["without"][r]
         assert int(got["step"]) == 5 and int(want["step"]) == 4

@@ -9,6 +9,9 @@ the broadcast from rank 0 makes them agree. Then it evaluates and predicts
 on all the data and writes ``rank<r>.npz``. ``fit_reference`` runs the same
 fit in one process with 4 towers, what the cluster must reproduce.
 
+``--runs FILE`` fits several settings in turn in one process, on one started
+cluster (the JSON file maps each run's name to its arguments), as a user
+trains several models in one job; each run's lines then name it.
 ``--logdir DIR`` gives rank r the directory DIR/rank<r> for summaries and
 checkpoints (only rank 0 may write there); ``--resume`` restores rank 0's
 latest checkpoint before fitting up to ``--epochs``. ``--nan-row R`` and
@@ -18,6 +21,7 @@ shards the optimizer state over the 4 towers of both workers.
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -134,13 +138,16 @@ def fit_reference(devices, epochs=1, **options):
     return run(trainer, epochs, None)
 
 
-def main(argv=None):
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", default=None,
+                        help="a JSON file of {name: [arguments]}: each fit in turn, in one "
+                             "process and one cluster; the other options are then ignored")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--logdir", default=None)
     parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--out", required=True, help="directory for rank<r>.npz")
+    parser.add_argument("--out", help="directory for rank<r>.npz")
     parser.add_argument("--accumulate-steps", type=int, default=1)
     parser.add_argument("--powersgd-rank", type=int, default=0, help="0: no PowerSGD")
     parser.add_argument("--on-nonfinite", default="raise")
@@ -155,21 +162,17 @@ def main(argv=None):
                         help="rank 1 uses this many devices instead (a mistake to detect)")
     parser.add_argument("--rank1-hidden", type=int, default=HIDDEN,
                         help="rank 1's hidden layer size (a mistake to detect)")
-    args = parser.parse_args(argv)
-    from tfreduce.cluster import Cluster
+    return parser.parse_args(argv)
 
-    rank = Cluster.from_tf_config().rank
-    num_devices = args.rank1_devices if rank == 1 and args.rank1_devices else args.devices
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices
-    )
-    devices = [f"/cpu:{k}" for k in range(num_devices)]
+
+def fit_on_cluster(args, cluster, devices, name=None):
+    """One run of the options `args` on this worker's devices; writes rank<r>.npz."""
+    rank = cluster.rank
+    said = f"rank {rank}: " if name is None else f"rank {rank}: {name}: "
+    keras.mixed_precision.set_global_policy("mixed_float16" if args.mixed else "float32")
     hidden = args.rank1_hidden if rank == 1 else HIDDEN
-    if args.mixed:
-        keras.mixed_precision.set_global_policy("mixed_float16")
     # Every rank starts from other weights: only the broadcast makes them agree.
-    trainer = make_trainer(devices, rank, "auto", hidden=hidden, algorithm="flat",
+    trainer = make_trainer(devices, rank, cluster, hidden=hidden, algorithm="flat",
                            zero_stage=args.zero_stage,
                            **update_options(args.accumulate_steps, args.powersgd_rank,
                                             args.on_nonfinite, args.compression))
@@ -177,14 +180,36 @@ def main(argv=None):
     logdir = None if args.logdir is None else os.path.join(args.logdir, f"rank{rank}")
     if args.resume:
         restored = trainer.restore(os.path.join(logdir, "ckpt"))
-        print(f"rank {rank}: restored {restored} at step {trainer.step}", flush=True)
+        print(f"{said}restored {restored} at step {trainer.step}", flush=True)
     drop = None if args.drop_rows is None else [int(r) for r in args.drop_rows.split(":")]
     steps = None if args.profile_steps is None else tuple(
         int(s) for s in args.profile_steps.split(","))
     out = run(trainer, args.epochs, logdir, shuffle=not args.no_shuffle,
               fit_data=data(args.nan_row, drop), profile_steps=steps)
     np.savez(os.path.join(args.out, f"rank{rank}.npz"), **out)
-    print(f"rank {rank}: finished at step {trainer.step}", flush=True)
+    print(f"{said}finished at step {trainer.step}", flush=True)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from tfreduce.cluster import Cluster
+
+    # One cluster for every run: its collective keys go on from run to run.
+    cluster = Cluster.from_tf_config()
+    runs = {None: args}
+    if args.runs is not None:
+        with open(args.runs) as f:
+            runs = {name: parse_args(argv) for name, argv in json.load(f).items()}
+    first = next(iter(runs.values()))
+    num_devices = (first.rank1_devices if cluster.rank == 1 and first.rank1_devices
+                   else first.devices)
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices
+    )
+    devices = [f"/cpu:{k}" for k in range(num_devices)]
+    for name, run_args in runs.items():
+        fit_on_cluster(run_args, cluster, devices, name)
 
 
 if __name__ == "__main__":

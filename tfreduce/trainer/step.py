@@ -273,9 +273,7 @@ class StepFunctions:
 
     `train`, `evaluate` and `predict` are each traced once, on their first
     call, from the shapes and dtypes of that call's batch, without AutoGraph
-    (as Keras 3's own `fit` traces its steps): the step's Python is plain
-    graph building, and AutoGraph's conversion of it took 10 times as long
-    as the trace itself. The batch axis of
+    (as Keras 3's `fit`; docs/architecture.md). The batch axis of
     every input signature stays None: a worker's part may differ in size
     from step to step, and a retrace on one worker only would build its
     collectives out of step with the others. The calls that run cross-worker
@@ -351,9 +349,7 @@ class StepFunctions:
                 functools.partial(train_graph, self._towers, self._options, self._state,
                                   self._step, update=update),
                 input_signature=[signature(x), signature(y), tf.TensorSpec([], tf.int32),
-                                 tf.TensorSpec([], tf.float64)],
-                autograph=False,
-            )
+                                 tf.TensorSpec([], tf.float64)], autograph=False)
         with self._options.cluster.detect_lost_workers(), \
                 progress.timed(f"training step {number}", number):
             loss, correct, stops, finite, report, tower_losses, losses_finite, seconds = (
@@ -399,18 +395,15 @@ class StepFunctions:
         if self._eval_fn is None:
             self._eval_fn = tf.function(
                 functools.partial(eval_graph, self._towers, self._options.loss_fn),
-                input_signature=[signature(x), signature(y)],
-                autograph=False,
-            )
+                input_signature=[signature(x), signature(y)], autograph=False)
         return self._eval_fn(x, y)
 
     def predict(self, x):
         """Runs predict_graph on the global batch of inputs x."""
         if self._predict_fn is None:
             self._predict_fn = tf.function(
-                functools.partial(predict_graph, self._towers), input_signature=[signature(x)],
-                autograph=False,
-            )
+                functools.partial(predict_graph, self._towers),
+                input_signature=[signature(x)], autograph=False)
         return self._predict_fn(x)
 
 
