@@ -17,6 +17,7 @@ def run(tmp_path, *argv):
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_allreduce_mode_reports_every_contender_correct(tmp_path, capsys):
     png = tmp_path / "bars.png"
     result = run(tmp_path, "--model", "synthetic", "--num-tensors", "6", "--total-bytes",
@@ -93,6 +94,7 @@ def test_allreduce_mode_compression_axis(tmp_path, capsys):
                      r"flat\+pack64KiB's", out)
 
 
+@pytest.mark.slow
 def test_multiworker_mode_two_workers_through_the_launcher(tmp_path, capsys):
     result = run(tmp_path, "--mode", "multiworker", "--model", "MobileNetV3Small",
                  "--steps", "1", "--warmup", "0", "--powersgd-rank", "2")
@@ -157,6 +159,7 @@ def test_scaling_mode(tmp_path, capsys):
     assert "step us/KN" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_collective_mode_checks_every_contender_and_reports_bus_bandwidth(tmp_path, capsys):
     result = run(tmp_path, "--collective", "reduce_scatter,all_gather,broadcast,reduce,all_to_all",
                  "--devices", "3", "--total-bytes", "6KiB", "--steps", "2", "--warmup", "1",
@@ -187,6 +190,7 @@ def test_collective_mode_checks_every_contender_and_reports_bus_bandwidth(tmp_pa
     assert "busbw" in out and "reduce_scatter: predicted ms (bus GB/s)" in out
 
 
+@pytest.mark.slow
 def test_train_mode(tmp_path):
     result = run(tmp_path, "--mode", "train", "--grid-devices", "2", "--steps", "2",
                  "--rounds", "1", "--warmup", "1", "--batch-size", "8", "--image-size", "8")
@@ -209,6 +213,7 @@ def test_train_mode(tmp_path):
         row["horovod_images_per_s"] / row["no_watchdog_rounds"][0])
 
 
+@pytest.mark.slow
 def test_train_mode_at_zero_stages_reports_rates_and_state_bytes(tmp_path, capsys):
     result = run(tmp_path, "--mode", "train", "--zero-stage", "0,1", "--grid-devices", "2",
                  "--steps", "2", "--rounds", "1", "--warmup", "1", "--batch-size", "8",
@@ -228,6 +233,7 @@ def test_train_mode_at_zero_stages_reports_rates_and_state_bytes(tmp_path, capsy
     assert "MirroredStrategy.fit" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_model_shapes_without_downloading():
     shapes = bench.gradient_shapes("resnet50")
     assert len(shapes) == 214
@@ -278,6 +284,7 @@ def test_bad_arguments_exit_with_a_usage_error(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_soak_mode_traces_once_and_keeps_memory_flat(tmp_path, capsys):
     # A short soak: epochs whose last batch is smaller and uneven over the
     # towers must not retrace the step function (the full one, 2,000 steps
@@ -292,6 +299,7 @@ def test_soak_mode_traces_once_and_keeps_memory_flat(tmp_path, capsys):
     assert "resident MB" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_train_mode_overlap_reports_exposed_communication_and_writes_a_trace(tmp_path, capsys):
     trace = tmp_path / "trace.json"
     result = run(tmp_path, "--mode", "train", "--trace", str(trace), "--grid-devices", "2",

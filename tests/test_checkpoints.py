@@ -136,6 +136,7 @@ def test_a_diverging_fit_stops_before_its_checkpoints_are_rotated_out(tmp_path):
                 assert np.isfinite(value).all(), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "shard missing", "index names nothing"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(
         three_checkpoints, damage, capsys):
@@ -161,6 +162,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(
                      capsys.readouterr().err)
 
 
+@pytest.mark.slow
 def test_every_checkpoint_damaged_is_an_error_naming_each(three_checkpoints):
     _, path, _ = three_checkpoints
     for n in (1, 2, 3):
@@ -170,6 +172,7 @@ def test_every_checkpoint_damaged_is_an_error_naming_each(three_checkpoints):
         restored(path)
 
 
+@pytest.mark.slow
 def test_a_damaged_named_checkpoint_is_an_error(three_checkpoints):
     _, path, _ = three_checkpoints
     prefix = os.path.join(path, "ckpt-2")

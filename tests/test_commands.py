@@ -70,6 +70,7 @@ def test_noise_lines_are_told_from_the_rest():
     assert [is_startup_noise(line) for line in KEPT] == [False] * len(KEPT)
 
 
+@pytest.mark.slow
 def test_the_stderr_filter_drops_the_noise_for_the_whole_run_and_loses_no_last_words():
     # The filter works on file descriptor 2, where TensorFlow's C++ code
     # writes, from the import to the end; the oneDNN line comes long after

@@ -97,6 +97,7 @@ def test_collectives_on_a_uniform_machine_give_the_alpha_beta_formulas(num_devic
         assert got.seconds == pytest.approx(want, rel=1e-9), (collective, algorithm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_collective_is_priced_on_every_preset(preset):
     size = 4 * 2**20
@@ -295,6 +296,7 @@ def test_large_ops_take_every_lane_and_small_ones_one():
     assert adds(2**16) == pytest.approx(2 * (2 * 2**16 + 4) / GB)  # two adds' time
 
 
+@pytest.mark.slow
 def test_the_host_probe_measures_this_machine():
     host = host_topology(4, repeats=3)
     assert host.name == "host" and host.num_devices == 4

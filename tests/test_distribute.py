@@ -62,6 +62,7 @@ def test_fit_in_float64_equals_one_device(num_devices, algorithm):
     np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_training_step_reduces_with_tfreduce(monkeypatch):
     # Every call of tfreduce's all-reduce is recorded while fit traces its
     # step: the gradients must go through it, not through a TF fallback.

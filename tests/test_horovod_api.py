@@ -244,6 +244,7 @@ def test_the_distributed_optimizer_is_a_subclass_of_the_users_class(one_process)
     assert isinstance(scaled.inner_optimizer, keras.optimizers.Adam)
 
 
+@pytest.mark.slow
 def test_fit_in_one_process_with_the_callbacks_and_a_schedule(one_process, tmp_path):
     # The schedule multiplies by 0.5 per epoch from epoch 1.
     def run(distributed):
@@ -321,6 +322,7 @@ def test_every_global_batch_is_the_same_for_any_number_of_processes(size):
     assert orders[0] != orders[1] != orders[2] and sorted(orders[0]) == list(range(50))
 
 
+@pytest.mark.slow
 def test_fit_takes_the_batches_in_their_order_whatever_its_shuffle():
     # Keras permutes a PyDataset's batch indices with fit(shuffle=True), with
     # each process's own random state: DistributedBatches serves them in order.

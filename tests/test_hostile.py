@@ -105,6 +105,7 @@ def test_predict_names_a_tensor_of_unknown_size(algorithm):
 
 # ------------------------------------------------------------------ mixed precision
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulate_steps", [2, 4, 8])
 def test_mixed_float16_with_accumulation_skips_no_update_on_clean_data(mixed_float16,
                                                                        accumulate_steps):
@@ -184,6 +185,7 @@ def assert_same(a, b):
 KEEP = np.r_[0:32, 48:96]  # the stream without batch 2 (rows 32..47)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("features", [
     pytest.param({}, marks=pytest.mark.slow),
     {"powersgd": tfreduce.PowerSGD(rank=1, min_compression_rate=0)},
@@ -236,6 +238,7 @@ def grid_id(case):
                      f"M{steps}", ("mixed" if mixed else "fp32"), wire, f"bcast{bcast}"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [case if case in QUICK else
                                   pytest.param(case, marks=pytest.mark.slow)
                                   for case in GRID], ids=grid_id)
@@ -261,6 +264,7 @@ def test_a_skipped_nan_batch_equals_the_run_without_it(case, request):
         assert with_nan.optimizers[0].dynamic_scale.numpy() == without.optimizers[0].dynamic_scale.numpy()
 
 
+@pytest.mark.slow
 def test_a_save_refuses_any_non_finite_state_and_names_it(tmp_path):
     trainer = trainer_for(plain_model,
                           powersgd=tfreduce.PowerSGD(rank=1, min_compression_rate=0))
@@ -274,6 +278,7 @@ def test_a_save_refuses_any_non_finite_state_and_names_it(tmp_path):
     assert tf.train.latest_checkpoint(str(tmp_path)).endswith("ckpt-1")
 
 
+@pytest.mark.slow
 def test_fit_with_a_nan_batch_every_50_steps_keeps_good_checkpoints(tmp_path):
     x, y = stream(n=400)
     x[200] = np.nan  # batch 25 of every epoch of 50
@@ -290,6 +295,7 @@ def test_fit_with_a_nan_batch_every_50_steps_keeps_good_checkpoints(tmp_path):
 
 # ------------------------------------------------------------------ compression is for gradients
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wire", ["fp16", "bf16"])
 def test_batchnorm_statistics_are_not_compressed(wire):
     # The moving statistics were averaged over towers through the 16-bit

@@ -131,6 +131,7 @@ def test_flat_eager_outputs_live_on_their_devices():
         assert row[1].numpy() == 18.0
 
 
+@pytest.mark.slow
 def test_hundreds_of_collectives_do_not_deadlock(runner):
     # 150 separate reductions on 4 devices sharing 2 cores: the per-device
     # chain keeps every device launching them in the same order.

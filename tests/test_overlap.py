@@ -67,6 +67,7 @@ def traced_step(monkeypatch, **options):
     return graph, {op: n for op, n in marked.items() if op.graph is graph}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["flat", "ring", "hierarchical"])
 def test_each_bucket_reduction_depends_only_on_its_own_gradients(algorithm, monkeypatch):
     # pack_bytes=400, backward order: [7, 6, 5, 3] (16 + 256 + 64 + 64
@@ -89,6 +90,7 @@ def test_each_bucket_reduction_depends_only_on_its_own_gradients(algorithm, monk
     assert ancestors[first] == {3, 5, 6, 7}
 
 
+@pytest.mark.slow
 def test_the_benchs_no_overlap_contender_reduces_after_every_gradient(monkeypatch):
     # tfreduce-bench --overlap's baseline: the same reduction behind a barrier.
     graph, marked = traced_step(monkeypatch, reduction=_AfterEveryGradient("ring", pack_bytes=400))
@@ -127,6 +129,7 @@ def wide_mlp():
                             + [keras.layers.Dense(10)])
 
 
+@pytest.mark.slow
 def test_a_profiled_fit_shows_the_reduction_start_before_the_backward_pass_ends(tmp_path):
     trainer = ReplicatedTrainer(wide_mlp, LOSS, sgd, devices=CPU_DEVICES[:4], algorithm="ring")
     rng = np.random.default_rng(0)

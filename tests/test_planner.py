@@ -44,6 +44,7 @@ def spy_on_plans(monkeypatch):
     return plans
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_devices", [4, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("topology, size, want", [
     (BANDWIDTH_BOUND, 2**16, "ring"), (LATENCY_BOUND, 1, "flat")])
@@ -70,6 +71,7 @@ def op_types(outputs):
     return collections.Counter(op.type for op in graph.get_operations())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["dgx1-v100", pytest.param("pcie3x8", marks=pytest.mark.slow)])
 def test_the_dispatcher_builds_what_plan_allreduce_names(preset):
     # Groups and pack size included: the same ops as the plan's keywords.

@@ -313,6 +313,7 @@ def test_one_compression_type_everywhere():
     assert trainer.reduction.compression is fp16
 
 
+@pytest.mark.slow
 def test_powersgd_is_an_option_of_its_own_and_the_old_spelling_warns():
     x, y = data(48)
     weights = {}

@@ -216,6 +216,7 @@ def test_batchnorm_statistics_are_synced_as_shard_weighted_means(algorithm):
     assert trainer.check_replicas() == 0.0
 
 
+@pytest.mark.slow
 def test_fit_reports_history_and_skips_a_last_batch_smaller_than_k():
     trainer = ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:4])
     x, y = data(41)  # batches of 8: five full ones and one of 1 < 4 towers
@@ -274,6 +275,7 @@ def test_fit_on_a_dataset_of_global_batches_and_tensorboard_logs(tmp_path):
     } <= tags
 
 
+@pytest.mark.slow
 def test_evaluate_and_predict_match_the_model_on_any_batch_split():
     trainer = ReplicatedTrainer(bn_mlp, LOSS, sgd, devices=CPU_DEVICES[:4])
     x, y = data(38, seed=3)

@@ -21,6 +21,7 @@ def adam():
 # ---------------------------------------------------------------- accumulation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer_fn", [sgd, adam], ids=["sgd", "adam"])
 @pytest.mark.parametrize("regularizer", [None, "l2"])
 def test_accumulated_micro_batches_train_like_their_concatenation(optimizer_fn, regularizer):
@@ -80,6 +81,7 @@ def test_batchnorm_statistics_stay_equal_between_updates():
     assert not np.allclose(moving, 0.0)
 
 
+@pytest.mark.slow
 def test_accumulation_state_is_checkpointed_and_restored(tmp_path):
     x, y = data(24)
 
@@ -115,6 +117,7 @@ def test_bad_update_options(kwargs, error, message):
 # -------------------------------------------------------------------- PowerSGD
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["flat", "ring"])
 def test_powersgd_at_full_rank_trains_like_no_compression(algorithm):
     x, y = data(80)
@@ -235,6 +238,7 @@ def small_classifier():
                              keras.layers.Dense(3, dtype="float32")])
 
 
+@pytest.mark.slow
 def test_mixed_float16_scales_the_loss_identically_on_every_tower(mixed_float16):
     trainer = ReplicatedTrainer(small_classifier, LOSS, adam, devices=CPU_DEVICES[:2])
     assert all(isinstance(o, keras.optimizers.LossScaleOptimizer) for o in trainer.optimizers)

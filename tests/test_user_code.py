@@ -60,6 +60,7 @@ def assert_same(got, want):
         np.testing.assert_array_equal(a, b, err_msg=f"variable {i}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [0, 1, pytest.param(2, marks=pytest.mark.slow)])
 def test_the_trainer_fits_models_built_on_their_first_batch_like_one_with_an_input(
         zero_stage, tmp_path):
@@ -78,6 +79,7 @@ def test_the_trainer_fits_models_built_on_their_first_batch_like_one_with_an_inp
     assert_same(runs["noinput"], runs["input"])
 
 
+@pytest.mark.slow
 def test_a_subclassed_model_trains_like_the_same_layers_in_a_sequential():
     x, y = data()
     runs = {}
@@ -89,6 +91,7 @@ def test_a_subclassed_model_trains_like_the_same_layers_in_a_sequential():
     assert_same(runs["subclassed"], runs["input"])
 
 
+@pytest.mark.slow
 def test_a_restore_before_the_first_batch_resumes_at_the_saved_step(tmp_path):
     # The restore waits for the build, but fit must know the step at once:
     # the epochs already trained are not trained again.
@@ -105,6 +108,7 @@ def test_a_restore_before_the_first_batch_resumes_at_the_saved_step(tmp_path):
     assert_same(weights(resumed.models[0]), weights(first.models[0]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_mirrored_fit_with_tfreduce_trains_every_kind_of_model_alike(kind):
     x, y = data()

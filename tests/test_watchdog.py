@@ -68,6 +68,7 @@ def test_a_peer_that_stops_sending_is_named_with_its_last_state():
             dog.goodbye()
 
 
+@pytest.mark.slow
 def test_a_peer_that_says_goodbye_or_was_never_heard_is_not_named():
     dogs, fired = pair()
     dogs[0].start()  # rank 1 never sends: it may still be starting
@@ -102,6 +103,7 @@ def test_a_peer_that_an_error_ended_stops_the_others_at_once(monkeypatch):
         dogs[0].goodbye()
 
 
+@pytest.mark.slow
 def test_a_live_peer_behind_this_workers_step_is_warned_of_once():
     dogs, fired = pair(stall=1.0)
     dogs[0].start()  # rank 1's heartbeats are sent by hand: 2 steps done, outside its steps
@@ -128,6 +130,7 @@ def test_a_live_peer_behind_this_workers_step_is_warned_of_once():
         dogs[0].goodbye()
 
 
+@pytest.mark.slow
 def test_datagrams_of_another_run_are_ignored():
     dogs, fired = pair()
     dogs[0].start()
@@ -180,6 +183,7 @@ def test_the_bound_comes_from_the_argument_the_environment_or_the_default(monkey
         parse_args(["--workers", "2", "--stall-seconds", "-2", "--", "x"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("door", ["tape", "fit", "trainer"])
 def test_a_frozen_worker_is_named_and_the_run_ends(door):
     # The tape loop sets its bounds in hvd.init() rather than through the launcher.
@@ -209,6 +213,7 @@ def test_a_frozen_worker_is_named_and_the_run_ends(door):
     print(f"{door}: ended {seconds:.0f} s after the start")
 
 
+@pytest.mark.slow
 def test_a_worker_that_an_error_ends_stops_the_others_at_once():
     # Rank 0 waits in step 20's collective; the launcher would stop it after
     # its grace period, but rank 1's last heartbeat names the error first.
@@ -224,6 +229,7 @@ def test_a_worker_that_an_error_ends_stops_the_others_at_once():
     assert "[launch] stopping worker 0" not in err  # it ended by itself, within the grace
 
 
+@pytest.mark.slow
 def test_a_live_worker_the_others_wait_for_is_named_in_a_warning_and_the_run_goes_on():
     # Rank 1 sleeps 12 s before step 21 (its heartbeats go on): rank 0,
     # inside step 21 for 5 s, warns once; then both finish.
@@ -244,6 +250,7 @@ def test_a_live_worker_the_others_wait_for_is_named_in_a_warning_and_the_run_goe
     assert "[worker 1] tfreduce watchdog" not in err
 
 
+@pytest.mark.slow
 def test_a_clean_run_of_a_thousand_steps_reports_nothing():
     code, out, err, _ = launch_workers("stall_worker.py", "tape", "--freeze-at", "-1",
                                        "--steps", "1000", launcher=("--stall-seconds", "5"),
@@ -252,6 +259,7 @@ def test_a_clean_run_of_a_thousand_steps_reports_nothing():
     assert out.count("finished") == 2 and "watchdog" not in err
 
 
+@pytest.mark.slow
 def test_a_worker_slower_by_50_ms_a_step_is_named_within_the_window():
     code, out, err, _ = launch_workers("stall_worker.py", "tape", "--freeze-at", "-1",
                                        "--steps", "200", "--lag-ms", "50",
@@ -269,6 +277,7 @@ def test_a_worker_slower_by_50_ms_a_step_is_named_within_the_window():
     assert not re.search(r"worker 0 \(127\.0\.0\.1:\d+\) lags", err)
 
 
+@pytest.mark.slow
 def test_a_first_step_that_traces_for_long_is_not_a_hang():
     # Rank 1 traces 15 s longer than rank 0, which waits in its first
     # collective meanwhile: 3 times the bound, and nothing is reported.
@@ -279,6 +288,7 @@ def test_a_first_step_that_traces_for_long_is_not_a_hang():
     assert out.count("finished") == 2 and "watchdog" not in err
 
 
+@pytest.mark.slow
 def test_the_chief_logs_each_workers_time_inside_its_steps(tmp_path):
     # Steps enough for a heartbeat (one a second) after each window fills.
     code, out, err, _ = launch_workers("stall_worker.py", "trainer", "--freeze-at", "-1",
@@ -297,6 +307,7 @@ def test_the_chief_logs_each_workers_time_inside_its_steps(tmp_path):
     assert not (tmp_path / "rank1").exists() or not os.listdir(tmp_path / "rank1")
 
 
+@pytest.mark.slow
 def test_fit_names_a_straggler_and_draws_each_workers_time(tmp_path):
     # Keras fit with DistributedOptimizer; rank 1 sleeps 50 ms before each
     # batch; WorkerTimesCallback writes on rank 0 every 20 batches.

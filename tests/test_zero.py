@@ -332,6 +332,7 @@ def test_kill_9_during_a_sharded_save_keeps_the_previous_checkpoint(tmp_path):
     assert t.step == 3
 
 
+@pytest.mark.slow
 def test_skipped_steps_leave_every_piece_and_slot_untouched():
     t = trainer(4, 1, on_nonfinite="skip")
     train(t, 3)
@@ -349,6 +350,7 @@ def test_skipped_steps_leave_every_piece_and_slot_untouched():
     assert all(int(o.iterations.numpy()) == 3 for o in t.optimizers)
 
 
+@pytest.mark.slow
 def test_a_nonfinite_gradient_raises_naming_the_tower_and_variable():
     t = trainer(4, 1)
     x, y = data(16)
@@ -359,6 +361,7 @@ def test_a_nonfinite_gradient_raises_naming_the_tower_and_variable():
         t.train_step(x, y)
 
 
+@pytest.mark.slow
 def test_mixed_float16_skips_an_overflow_in_some_shards_on_every_tower(mixed_float16):
     def linear():
         keras.utils.set_random_seed(2)
