@@ -14,7 +14,7 @@ Rank ``--freeze-rank`` stops itself with SIGSTOP before step ``--freeze-at``
 an uncaught RuntimeError there, or with ``--pause S`` sleeps S seconds
 there (alive, outside its steps); ``--freeze-at -1`` never freezes (a clean
 run). ``--lag-ms M`` makes rank 1 of the tape loop (or of fit) sleep
-M ms before each step (a straggler); fit with ``--logdir`` runs 300
+M ms before each step (a straggler), from step ``--lag-from`` on (tape); fit with ``--logdir`` runs 300
 batches with WorkerTimesCallback writing to LOGDIR/rank<r>; ``--slow-trace S`` makes its step's
 trace take S seconds more (a big model's first step, not a hang). The survivor's watchdog is expected to abort its
 collectives; the error then ends it with a non-zero code.
@@ -87,7 +87,7 @@ def tape(args):
     from tfreduce.watchdog import progress
     for s in range(args.steps):
         freeze(r, s, args)
-        if r == 1 and args.lag_ms:
+        if r == 1 and args.lag_ms and s >= args.lag_from:
             time.sleep(args.lag_ms / 1000)  # outside the step: the others wait for it
         with progress.timed():
             step(s == 0)
@@ -154,6 +154,8 @@ def main(argv=None):
                         help="--freeze-rank sleeps this many seconds at --freeze-at instead")
     parser.add_argument("--lag-ms", type=float, default=0.0,
                         help="tape, fit: rank 1 sleeps this long before every step (a straggler)")
+    parser.add_argument("--lag-from", type=int, default=0,
+                        help="tape: the first step --lag-ms delays")
     parser.add_argument("--init-stall", type=float, default=None,
                         help="tape: hvd.init(stall_seconds=)")
     parser.add_argument("--init-timeout", type=float, default=None,
