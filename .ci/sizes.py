@@ -1,6 +1,6 @@
 """Fails when a test of the last run took longer than its size class allows.
 
-    python .ci/sizes.py        # after python -m pytest -n 2 (CI runs both)
+    python .ci/sizes.py        # after python -m pytest -n 2
 
 The run's root conftest.py records every test's time (setup, call and
 teardown) and class into pytest's cache; this lists the tests over
