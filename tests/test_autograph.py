@@ -8,6 +8,7 @@ function that ran from AutoGraph's generated code: only the user's own
 functions (the step and the helpers it calls) may be among them.
 """
 
+import functools
 import sys
 
 import keras
@@ -69,18 +70,14 @@ def tower_grads():
     return out
 
 
-VARIABLES = None
-
-
+@functools.cache
 def tower_variables():
     """2 x 1 variables, made once (a tf.function may not make them on each trace)."""
-    global VARIABLES
-    if VARIABLES is None:
-        VARIABLES = []
-        for device in DEVICES:
-            with tf.device(device):
-                VARIABLES.append([tf.Variable(tf.zeros([3]))])
-    return VARIABLES
+    out = []
+    for device in DEVICES:
+        with tf.device(device):
+            out.append([tf.Variable(tf.zeros([3]))])
+    return out
 
 
 DOORS = {

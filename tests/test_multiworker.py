@@ -526,7 +526,7 @@ def test_trainer_resume_reads_rank_0_checkpoint_and_only_rank_0_writes(trainer_r
 
 
 @pytest.mark.slow
-def test_accumulation_and_powersgd_on_two_workers_match_one_process(fits, tmp_path):
+def test_accumulation_and_powersgd_on_two_workers_match_one_process(fits):
     results = fits[0]["accumulated"]
     want = trainer_worker.fit_reference(
         CPU_DEVICES[:4], **trainer_worker.update_options(accumulate_steps=2, powersgd_rank=1))
