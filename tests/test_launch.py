@@ -172,6 +172,115 @@ def test_usage_errors(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+# ------------------------------------------------------------------ --preload
+
+SEEN = textwrap.dedent("""\
+    import json, os, sys
+    print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__,
+                      "file": globals().get("__file__"), "cwd": os.getcwd(),
+                      "stdin": sys.stdin.read(), "pgid_is_pid": os.getpgid(0) == os.getpid(),
+                      "env": {k: os.environ.get(k) for k in
+                              ("TF_CONFIG", "TFREDUCE_RESTART_COUNT", "PYTHONUNBUFFERED")}}))
+    """)
+
+
+def seen(out):
+    """{worker index: what the SEEN program printed}."""
+    return {int(m.group(1)): json.loads(m.group(2))
+            for m in re.finditer(r"^\[worker (\d)\] (\{.*\})$", out, re.MULTILINE)}
+
+
+@pytest.mark.parametrize("kind", ["script", "-m", "-c"])
+def test_a_preloaded_worker_sees_what_a_started_one_sees(tmp_path, kind):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "seen.py").write_text(SEEN)
+    program = {"script": [str(package / "seen.py")], "-m": ["-m", "pkg.seen"],
+               "-c": ["-c", SEEN]}[kind]
+    views = {}
+    for mode, options in (("exec", []), ("fork", ["--preload", "json,textwrap"])):
+        result = subprocess.run(
+            LAUNCH + ["--workers", "2", *options, "--", sys.executable, *program, "a", "b c"],
+            capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        views[mode] = seen(result.stdout)
+        assert sorted(views[mode]) == [0, 1], result.stdout
+    assert "[launch] preloaded json, textwrap in" in result.stderr
+    for i in (0, 1):
+        exec_view, fork_view = views["exec"][i], views["fork"][i]
+        # Each start picks new ports; the rest of TF_CONFIG is the same.
+        for view in (exec_view, fork_view):
+            config = json.loads(view["env"].pop("TF_CONFIG"))
+            assert config["task"] == {"type": "worker", "index": i}
+        assert fork_view == exec_view
+        assert exec_view["argv"][1:] == ["a", "b c"] and exec_view["name"] == "__main__"
+        assert exec_view["stdin"] == "" and exec_view["pgid_is_pid"]
+
+
+def test_a_preloaded_worker_reports_its_exit_like_a_started_one(pids):
+    # Worker 0 raises, worker 1 exits with sys.exit's message; a second run
+    # kills one with SIGKILL after it started a child (both cleaned up).
+    code, _, err, _ = run(pids, """\
+        if index == 0:
+            raise ValueError("broken worker 0")
+        sys.exit("message of worker 1")
+        """, "--workers", "2", "--grace", "5", "--preload", "json")
+    assert code == 1
+    assert re.search(r"\[worker 0\] ValueError: broken worker 0\n", err), err
+    assert "[worker 1] message of worker 1\n" in err
+    assert "preload.py" not in err  # the traceback is the program's, as Python prints it
+    code, _, err, _ = run(pids, """\
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        open(os.path.join(pid_dir, str(child.pid)), "w").close()
+        time.sleep(0.5)
+        if index == 1:
+            os.kill(os.getpid(), 9)
+        time.sleep(60)
+        """, "--workers", "2", "--grace", "0", "--preload", "json")
+    assert code == 128 + signal.SIGKILL
+    assert "[launch] worker 1 was killed by SIGKILL" in err
+    assert "[launch] stopping worker 0" in err
+    assert len(recorded(pids)) == 6  # 2 + 2 workers and 2 grandchildren: all gone
+
+
+def test_a_preloaded_run_restarts_by_forking_again(pids):
+    code, out, err, _ = run(pids, START + textwrap.dedent("""\
+        if int(os.environ["TFREDUCE_RESTART_COUNT"]) == 0 and index == 1:
+            os.kill(os.getpid(), 9)
+        time.sleep(0.2 if int(os.environ["TFREDUCE_RESTART_COUNT"]) else 60)
+        """), "--workers", "2", "--restarts", "1", "--grace", "0", "--preload", "json")
+    assert code == 0, err
+    assert err.count("[launch] preloaded json in") == 1  # imported once, forked twice
+    assert "restart 1 of 1: worker 1 was killed by SIGKILL" in err
+    assert {count: sorted(c) for count, c in starts(out).items()} == {0: [0, 1], 1: [0, 1]}
+    assert len(recorded(pids)) == 4
+
+
+@pytest.mark.parametrize("command,message", [
+    (["bash", "-c", "true"], "got 'bash', which is "),
+    (["no-such-python-tfreduce", "x.py"], "got 'no-such-python-tfreduce', which is not found"),
+    ([sys.executable, "-u", "x.py"], f"got '{sys.executable} -u x.py'"),
+    ([sys.executable, "-m"], "-m needs its argument"),
+    ([sys.executable], f"got '{sys.executable}'"),
+])
+def test_preload_refuses_a_command_it_cannot_fork(capsys, command, message):
+    with pytest.raises(SystemExit) as info:
+        launch.main(["--workers", "2", "--preload", "tensorflow", "--", *command])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--preload forks the workers from this Python" in err and message in err, err
+
+
+def test_preload_of_a_missing_module_is_an_error_naming_it():
+    result = subprocess.run(LAUNCH + ["--workers", "2", "--preload", "json,no_such_module_tf",
+                                      "--", sys.executable, "-c", "pass"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 127
+    assert ("[launch] cannot preload json, no_such_module_tf: No module named "
+            "'no_such_module_tf'") in result.stderr
+
+
 def test_free_ports_and_tf_config():
     ports = launch.free_ports(4)
     assert len(set(ports)) == 4 and all(0 < p < 65536 for p in ports)

@@ -30,7 +30,7 @@ LAYERS = {
     "reduction": 6, "collective_build": 6,
     "allreduce": 7, "multiworker": 7, "models": 7, "collectives": 7, "stepmodel": 7,
     "trainer": 8, "distribute": 8, "tensorflow": 8,
-    "launch": 9, "bench": 9,
+    "launch": 9, "preload": 9, "bench": 9,
 }
 # Same-layer imports that are part of the design: the stage contract uses the
 # primitives' one scaling; the registry names the algorithms;
@@ -44,7 +44,7 @@ SAME_LAYER = {
     ("cluster", "failures"), ("costmodel", "hostprobe"),
     ("hostprobe", "frame"), ("hostprobe", "nccl_ops"), ("planner", "hostprobe"),
     ("planner", "costmodel"), ("planner", "registry"), ("planner", "frame"),
-    ("planner", "hierarchical"), ("watchdog", "stragglers"),
+    ("planner", "hierarchical"), ("watchdog", "stragglers"), ("launch", "preload"),
 }
 
 

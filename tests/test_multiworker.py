@@ -278,7 +278,7 @@ def launch_workers(script, *args, pid_dir=None, workers=2, launcher=(), timeout=
     SIGKILL, and the test fails.
     """
     command = [sys.executable, "-m", "tfreduce.launch", "--workers", str(workers),
-               "--timeout", str(timeout), *launcher, "--",
+               "--timeout", str(timeout), "--preload", "tensorflow", *launcher, "--",
                sys.executable, str(WORKERS / script)] + [str(a) for a in args]
     start = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

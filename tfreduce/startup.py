@@ -37,8 +37,8 @@ import signal
 import subprocess
 import sys
 
-__all__ = ["ArgumentParser", "VERBOSE_ENV", "import_tensorflow", "is_startup_noise",
-           "is_verbose"]
+__all__ = ["ArgumentParser", "VERBOSE_ENV", "after_fork", "import_tensorflow",
+           "is_startup_noise", "is_verbose", "quiet_stderr"]
 
 #: Set to 1 to show TensorFlow's start-up and C++ log lines in every command.
 VERBOSE_ENV = "TFREDUCE_VERBOSE"
@@ -143,6 +143,31 @@ def _start_stderr_filter():
     atexit.register(_drain_filter)
 
 
+def quiet_stderr():
+    """Sets TF_CPP_MIN_LOG_LEVEL=2 (unless set) and filters fd 2 for the rest of this process.
+
+    What ``import_tensorflow`` does before it imports, for a process that
+    imports TensorFlow otherwise (the launcher's ``--preload``).
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    _start_stderr_filter()
+
+
+def after_fork():
+    """In a child forked from a process that filtered its stderr: a filter of its own.
+
+    The child inherits its parent's record of the filter process and the
+    exit hook that waits for it; both belong to the parent and are dropped.
+    Then, unless TFREDUCE_VERBOSE is set, the child's fd 2 (which the
+    caller has already pointed where the child's output goes) is filtered
+    by a new filter process.
+    """
+    atexit.unregister(_drain_filter)
+    del _FILTERS[:]
+    if not is_verbose():
+        quiet_stderr()
+
+
 def import_tensorflow(verbose=False):
     """Imports TensorFlow and lists its GPUs; filters stderr for the run unless verbose.
 
@@ -160,8 +185,7 @@ def import_tensorflow(verbose=False):
     if is_verbose(verbose) or "tensorflow" in sys.modules:
         import tensorflow as tf
         return tf
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    _start_stderr_filter()
+    quiet_stderr()
     import tensorflow as tf
     tf.config.list_physical_devices("GPU")
     return tf
