@@ -9,13 +9,14 @@ on them.
 
 Python blocks of the README and docs/ run through pytest-markdown-docs. A
 block marked ``python runner:TwoWorkers`` is a multi-worker program: it
-runs as two worker processes under ``tfreduce.launch`` on 127.0.0.1, and
+runs as two worker processes under ``tfreduce.launch --preload tensorflow``
+on 127.0.0.1 (the launcher forked from tests/zygote.py's warm Python), and
 fails the test with their output unless both exit with 0. Every other block
 runs in the test process, on the logical CPU devices tests/conftest.py makes.
 """
 
+import importlib.util
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -69,6 +70,16 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+def _zygote():
+    """tests/zygote.py (a warm Python that forks the launcher), loaded once by path."""
+    if "zygote" not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "zygote.py")
+        spec = importlib.util.spec_from_file_location("zygote", path)
+        sys.modules["zygote"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["zygote"])
+    return sys.modules["zygote"]
+
+
 @register_runner()
 class TwoWorkers(DefaultRunner):
     """Runs a README block as a program of two workers under the launcher, bounded in time."""
@@ -79,8 +90,8 @@ class TwoWorkers(DefaultRunner):
             with open(path, "w") as f:
                 f.write(test.source)
             command = [sys.executable, "-m", "tfreduce.launch", "--workers", "2",
-                       "--timeout", "150", "--", sys.executable, path]
-            done = subprocess.run(command, capture_output=True, text=True, timeout=200)
+                       "--timeout", "150", "--preload", "tensorflow", "--", sys.executable, path]
+            done = _zygote().run(command, timeout=200)
         if done.returncode != 0:
             raise AssertionError(f"the two workers exited with {done.returncode}:\n"
                                  f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

@@ -1,7 +1,6 @@
 """tfreduce.CrossDeviceOps: Keras model.fit under MirroredStrategy on tfreduce's all-reduce."""
 
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -10,6 +9,7 @@ import tensorflow as tf
 
 import tfreduce
 import tfreduce.distribute
+import zygote
 from helpers import CPU_DEVICES, load_script
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "keras_fit_worker.py")
@@ -26,8 +26,7 @@ worker = load_script(WORKER, "keras_fit_worker")
 def default_run(request, tmp_path_factory):
     """MirroredStrategy's default reduction (CollectiveAllReduce here), in its own process."""
     out = tmp_path_factory.mktemp("default") / "weights.npz"
-    done = subprocess.run([sys.executable, WORKER, str(request.param), str(out)],
-                          capture_output=True, text=True, timeout=300)
+    done = zygote.run([sys.executable, WORKER, str(request.param), str(out)], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     saved = np.load(out)
     weights = [saved[f"arr_{i}"] for i in range(len(saved.files) - 1)]

@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
@@ -12,6 +11,7 @@ import tensorflow as tf
 from sklearn.datasets import load_digits
 
 import tfreduce
+import zygote
 from helpers import EXAMPLE, NUM_CPUS, load_script
 
 
@@ -171,12 +171,12 @@ def test_two_workers_under_the_launcher(tmp_path):
     """Two worker processes on 127.0.0.1: the same results, one writer."""
     logdir = tmp_path / "run"
     command = [
-        sys.executable, "-m", "tfreduce.launch", "--workers", "2", "--timeout", "150", "--",
-        sys.executable, EXAMPLE, "--devices", "2", "--epochs", "1", "--limit", "200",
+        sys.executable, "-m", "tfreduce.launch", "--workers", "2", "--timeout", "150",
+        "--preload", "tensorflow", "--", sys.executable, EXAMPLE, "--devices", "2", "--epochs", "1", "--limit", "200",
         "--logdir", str(logdir), "--quiet",
     ]
     # The launcher stops its workers at --timeout; this bounds the launcher.
-    run = subprocess.run(command, capture_output=True, text=True, timeout=200)
+    run = zygote.run(command, timeout=200)
     assert run.returncode == 0, run.stderr[-3000:]
     accuracy = [
         re.search(rf"\[worker {r}\] test accuracy: ([0-9.]+)", run.stdout).group(1)
@@ -239,9 +239,9 @@ def test_horovod_trainer_on_two_processes_then_resumed(tmp_path):
 
     def launch(*more):
         command = [sys.executable, "-m", "tfreduce.launch", "--workers", "2", "--timeout",
-                   "150", "--", sys.executable, EXAMPLE, "--trainer", "horovod", "--limit",
+                   "150", "--preload", "tensorflow", "--", sys.executable, EXAMPLE, "--trainer", "horovod", "--limit",
                    "400", "--logdir", str(logdir), "--quiet", *more]
-        run = subprocess.run(command, capture_output=True, text=True, timeout=200)
+        run = zygote.run(command, timeout=200)
         assert run.returncode == 0, run.stderr[-3000:]
         return run
 
@@ -275,9 +275,9 @@ def test_horovod_trainer_usage_errors(example, tmp_path, capsys, args, message):
 
 def run_example_process(args, tmp_path):
     """Runs the example in its own process (a Keras dtype policy is process-wide)."""
-    result = subprocess.run(
+    result = zygote.run(
         [sys.executable, EXAMPLE, "--logdir", str(tmp_path / "run"), "--quiet", *args],
-        capture_output=True, text=True, timeout=600)
+        timeout=600)
     assert result.returncode == 0, result.stderr
     return result.stdout
 

@@ -42,6 +42,7 @@ from tfreduce.cluster import Cluster
 from tfreduce.multiworker import (CROSS_WORKER_PACK_BYTES, allreduce_grads_multiworker,
                                   broadcast_variables_multiworker)
 
+import zygote
 from helpers import CPU_DEVICES, alive
 
 WORKERS = Path(__file__).parent / "workers"
@@ -273,6 +274,8 @@ LAUNCH_TIMEOUT = 150  # the launcher's own limit; the hard limit below is larger
 def launch_workers(script, *args, pid_dir=None, workers=2, launcher=(), timeout=LAUNCH_TIMEOUT):
     """Runs ``python script args`` on 2 workers under the launcher, for at most `timeout` seconds.
 
+    The launcher is forked from this pytest process's warm zygote and
+    forks its workers (``--preload``), so no process imports TensorFlow.
     Returns (exit code, stdout, stderr, seconds). If the launcher itself
     overruns, it is stopped with SIGTERM (it then stops its workers) and
     SIGKILL, and the test fails.
@@ -281,18 +284,11 @@ def launch_workers(script, *args, pid_dir=None, workers=2, launcher=(), timeout=
                "--timeout", str(timeout), "--preload", "tensorflow", *launcher, "--",
                sys.executable, str(WORKERS / script)] + [str(a) for a in args]
     start = time.monotonic()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=Path(__file__).parent.parent)
     try:
-        out, err = proc.communicate(timeout=timeout + 30)
+        done = zygote.run(command, timeout=timeout + 30, cwd=Path(__file__).parent.parent)
     except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.communicate(timeout=20)
-        finally:
-            proc.kill()
         pytest.fail(f"the launcher did not finish in {timeout + 30}s: {command}")
-    return proc.returncode, out, err, time.monotonic() - start
+    return done.returncode, done.stdout, done.stderr, time.monotonic() - start
 
 
 def expected(case, inputs, n):

@@ -38,6 +38,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tfreduce
+import zygote
 from helpers import CPU_DEVICES, NUM_CPUS, SlicesValue, expected, run_in_function
 
 # Hypothesis caches the constants it reads in local source files under
@@ -312,9 +313,8 @@ def test_collective_zero_size_in_subprocess():
               f"import conftest, test_properties; "
               f"test_properties.collective_zero_size_property()")
     try:
-        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                              check=False, timeout=SUBPROCESS_TIMEOUT,
-                              cwd=os.path.dirname(tests_dir))
+        proc = zygote.run([sys.executable, "-c", script], timeout=SUBPROCESS_TIMEOUT,
+                          cwd=os.path.dirname(tests_dir))
     except subprocess.TimeoutExpired as e:
         stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
         pytest.fail(f"no result after {SUBPROCESS_TIMEOUT} s, last example: "

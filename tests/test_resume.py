@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import zygote
 from helpers import EXAMPLE
 
 # Each test trains the example in subprocesses, killed and resumed.
@@ -30,7 +31,7 @@ def command(logdir, *extra):
 
 
 def run(logdir, *extra):
-    done = subprocess.run(command(logdir, *extra), capture_output=True, text=True, timeout=300)
+    done = zygote.run(command(logdir, *extra), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 

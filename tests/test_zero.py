@@ -3,7 +3,6 @@
 import gc
 import os
 import re
-import subprocess
 import sys
 
 import keras
@@ -12,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
+import zygote
 from helpers import CPU_DEVICES
 
 LOSS = "sparse_categorical_crossentropy"
@@ -319,8 +319,7 @@ def test_an_accumulation_checkpoint_of_stage_2_resumes_at_stage_1_restarting_the
 @pytest.mark.slow
 def test_kill_9_during_a_sharded_save_keeps_the_previous_checkpoint(tmp_path):
     script = os.path.join(HERE, "workers", "zero_save_worker.py")
-    run = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True,
-                         text=True, timeout=240)
+    run = zygote.run([sys.executable, script, str(tmp_path)], timeout=240)
     assert run.returncode == -9, run.stderr[-2000:]
     assert os.path.exists(tmp_path / "ckpt-2.index")  # written, then killed before the index
     saved = np.load(tmp_path / "ckpt-1.npz")

@@ -108,16 +108,19 @@ class ForkedWorker:
       env: dict of str, the worker's whole environment.
       others: the ForkedWorkers started before it in this start, whose pipe
         ends the child closes.
+      cwd: str, the worker's working directory (None: this process's).
+      close_fds: more int file descriptors of this process the child closes.
     """
 
-    def __init__(self, prog, env, others=()):
+    def __init__(self, prog, env, others=(), cwd=None, close_fds=()):
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         inherited = [out_r, err_r] + [w.stdout.fileno() for w in others if not w.stdout.closed]
         inherited += [w.stderr.fileno() for w in others if not w.stderr.closed]
+        inherited += list(close_fds)
         pid = os.fork()
         if pid == 0:  # the child: it never returns from here
-            _child(prog, env, out_w, err_w, inherited)
+            _child(prog, env, out_w, err_w, inherited, cwd)
         os.close(out_w)
         os.close(err_w)
         self.pid = pid
@@ -151,17 +154,21 @@ def _text(fd, mode):
                             write_through=True)
 
 
-def _child(prog, env, out_w, err_w, inherited):
+def _child(prog, env, out_w, err_w, inherited, cwd):
     code = 1
     try:
         os.setsid()
+        if cwd is not None:
+            os.chdir(cwd)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for fd in inherited:
+            os.close(fd)
         devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
-        for fd in [devnull, out_w, err_w] + inherited:
+        for target, fd in ((0, devnull), (1, out_w), (2, err_w)):
+            if fd != target:
+                os.dup2(fd, target)
+        for fd in {devnull, out_w, err_w} - {0, 1, 2}:
             os.close(fd)
         os.environ.clear()
         os.environ.update(env)
@@ -202,10 +209,10 @@ def _run(prog):
     except SystemExit as e:
         code = _exit_code(e.code)
     except KeyboardInterrupt as e:
-        _print_traceback(e)
+        _uncaught(e)
         code, interrupted = 1, True
     except BaseException as e:
-        _print_traceback(e)
+        _uncaught(e)
         code = 1
     _finish()
     if interrupted:  # as Python does: die of the signal itself
@@ -214,12 +221,20 @@ def _run(prog):
     return code
 
 
-def _print_traceback(error):
-    """The traceback Python prints, without the frames of this module and runpy."""
+def _uncaught(error):
+    """What Python does with an uncaught exception: sys.last_* set, then sys.excepthook.
+
+    The traceback starts at the program's code: the frames of this module
+    and of runpy are left out. (Exit handlers read ``sys.last_value``: the
+    watchdog's goodbye names the error to the peers.)
+    """
     tb = error.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
         tb = tb.tb_next
-    traceback.print_exception(type(error), error, tb)
+    sys.last_type, sys.last_value, sys.last_traceback = type(error), error, tb
+    if hasattr(sys, "last_exc"):  # Python 3.12+
+        sys.last_exc = error
+    sys.excepthook(type(error), error, tb)
 
 
 def _exit_code(value):

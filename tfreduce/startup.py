@@ -147,10 +147,12 @@ def quiet_stderr():
     """Sets TF_CPP_MIN_LOG_LEVEL=2 (unless set) and filters fd 2 for the rest of this process.
 
     What ``import_tensorflow`` does before it imports, for a process that
-    imports TensorFlow otherwise (the launcher's ``--preload``).
+    imports TensorFlow otherwise (the launcher's ``--preload``). Once per
+    process: a second call changes nothing.
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    _start_stderr_filter()
+    if not _FILTERS:
+        _start_stderr_filter()
 
 
 def after_fork():

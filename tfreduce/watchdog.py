@@ -69,6 +69,9 @@ STALL_ENV = "TFREDUCE_STALL_SECONDS"
 # Seconds between heartbeats (at most; 5 per stall bound when it is below 5 s):
 # at 4 a second, 8 workers on this 2-core host spent 1% of it on them.
 _INTERVAL = 1.0
+# How long a process that an error ends keeps its sockets open after its
+# goodbye, so that the peers name its error before its connections drop.
+_FAILED_LINGER = 0.3
 _DOING_CHARS = 160
 #: What a process waiting in Horovod's join() is doing (it makes the others' calls).
 IN_JOIN = "join() (its data ended)"
@@ -202,6 +205,8 @@ class Watchdog(threading.Thread):
                 self._sent = now
                 self._judge(now)  # once per heartbeat: every datagram would cost CPU
             self._receive()
+            if self._failed and self.fired is None:
+                self._fire(min(self._failed))  # at once: before its connections drop
 
     def _judge(self, now):
         """Fires for a silent or failed peer, warns of one behind, reports stragglers."""
@@ -224,6 +229,8 @@ class Watchdog(threading.Thread):
             error = getattr(sys, "last_value", None)
             for _ in range(3):  # datagrams may be lost between machines
                 self._send("bye" if error is None else "failed", _error_line(error))
+            if error is not None:
+                time.sleep(_FAILED_LINGER)
 
     def _send(self, kind, error=None):
         beat = json.dumps({"run": self._run, "rank": self.cluster.rank, "kind": kind,
