@@ -50,7 +50,8 @@ def run(args, log):
         if args.total_bytes:
             worker += ["--total-bytes", str(args.total_bytes)]
         command = [sys.executable, "-m", "tfreduce.launch", "--workers", str(args.workers),
-                   "--timeout", str(TIMEOUT_S)] + (["--verbose"] if args.verbose else [])
+                   "--timeout", str(TIMEOUT_S), "--preload", "tensorflow"]
+        command += ["--verbose"] if args.verbose else []
         log(f"{args.workers} workers x {args.devices} devices on 127.0.0.1, {args.model}, "
             f"{args.steps} rounds")
         done = subprocess.run(command + ["--"] + worker, capture_output=True, text=True)

@@ -174,7 +174,7 @@ def _horovod_rates(args, num_processes, stall_seconds=None):
                   "--json", path]
         stall = [] if stall_seconds is None else ["--stall-seconds", str(stall_seconds)]
         command = [sys.executable, "-m", "tfreduce.launch", "--workers", str(num_processes),
-                   "--timeout", "1800", *stall, "--"] + worker
+                   "--timeout", "1800", "--preload", "tensorflow", *stall, "--"] + worker
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"the DistributedOptimizer processes failed (exit "
