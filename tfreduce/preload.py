@@ -231,6 +231,7 @@ def _uncaught(error):
     tb = error.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
         tb = tb.tb_next
+    error.with_traceback(tb)  # what sys.excepthook prints
     sys.last_type, sys.last_value, sys.last_traceback = type(error), error, tb
     if hasattr(sys, "last_exc"):  # Python 3.12+
         sys.last_exc = error

@@ -69,8 +69,9 @@ STALL_ENV = "TFREDUCE_STALL_SECONDS"
 # Seconds between heartbeats (at most; 5 per stall bound when it is below 5 s):
 # at 4 a second, 8 workers on this 2-core host spent 1% of it on them.
 _INTERVAL = 1.0
-# How long a process that an error ends keeps its sockets open after its
-# goodbye, so that the peers name its error before its connections drop.
+# After its goodbye, a process that an error ends keeps its connections
+# open this long beyond one heartbeat interval (in which each peer judges
+# once), so that the peers name its error before its connections drop.
 _FAILED_LINGER = 0.3
 _DOING_CHARS = 160
 #: What a process waiting in Horovod's join() is doing (it makes the others' calls).
@@ -205,8 +206,6 @@ class Watchdog(threading.Thread):
                 self._sent = now
                 self._judge(now)  # once per heartbeat: every datagram would cost CPU
             self._receive()
-            if self._failed and self.fired is None:
-                self._fire(min(self._failed))  # at once: before its connections drop
 
     def _judge(self, now):
         """Fires for a silent or failed peer, warns of one behind, reports stragglers."""
@@ -223,14 +222,19 @@ class Watchdog(threading.Thread):
     def goodbye(self):
         """Tells the peers this process ends (with the error that ends it); stops the thread.
 
-        Registered with atexit: an uncaught exception is ``sys.last_value`` then."""
+        Registered with atexit: an uncaught exception is ``sys.last_value`` then.
+        After an error's goodbye the process lingers one heartbeat interval
+        and 0.3 s: each peer judges once per interval, and names the error
+        before this process's connections drop (its collectives would then
+        fail on a closed socket first). A peer still finishing a collective
+        that this process already finished gets the rest of its interval."""
         if not self._stop.is_set():
             self._stop.set()
             error = getattr(sys, "last_value", None)
             for _ in range(3):  # datagrams may be lost between machines
                 self._send("bye" if error is None else "failed", _error_line(error))
             if error is not None:
-                time.sleep(_FAILED_LINGER)
+                time.sleep(self._interval + _FAILED_LINGER)
 
     def _send(self, kind, error=None):
         beat = json.dumps({"run": self._run, "rank": self.cluster.rank, "kind": kind,
