@@ -4,15 +4,16 @@ Size classes (docs/testing.md): every test's time (setup, call and
 teardown) is recorded with its class, ``small`` (unmarked, at most
 ``LIMITS["small"]`` seconds) or ``slow``, into pytest's cache under
 ``tfreduce/sizes``; the terminal summary lists the tests over their class's
-limit, and ``python .ci/sizes.py``, run after the suite, fails
-on them.
+limit, and ``python .ci/sizes.py``, which CI runs after the suite,
+fails on them.
 
 Python blocks of the README and docs/ run through pytest-markdown-docs. A
 block marked ``python runner:TwoWorkers`` is a multi-worker program: it
 runs as two worker processes under ``tfreduce.launch --preload tensorflow``
 on 127.0.0.1 (the launcher forked from tests/zygote.py's warm Python), and
 fails the test with their output unless both exit with 0. Every other block
-runs in the test process, on the logical CPU devices tests/conftest.py makes.
+runs in the test process, on the logical CPU devices tests/conftest.py makes;
+one marked ``python runner:Slow`` is marked ``slow`` (a whole fit, over 2 s).
 """
 
 import importlib.util
@@ -64,10 +65,16 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_collection_modifyitems(items):
-    """A block that starts two worker processes is slow: the quick tier leaves it out."""
+    """A block that starts two worker processes, or is marked Slow, is slow: the quick
+    tier leaves it out."""
     for item in items:
-        if getattr(item, "runner_name", None) == "TwoWorkers":
+        if getattr(item, "runner_name", None) in ("TwoWorkers", "Slow"):
             item.add_marker(pytest.mark.slow)
+
+
+@register_runner()
+class Slow(DefaultRunner):
+    """Runs a block as any other, in the test process; it is marked slow (over 2 s)."""
 
 
 def _zygote():

@@ -19,6 +19,7 @@ HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 # whole product.
 RUNS = [f"function-K{k}" for k in (1, 2, 3, 4, 8)] + [f"session-K{k}" for k in (1, 4)]
 SLOW_RUNS = ("function-K3", "function-K8")
+SLOW_GATHERS = ("all_gather", "all_to_all")
 
 
 def runner_and_towers(mode):
@@ -143,7 +144,8 @@ def test_sums_equal_numpy_on_every_device(algorithm, mode, collective, average):
 
 
 @covering(algorithm=ALGORITHMS, mode=RUNS, collective=["all_gather", "broadcast", "all_to_all"],
-          slow=lambda case: case["mode"] in SLOW_RUNS)
+          slow=lambda case: case["mode"] in SLOW_RUNS or (
+              case["algorithm"] == "collective" and case["collective"] in SLOW_GATHERS))
 def test_data_movement_equals_numpy_on_every_device(algorithm, mode, collective):
     runner, num_towers = runner_and_towers(mode)
     devices = CPU_DEVICES[:num_towers]
@@ -228,9 +230,11 @@ def test_all_gather_of_reduce_scatter_is_the_all_reduce(algorithm):
             np.testing.assert_array_equal(gathered[k][n].numpy(), reduced[k][n].numpy())
 
 
-@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather", "broadcast", "reduce",
-                                        "all_to_all"])
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+# The collective algorithm's eager all-gather and all-to-all take 2 s each.
+@pytest.mark.parametrize("algorithm, collective", [
+    pytest.param(a, c, marks=[pytest.mark.slow] * (a == "collective" and c in SLOW_GATHERS))
+    for a in ALGORITHMS
+    for c in ["reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all"]])
 def test_eagerly_outputs_are_on_their_devices(algorithm, collective):
     devices = CPU_DEVICES[:3]
     arrays = (same_shapes if collective in ("reduce_scatter", "reduce") else uneven_rows)(
@@ -415,8 +419,8 @@ def test_auto_is_ring_on_gpus_where_nccl_has_no_op_and_flat_on_cpus():
     assert any("reduce_scatter_flat" in op.name for op in graph.get_operations())
 
 
-@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather", "broadcast", "reduce",
-                                        "all_to_all"])
+@pytest.mark.parametrize("collective", ["reduce_scatter", *[
+    pytest.param(c, marks=pytest.mark.slow) for c in SLOW_GATHERS], "broadcast", "reduce"])
 @pytest.mark.parametrize("preset", ["dgx1-v100", "dgx-a100"])
 def test_auto_with_a_topology_takes_the_fastest_predicted(collective, preset):
     size = 8 * 2**20

@@ -19,8 +19,8 @@ limit here (which stops the launcher, and so its workers, if it is reached):
   momentum, uneven shards, a skipped small last batch) gives the weights,
   losses, evaluation and predictions of 1 process with 4 devices, resumes
   from rank 0's checkpoint, and only rank 0 writes; so do accumulation,
-  PowerSGD, ZeRO and a skipped NaN batch. These fits share one launch
-  (``FITS``): each worker trains them in turn on one cluster.
+  PowerSGD, ZeRO and a skipped NaN batch. These fits share two launches
+  (``FITS``): each worker trains four in turn on one cluster.
 """
 
 import gzip
@@ -414,9 +414,9 @@ def test_resume_continues_from_the_last_checkpoint(killed, trained, tmp_path):
 
 NAN_OPTIONS = ["--on-nonfinite", "skip", "--compression", "fp16", "--powersgd-rank", 1,
                "--mixed", "--no-shuffle"]
-# name -> arguments of trainer_worker.py; the runs share one launch (one
-# process per worker, one cluster), in this order: the second of a pair
-# resumes from the first's checkpoint.
+# name -> arguments of trainer_worker.py; the runs of each fixture below
+# share one launch (one process per worker, one cluster), in this order: the
+# second of a pair resumes from the first's checkpoint.
 FITS = {
     "first": ["--logdir", "{logs}", "--profile-steps", "2,3"],
     "resumed": ["--logdir", "{logs}", "--epochs", 2, "--resume"],
@@ -430,24 +430,37 @@ FITS = {
 }
 
 
-@pytest.fixture(scope="module")
-def fits(tmp_path_factory):
-    """The FITS on 2 workers x 2 devices: (name -> [rank 0's, rank 1's results], stdout, root).
+def launch_fits(root, names):
+    """FITS[name] for each name on 2 workers x 2 devices, in one launch.
 
-    root/logs and root/zero_logs hold the runs' logdirs (rank r's in rank<r>).
+    Returns (name -> [rank 0's, rank 1's results], stdout, root): root/logs
+    and root/zero_logs hold the runs' logdirs (rank r's in rank<r>).
     """
-    root = tmp_path_factory.mktemp("fits")
     runs = {}
-    for name, arguments in FITS.items():
+    for name in names:
         (root / name).mkdir()
         runs[name] = ["--out", str(root / name)] + [
-            str(a).format(logs=root / "logs", zero_logs=root / "zero_logs") for a in arguments]
+            str(a).format(logs=root / "logs", zero_logs=root / "zero_logs") for a in FITS[name]]
     (root / "runs.json").write_text(json.dumps(runs))
     code, out, err, _ = launch_workers("trainer_worker.py", "--runs", root / "runs.json",
                                        timeout=300)
     assert code == 0, err[-3000:]
-    results = {name: [np.load(root / name / f"rank{r}.npz") for r in range(2)] for name in FITS}
+    results = {name: [np.load(root / name / f"rank{r}.npz") for r in range(2)] for name in names}
     return results, out, root
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory):
+    """Four of the FITS in one launch (all eight in one took about a minute)."""
+    return launch_fits(tmp_path_factory.mktemp("fits"),
+                       ["first", "resumed", "accumulated", "zero2"])
+
+
+@pytest.fixture(scope="module")
+def more_fits(tmp_path_factory):
+    """The other four FITS, in a launch of their own."""
+    return launch_fits(tmp_path_factory.mktemp("more_fits"),
+                       ["zero1", "zero1_resumed", "nan", "without"])
 
 
 @pytest.fixture(scope="module")
@@ -559,10 +572,10 @@ def assert_models_match(got, want, rank, tmp_path):
 
 
 @pytest.mark.slow
-def test_zero_stage_1_checkpoints_on_two_workers_are_whole_and_resume(fits, tmp_path):
+def test_zero_stage_1_checkpoints_on_two_workers_are_whole_and_resume(more_fits, tmp_path):
     # Rank 0 writes every worker's shards, gathered; the resumed run gets
     # its ranges back from rank 0's read, on each tower of each worker.
-    results, stdout, root = fits
+    results, stdout, root = more_fits
     logdir = root / "zero_logs"
     assert "[worker 1] rank 1: zero1_resumed: restored None at step 5" in stdout
     want = trainer_worker.fit_reference(CPU_DEVICES[:4], epochs=2)
@@ -579,13 +592,13 @@ def test_zero_stage_1_checkpoints_on_two_workers_are_whole_and_resume(fits, tmp_
 
 
 @pytest.mark.slow
-def test_a_nan_on_one_worker_is_skipped_by_both_like_the_run_without_its_batch(fits):
+def test_a_nan_on_one_worker_is_skipped_by_both_like_the_run_without_its_batch(more_fits):
     # 53 rows in batches of 10, not shuffled: row 28 is in batch 2, on a
     # tower of rank 1 only (shards 3, 3 | 2, 2). Rank 0's losses are
     # finite, so only a cluster-wide check keeps its LossScaleOptimizer
     # from lowering its scale, and its BatchNorm statistics, PowerSGD state
     # and weights from moving.
-    runs = fits[0]
+    runs = more_fits[0]
     for r in range(2):
         got, want = runs["nan"][r], runs["without"][r]
         assert int(got["step"]) == 5 and int(want["step"]) == 4

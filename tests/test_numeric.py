@@ -41,7 +41,8 @@ def make_grads(num_towers, seed):
 # K = 6 and 8 are in the full suite only.
 @covering(runner=list(RUNNERS), algorithm=ALGORITHMS, num_towers=[1, 2, 3, 4, 6, 8],
           average=[False, True], pack_bytes=[None, 256],
-          slow=lambda case: case["num_towers"] >= 6)
+          slow=lambda case: case["num_towers"] >= 6 or (case["algorithm"], case["num_towers"],
+                                                        case["runner"]) == ("ring", 4, "function"))
 def test_exact_values_on_every_device(runner, algorithm, num_towers, average, pack_bytes):
     runner = RUNNERS[runner]
     devices = CPU_DEVICES[:num_towers]
@@ -55,8 +56,9 @@ def test_exact_values_on_every_device(runner, algorithm, num_towers, average, pa
     check(values, placed, grads, average, devices)
 
 
-@pytest.mark.parametrize("groups", [[[0, 1, 2], [3, 4], [5]], [[5, 0], [1, 3, 2, 4]],
-                                    [[0], [1], [2], [3], [4], [5]]])
+@pytest.mark.parametrize("groups", [
+    pytest.param([[0, 1, 2], [3, 4], [5]], marks=pytest.mark.slow), [[5, 0], [1, 3, 2, 4]],
+    pytest.param([[0], [1], [2], [3], [4], [5]], marks=pytest.mark.slow)])
 def test_hierarchical_uneven_groups(runner, groups):
     devices = CPU_DEVICES[:6]
     grads = make_grads(6, seed=11)

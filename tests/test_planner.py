@@ -113,6 +113,7 @@ def test_sparse_gradients_alone_take_the_default_rule(monkeypatch):
                                   [[1, 1, 1], [2, 2, 2], [0, 0, 0], [0, 0, 0]])
 
 
+@pytest.mark.slow
 def test_the_trainer_plans_and_trains_as_the_named_algorithm(monkeypatch):
     plans = spy_on_plans(monkeypatch)
     rng = np.random.default_rng(0)

@@ -262,6 +262,7 @@ def test_the_trainer_checks_the_devices_when_made():
         ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2], algorithm="nccl")
 
 
+@pytest.mark.slow
 def test_a_topology_plans_once_per_layout_and_the_plan_holds_a_reduction(monkeypatch):
     plans = spy_on_plans(monkeypatch)
     bandwidth_bound = tfreduce.Topology.fully_connected(4, 1e9, 0.0)

@@ -92,7 +92,8 @@ def assert_equivalent(trainer, model_fn, optimizer_fn):
 
 
 @pytest.mark.parametrize("num_towers", [2, pytest.param(4, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("algorithm", CPU_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", [
+    pytest.param(a, marks=[pytest.mark.slow] * (a == "collective")) for a in CPU_ALGORITHMS])
 def test_k_towers_train_like_one_device(algorithm, num_towers):
     trainer = ReplicatedTrainer(
         mlp, LOSS, sgd, devices=CPU_DEVICES[:num_towers], algorithm=algorithm
@@ -174,6 +175,7 @@ def test_fit_builds_a_model_without_an_input_on_its_first_batch():
     assert trainer.models[0].built and trainer.check_replicas() == 0.0
 
 
+@pytest.mark.slow
 def test_periodic_rebroadcast_repairs_drift():
     x, y = data(8)
     drifting = ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2], bcast_period=3)
@@ -192,6 +194,7 @@ def test_periodic_rebroadcast_repairs_drift():
     assert never.check_replicas() > 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["flat", "collective"])
 def test_batchnorm_statistics_are_synced_as_shard_weighted_means(algorithm):
     trainer = ReplicatedTrainer(bn_mlp, LOSS, sgd, devices=CPU_DEVICES[:4], algorithm=algorithm)
@@ -364,6 +367,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resumes_mid_epoch(tmp_path, uninterrupted
     assert_same_state(full_state(resumed), want)
 
 
+@pytest.mark.slow
 def test_save_never_overwrites_and_restores_a_named_checkpoint(tmp_path):
     trainer = resumable_trainer()
     x, y = data(8)

@@ -139,6 +139,7 @@ def test_powersgd_at_full_rank_trains_like_no_compression(algorithm):
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.slow
 def test_powersgd_state_is_per_tower_and_checkpointed(tmp_path):
     x, y = data(32)
 
