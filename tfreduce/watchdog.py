@@ -69,10 +69,14 @@ STALL_ENV = "TFREDUCE_STALL_SECONDS"
 # Seconds between heartbeats (at most; 5 per stall bound when it is below 5 s):
 # at 4 a second, 8 workers on this 2-core host spent 1% of it on them.
 _INTERVAL = 1.0
-# After its goodbye, a process that an error ends keeps its connections
-# open this long beyond one heartbeat interval (in which each peer judges
-# once), so that the peers name its error before its connections drop.
-_FAILED_LINGER = 0.3
+# A peer that an error ended is acted on this long after its goodbye came:
+# a collective it had already finished may still finish here (a check that
+# fails on every worker then raises its own error on each).
+_FAILED_GRACE = 2.0
+# The failing process keeps its connections open for the grace, the
+# heartbeat interval in which each peer judges once, and this margin, so that
+# its peers name its error before its connections drop.
+_FAILED_MARGIN = 0.3
 _DOING_CHARS = 160
 #: What a process waiting in Horovod's join() is doing (it makes the others' calls).
 IN_JOIN = "join() (its data ended)"
@@ -212,8 +216,9 @@ class Watchdog(threading.Thread):
         stopped = self._stopped(now)
         if stopped is not None and self.fired is None:
             self._fire(stopped)
-        if self._failed and self.fired is None:
-            self._fire(min(self._failed))
+        failed = [r for r in sorted(self._failed) if now - self._heard[r][0] >= _FAILED_GRACE]
+        if failed and self.fired is None:
+            self._fire(failed[0])
         if self.fired is None:
             self._warn_behind(now)
         if self.cluster.rank == 0:  # the chief reports, once for all
@@ -223,18 +228,19 @@ class Watchdog(threading.Thread):
         """Tells the peers this process ends (with the error that ends it); stops the thread.
 
         Registered with atexit: an uncaught exception is ``sys.last_value`` then.
-        After an error's goodbye the process lingers one heartbeat interval
-        and 0.3 s: each peer judges once per interval, and names the error
-        before this process's connections drop (its collectives would then
-        fail on a closed socket first). A peer still finishing a collective
-        that this process already finished gets the rest of its interval."""
+        After an error's goodbye the process lingers 2 s, one heartbeat
+        interval and 0.3 s: a peer acts on the error 2 s after it came (a
+        collective this process finished may finish there too), at its next
+        judgement (once per interval), and names the error before this
+        process's connections drop (its collectives would then fail on a
+        closed socket first)."""
         if not self._stop.is_set():
             self._stop.set()
             error = getattr(sys, "last_value", None)
             for _ in range(3):  # datagrams may be lost between machines
                 self._send("bye" if error is None else "failed", _error_line(error))
             if error is not None:
-                time.sleep(self._interval + _FAILED_LINGER)
+                time.sleep(_FAILED_GRACE + self._interval + _FAILED_MARGIN)
 
     def _send(self, kind, error=None):
         beat = json.dumps({"run": self._run, "rank": self.cluster.rank, "kind": kind,
