@@ -15,8 +15,8 @@ forks its workers in turn (the commands given here pass ``--preload``).
 ``run(command, timeout=...)`` is ``subprocess.run(command,
 capture_output=True, text=True, timeout=...)`` for a command ``python
 SCRIPT|-m MODULE|-c CODE ARGS`` of this Python: on a timeout the child's
-session gets SIGTERM, then SIGKILL, and ``subprocess.TimeoutExpired`` is
-raised. Tests whose subject is a command's own start-up (test_commands,
+process group gets SIGTERM, then SIGKILL, and ``subprocess.TimeoutExpired``
+is raised. Tests whose subject is a command's own start-up (test_commands,
 test_launch) keep starting new processes.
 
 Run as a script, this file is the server: one JSON request per line on
@@ -47,23 +47,26 @@ class Zygote:
     def __init__(self):
         self._proc = None
         self._pending = b""
+        atexit.register(self.close)
 
     def _start(self):
         self._proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL)
-        atexit.register(self.close)
+        self._pending = b""
         ready = self._message(time.monotonic() + _START_SECONDS)
         if ready is None or "ready" not in ready:
             raise RuntimeError(f"the zygote server did not start: {ready}")
 
-    def close(self):
+    def close(self, wait=10):
+        """Stops the server: end of its input, then SIGKILL after ``wait`` seconds."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.stdin.close()
             try:
-                self._proc.wait(timeout=10)
+                self._proc.wait(timeout=wait)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
+                self._proc.wait()
         self._proc = None
 
     def _message(self, deadline):
@@ -105,6 +108,8 @@ class Zygote:
                 done = self._message(time.monotonic() + _KILL_SECONDS)
                 if done is not None:
                     break
+            else:  # the server still waits on the child's output: the next run starts anew
+                self.close(wait=0)
             raise subprocess.TimeoutExpired(command, timeout,
                                             output=done and done["stdout"],
                                             stderr=done and done["stderr"])

@@ -110,6 +110,10 @@ class ForkedWorker:
         ends the child closes.
       cwd: str, the worker's working directory (None: this process's).
       close_fds: more int file descriptors of this process the child closes.
+
+    Raises:
+      OSError: the pipes or the fork cannot be made (too many processes or
+        open files).
     """
 
     def __init__(self, prog, env, others=(), cwd=None, close_fds=()):
