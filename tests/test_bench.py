@@ -2,13 +2,46 @@
 
 import json
 import re
+import subprocess
 
 import numpy as np
 import pytest
 
 import tfreduce
+import zygote
 from tfreduce import bench
+from tfreduce.bench import multiworker_mode, train_mode
 from tfreduce.bench.workloads import gradient_shapes
+
+CHILD_TIMEOUT = 600
+
+
+class WarmSubprocess:
+    """``subprocess`` as the bench's modes use it, each command forked by the zygote.
+
+    The train and multi-worker modes time each K in a child Python and start
+    the launcher for two processes: each a TensorFlow import (7 s of a core
+    here) before its first step. Forked from the warm server, the children
+    run the same programs (tests/zygote.py; test_launch checks that a forked
+    program sees what an exec'd one does).
+    """
+
+    DEVNULL = subprocess.DEVNULL
+    CalledProcessError = subprocess.CalledProcessError
+
+    @staticmethod
+    def run(command, check=False, timeout=CHILD_TIMEOUT, cwd=None, env=None, **_output):
+        done = zygote.run(command, timeout, cwd=cwd, env=env)
+        if check and done.returncode:
+            raise subprocess.CalledProcessError(done.returncode, command, done.stdout,
+                                                done.stderr)
+        return done
+
+
+@pytest.fixture(autouse=True)
+def warm_children(monkeypatch):
+    for module in (train_mode, multiworker_mode):
+        monkeypatch.setattr(module, "subprocess", WarmSubprocess)
 
 
 def run(tmp_path, *argv):

@@ -1,5 +1,6 @@
 """tfreduce.CrossDeviceOps: Keras model.fit under MirroredStrategy on tfreduce's all-reduce."""
 
+import functools
 import os
 import sys
 
@@ -45,6 +46,12 @@ def test_fit_equals_mirrored_strategys_default(default_run, algorithm):
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
 
+@functools.lru_cache(maxsize=None)
+def one_device_float64():
+    """fit's weights and losses in float64 on one device without a strategy (run once)."""
+    return worker.fit_weights(None, dtype="float64", batch_norm=False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("num_devices", [2, 4])
 @pytest.mark.parametrize("algorithm", CPU_ALGORITHMS)
@@ -53,7 +60,7 @@ def test_fit_in_float64_equals_one_device(num_devices, algorithm):
     # strategy), K replicas on equal shards make one device's updates.
     got, losses = worker.fit_weights(CPU_DEVICES[:num_devices],
                                      tfreduce.CrossDeviceOps(algorithm), "float64", False)
-    want, want_losses = worker.fit_weights(None, dtype="float64", batch_norm=False)
+    want, want_losses = one_device_float64()
     for g, w in zip(got, want):
         assert g.dtype == np.float64
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-14)

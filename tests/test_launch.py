@@ -110,6 +110,27 @@ def test_survivors_get_the_grace_period_to_report(pids):
     assert "stopping" not in err
 
 
+def test_a_stopped_worker_gets_the_sigterm_at_once(pids):
+    # Worker 0 is stopped (SIGSTOP, as a frozen worker in the tests, or
+    # Ctrl-Z): the SIGTERM waits until it continues, so the launcher sends
+    # SIGCONT after it, as systemd does. Without, SIGKILL ends it unwarned.
+    code, out, err, _ = run(pids, """\
+        import signal
+        if index == 1:
+            time.sleep(0.5)
+            sys.exit(3)
+        def terminated(signum, frame):
+            print("worker 0 got SIGTERM", flush=True)
+            sys.exit(143)
+        signal.signal(signal.SIGTERM, terminated)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(60)
+        """, "--workers", "2", "--grace", "0")
+    assert code == 3
+    assert "[launch] stopping worker 0" in err
+    assert "[worker 0] worker 0 got SIGTERM" in out, (out, err)
+
+
 @pytest.mark.parametrize("preload", [[], ["--preload", "json"]], ids=["exec", "forked"])
 def test_a_killed_worker_and_its_children_are_reported_and_cleaned_up(pids, preload):
     code, _, err, _ = run(pids, """\

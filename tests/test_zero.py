@@ -257,8 +257,11 @@ def test_a_checkpoint_resumes_at_another_k_and_stage(saved, resumed, tmp_path, c
     t.save(str(tmp_path))
     slots = gathered_slots(t)
     assert len(slots) == 2 * len(t.models[0].trainable_variables)
-    u, reference = trainer(*resumed), trainer(resumed[0], 0)
-    for r in (u, reference):
+    # Resumed sharded: it must train as an unsharded run restored from the
+    # same checkpoint. Resumed unsharded, it is that run.
+    u = trainer(*resumed)
+    reference = trainer(resumed[0], 0) if resumed[1] else None
+    for r in (u, reference) if reference else (u,):
         r.restore(str(tmp_path))
         r.train_step(*data(16))  # builds, restores, trains
     assert re.search(rf"saved at {saved[0]} towers with zero_stage {saved[1]}; resuming at "
@@ -272,8 +275,9 @@ def test_a_checkpoint_resumes_at_another_k_and_stage(saved, resumed, tmp_path, c
     for key in slots:
         np.testing.assert_array_equal(got[key], slots[key])
     assert all(int(o.iterations.numpy()) == 6 for o in fresh.optimizers)
-    for a, b in zip(train(u, 5), train(reference, 5)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    if reference:
+        for a, b in zip(train(u, 5), train(reference, 5)):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.slow

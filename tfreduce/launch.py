@@ -6,8 +6,9 @@ starts the command N times, each with the TF_CONFIG of one worker of an
 N-worker cluster on 127.0.0.1 (free ports picked here), and prefixes every
 line each worker prints with ``[worker i]``. When a worker fails (exits
 non-zero or is killed), the others get ``--grace`` seconds to notice the lost
-peer and fail with their own message, then they are stopped (SIGTERM, then
-SIGKILL, to each worker's whole process group) and the launcher exits with
+peer and fail with their own message, then they are stopped (SIGTERM and
+SIGCONT, so a stopped worker gets it too, then SIGKILL, to each worker's
+whole process group) and the launcher exits with
 the first failure's code (128 + signal number for a signal). Ctrl-C stops
 every worker. ``--timeout`` bounds the whole run.
 
@@ -175,6 +176,9 @@ class _Workers:
             self._log(f"stopping worker{'s' if len(left) > 1 else ''} "
                       f"{', '.join(map(str, left))}")
             self.signal_all(signal.SIGTERM)
+            # A stopped worker (SIGSTOP, Ctrl-Z) acts on the SIGTERM only once
+            # it runs again: continue it, as systemd does.
+            self.signal_all(signal.SIGCONT)
             deadline = time.monotonic() + _TERM_SECONDS
             while self.running() and time.monotonic() < deadline:
                 time.sleep(_POLL_SECONDS)

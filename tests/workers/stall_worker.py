@@ -15,7 +15,7 @@ an uncaught RuntimeError there, or with ``--pause S`` sleeps S seconds
 there (alive, outside its steps); ``--freeze-at -1`` never freezes (a clean
 run). ``--lag-ms M`` makes rank 1 of the tape loop (or of fit) sleep
 M ms before each step (a straggler), from step ``--lag-from`` on (tape); fit with ``--logdir`` runs 300
-batches with WorkerTimesCallback writing to LOGDIR/rank<r>; ``--slow-trace S`` makes its step's
+batches with WorkerTimesCallback writing to LOGDIR/rank<r>; ``--slow-trace S`` makes its first step's
 trace take S seconds more (a big model's first step, not a hang). The survivor's watchdog is expected to abort its
 collectives; the error then ends it with a non-zero code.
 """
@@ -68,9 +68,10 @@ def tape(args):
 
     @tf.function
     def step(first):
-        if r == 1 and args.slow_trace:
+        if r == 1 and args.slow_trace and first:
             # A first trace that takes long (a big model): pure Python, the GIL
-            # taken back every few ms, as a long trace does.
+            # taken back every few ms, as a long trace does. (Only the first
+            # step's: the step is traced again for first=False.)
             end = time.monotonic() + args.slow_trace
             while time.monotonic() < end:
                 sum(range(1000))
