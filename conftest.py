@@ -4,8 +4,8 @@ Size classes (docs/testing.md): every test's time (setup, call and
 teardown) is recorded with its class, ``small`` (unmarked, at most
 ``LIMITS["small"]`` seconds) or ``slow``, into pytest's cache under
 ``tfreduce/sizes``; the terminal summary lists the tests over their class's
-limit, and ``python .ci/sizes.py``, run by hand after the suite, fails
-on them.
+limit, and ``python .ci/sizes.py``, run by CI after the suite, fails on
+those that are over it again when run alone.
 
 Python blocks of the README and docs/ run through pytest-markdown-docs. A
 block marked ``python runner:TwoWorkers`` is a multi-worker program: it

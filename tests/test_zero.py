@@ -69,10 +69,13 @@ def reduction(name, num_towers):
     return hierarchical(num_towers) if name == "hierarchical" else tfreduce.Reduction(name)
 
 
-# Adam on every K and algorithm; each other optimizer once, each algorithm
-# once among them.
-GRID = ([("adam", k, a) for k in (2, 4, 8) for a in ("flat", "ring", "hierarchical")]
-        + [("sgd_momentum", 2, "ring"), ("rmsprop", 4, "hierarchical"), ("adagrad", 4, "flat")])
+# A Latin square of Adam, RMSprop and SGD with momentum over K x algorithm:
+# every pair of optimizer, K and algorithm in 9 cases (a covering array of
+# strength 2, the smallest there is); and Adagrad once.
+GRID = [(optimizer, k, a) for i, k in enumerate((2, 4, 8))
+        for j, a in enumerate(("flat", "ring", "hierarchical"))
+        for optimizer in [("adam", "rmsprop", "sgd_momentum")[(i + j) % 3]]] + [
+            ("adagrad", 4, "hierarchical")]
 
 
 def float64_weights(optimizer, num_towers, algorithm, stage, accumulate_steps=1):
