@@ -71,9 +71,9 @@ def test_collectives_equal_numpy(ranks):
         # [1], rank 1 [10, 11] and [12, 13].
         assert got["alltoall_even"].tolist() == [[0, 10, 11], [1, 12, 13]][r]
         assert re.fullmatch(
-            rf"SplitsError: alltoall without splits sends each of the 2 processes the same "
-            rf"number of rows, so each process's rows must be a multiple of 2: worker 0 "
-            rf"\(127\.0\.0\.1:\d+\) has 3 \(give splits=\)", str(got["alltoall_uneven"]))
+            r"SplitsError: alltoall without splits sends each of the 2 processes the same "
+            r"number of rows, so each process's rows must be a multiple of 2: worker 0 "
+            r"\(127\.0\.0\.1:\d+\) has 3 \(give splits=\)", str(got["alltoall_uneven"]))
         assert got["after_uneven"].tolist() == [[0, 10], [1, 11]][r]
         np.testing.assert_array_equal(got["bcast"], [20.0, 40.0])
         np.testing.assert_array_equal(got["bcast_var"], [1.0, 6.0])

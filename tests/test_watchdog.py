@@ -179,7 +179,7 @@ def test_the_bound_comes_from_the_argument_the_environment_or_the_default(monkey
     assert Cluster(spec, "worker", 0, stall_seconds=3).stall_seconds == 3.0
     for bad in (-1, "soon"):
         with pytest.raises(ValueError, match=re.escape(
-                f"stall_seconds must be")):
+                "stall_seconds must be")):
             stall_seconds_from(bad)
     assert parse_args(["--workers", "2", "--stall-seconds", "5", "--", "x"]).stall_seconds == 5
     with pytest.raises(SystemExit):
