@@ -15,7 +15,7 @@ from helpers import CPU_DEVICES, load_script
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "keras_fit_worker.py")
 CPU_ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]
-# float32 weights after 3 epochs: the sums are formed in another order than
+# float32 weights after 2 epochs: the sums are formed in another order than
 # TF's, so they agree to float32 rounding (measured: at most 6e-8).
 FLOAT32 = dict(rtol=1e-5, atol=1e-6)
 

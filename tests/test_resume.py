@@ -8,9 +8,10 @@ equal bit for bit.
 """
 
 import json
+import os
 import signal
-import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -37,18 +38,25 @@ def run(logdir, *extra):
 
 
 def start_and_signal(logdir, signum, after_steps_of_epoch_2):
-    """Starts a run, signals it once its first checkpoint exists and a little more passed."""
-    proc = subprocess.Popen(command(logdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    """Runs the example, signalled once its first checkpoint exists and a little more passed."""
     first = logdir / "checkpoints" / "ckpt-1.index"
-    deadline = time.monotonic() + 240
-    while not first.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    assert first.exists(), "no first checkpoint"
-    time.sleep(after_steps_of_epoch_2)
-    proc.send_signal(signum)
-    out, err = proc.communicate(timeout=120)
-    return proc.returncode, out, err
+    saved, finished = [], threading.Event()
+
+    def signal_once_saved(pid):
+        deadline = time.monotonic() + 240
+        while not first.exists() and time.monotonic() < deadline and not finished.is_set():
+            time.sleep(0.05)
+        saved.append(first.exists())
+        time.sleep(after_steps_of_epoch_2 if saved[0] else 0)
+        if not finished.is_set():  # else its pid may be another process's by now
+            os.kill(pid, signum)
+
+    try:
+        done = zygote.run(command(logdir), timeout=360, started=signal_once_saved)
+    finally:
+        finished.set()
+    assert saved == [True], "no first checkpoint"
+    return done.returncode, done.stdout, done.stderr
 
 
 def final_state(logdir):

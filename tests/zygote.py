@@ -16,8 +16,10 @@ forks its workers in turn (the commands given here pass ``--preload``).
 capture_output=True, text=True, timeout=...)`` for a command ``python
 SCRIPT|-m MODULE|-c CODE ARGS`` of this Python: on a timeout the child's
 process group gets SIGTERM, then SIGKILL, and ``subprocess.TimeoutExpired``
-is raised. Tests whose subject is a command's own start-up (test_commands,
-test_launch) keep starting new processes.
+is raised; ``started=`` is called with the child's pid once it exists.
+``run_together(commands, envs, timeout=...)`` runs several at once. Tests
+whose subject is a command's own start-up (test_commands, test_launch) keep
+starting new processes.
 
 Run as a script, this file is the server: one JSON request per line on
 stdin, ``{"pid"}`` then ``{"code", "stdout", "stderr"}`` per request on the
@@ -31,6 +33,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 # Imported once by the server: what the forked programs import first. (Not a
@@ -84,8 +87,11 @@ class Zygote:
         line, self._pending = self._pending.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, command, timeout, cwd=None, env=None):
+    def run(self, command, timeout, cwd=None, env=None, started=None):
         """Runs ``command`` in a child forked from the server; see the module docstring.
+
+        ``started``, if given, is called with the child's pid in a thread of
+        its own as soon as the child exists (e.g. to signal it mid-run).
 
         Returns:
           subprocess.CompletedProcess with returncode (negative: a signal),
@@ -98,6 +104,8 @@ class Zygote:
         self._proc.stdin.write(json.dumps(request).encode() + b"\n")
         self._proc.stdin.flush()
         pid = self._message(time.monotonic() + 60)["pid"]
+        if started is not None:
+            threading.Thread(target=started, args=(pid,), daemon=True).start()
         done = self._message(time.monotonic() + timeout)
         if done is None:
             for signum in (signal.SIGTERM, signal.SIGKILL):
@@ -120,9 +128,78 @@ class Zygote:
 _ZYGOTE = Zygote()
 
 
-def run(command, timeout, cwd=None, env=None):
+def run(command, timeout, cwd=None, env=None, started=None):
     """``Zygote.run`` on this pytest process's server."""
-    return _ZYGOTE.run(command, timeout, cwd=cwd, env=env)
+    return _ZYGOTE.run(command, timeout, cwd=cwd, env=env, started=started)
+
+
+def run_together(commands, envs, timeout):
+    """Runs the commands at once, each forked from the warm server with its environment.
+
+    For programs that must meet each other (two processes of one cluster
+    started as srun would start them): one child of the server forks them
+    all (``tfreduce.preload``, as the launcher's ``--preload`` does) and
+    reads their output to the end.
+
+    Args:
+      commands: list of commands ``python SCRIPT|-m MODULE|-c CODE ARGS``.
+      envs: list of dicts, each command's whole environment.
+      timeout: seconds for them all.
+
+    Returns:
+      list of subprocess.CompletedProcess, one per command, in order.
+
+    Raises:
+      subprocess.TimeoutExpired: they were not all done in ``timeout`` s.
+    """
+    spec = json.dumps({"commands": [[str(c) for c in command] for command in commands],
+                       "envs": [dict(env) for env in envs]})
+    here = os.path.dirname(os.path.abspath(__file__))
+    driver = (f"import sys; sys.path.insert(0, {here!r}); import zygote; "
+              f"zygote._together()")
+    done = run([sys.executable, "-c", driver], timeout, env=dict(os.environ, ZYGOTE_SPEC=spec))
+    if done.returncode != 0:
+        raise RuntimeError(f"the driver failed (exit {done.returncode}): {done.stderr[-3000:]}")
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    return [subprocess.CompletedProcess(command, code, out, err)
+            for command, (code, out, err) in zip(commands, results)]
+
+
+def _together():
+    # The driver of run_together, in a child of the server: forks each
+    # command, drains all of them side by side, prints one JSON line. Each
+    # command runs in its own session: the SIGTERM of a timeout, sent to
+    # this driver's, is passed on as SIGKILL.
+    from tfreduce import preload
+    spec = json.loads(os.environ.pop("ZYGOTE_SPEC"))
+    workers = [preload.ForkedWorker(preload.program(command), env)
+               for command, env in zip(spec["commands"], spec["envs"])]
+
+    def stop(signum, frame):
+        for worker in workers:
+            try:
+                os.killpg(worker.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    outputs = [None] * len(workers)
+
+    def drain(i):
+        outputs[i] = _drain(workers[i])
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(len(workers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    results = []
+    for worker, (out, err) in zip(workers, outputs):
+        worker.stdout.close()
+        worker.stderr.close()
+        results.append([worker.wait(), out, err])
+    print(json.dumps(results), flush=True)
 
 
 def _drain(worker):

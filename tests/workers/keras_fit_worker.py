@@ -1,6 +1,6 @@
 """Keras model.fit under MirroredStrategy on K logical CPU devices, for tests/test_distribute.py.
 
-``fit_weights`` trains a small dense + BatchNorm classifier for 3 epochs on
+``fit_weights`` trains a small dense + BatchNorm classifier for 2 epochs on
 fixed data with the given cross-device ops and returns its weights. Run as
 a script (``python keras_fit_worker.py K OUT.npz``), it does that with
 MirroredStrategy's default reduction in a fresh process: on CPUs the default
@@ -15,7 +15,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 
-BATCH, EPOCHS = 32, 3
+BATCH, EPOCHS = 32, 2
 
 
 def data():
