@@ -349,9 +349,16 @@ def test_a_failed_start_restarts_every_worker_on_new_ports(pids):
 
 
 def test_a_worker_that_always_fails_uses_up_every_restart(pids):
+    # Worker 1 fails once worker 0 has printed its start line (else the
+    # launcher may stop worker 0 before it prints: a loaded host did once).
     code, out, err, _ = run(pids, START + textwrap.dedent("""\
+        mark = os.path.join(os.path.dirname(pid_dir),
+                            "printed" + os.environ["TFREDUCE_RESTART_COUNT"])
         if index == 1:
+            while not os.path.exists(mark):
+                time.sleep(0.01)
             sys.exit(3)
+        open(mark, "w").close()
         time.sleep(60)
         """), "--workers", "2", "--restarts", "2", "--grace", "0")
     assert code == 3
