@@ -151,6 +151,7 @@ def run_together(commands, envs, timeout):
 
     Raises:
       subprocess.TimeoutExpired: they were not all done in ``timeout`` s.
+      RuntimeError: the driver itself failed (its stderr is in the message).
     """
     spec = json.dumps({"commands": [[str(c) for c in command] for command in commands],
                        "envs": [dict(env) for env in envs]})
