@@ -216,7 +216,6 @@ class _Simulation:
                     self.pending[op] += 1
         self.groups = self._collective_groups(ops)
         self.link_free = collections.defaultdict(float)
-        self.rings = {}  # device set -> the ring order collectives use
         self.link_busy = collections.Counter()
         self.device_free = collections.defaultdict(float)
         self.end = {}
@@ -330,7 +329,7 @@ class _Simulation:
         devices = {self.device[op] for op in ops if self.device[op] is not None}
         size = max((static_bytes(op.outputs[0] if op.type == "CollectiveBcastRecvV2" else
                                  op.inputs[0]) or 0) for op in ops)
-        ring = best_ring(self.topology, sorted(devices), self.rings)
+        ring = best_ring(self.topology, sorted(devices))
         links = [link for a, b in zip(ring, ring[1:] + ring[:1])
                  for link in self.topology.route(a, b)]
         # The ring's links carry 2(G-1)/G of S each: collectives that share

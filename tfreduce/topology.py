@@ -22,6 +22,7 @@ Latencies (1 us per NVLink or PCIe hop, 5 us per network hop) and the
 per-op launch cost (5 us) are round estimates, stated as such.
 """
 
+import functools
 import heapq
 import itertools
 import math
@@ -391,19 +392,25 @@ def ring_time(topology, ring, size, kind="all_reduce"):
     return steps * latency + hold, hold
 
 
-def best_ring(topology, devices, cache):
-    """The ring order of ``devices`` with the widest narrowest link (cached in ``cache``).
+def best_ring(topology, devices):
+    """The ring order (a list) of ``devices`` with the widest narrowest link.
 
-    As NCCL searches for its rings: every order for up to 8 devices, the
-    given order beyond.
+    As NCCL searches for its rings: every order for up to 8 devices (5,040
+    orders at 8), the given order beyond. Cached per topology and device
+    list: the planner's cost model asks again for each candidate it times.
     """
-    key = tuple(devices)
-    if key not in cache:
-        def narrowest(order):
-            return min(min(link.bandwidth for link in topology.route(a, b))
-                       for a, b in zip(order, order[1:] + order[:1]))
-        orders = ([devices[:1] + list(rest) for rest in itertools.permutations(devices[1:])]
-                  if 2 < len(devices) <= 8 else [devices])
-        # One member (a collective over one device) has no ring to search.
-        cache[key] = max(orders, key=narrowest) if len(devices) > 1 else list(devices)
-    return cache[key]
+    return list(_best_ring(topology, tuple(devices)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _best_ring(topology, devices):
+    def narrowest(order):
+        return min(min(link.bandwidth for link in topology.route(a, b))
+                   for a, b in zip(order, order[1:] + order[:1]))
+    devices = list(devices)
+    # One member (a collective over one device) has no ring to search.
+    if len(devices) < 2:
+        return tuple(devices)
+    orders = ([devices[:1] + list(rest) for rest in itertools.permutations(devices[1:])]
+              if len(devices) <= 8 else [devices])
+    return tuple(max(orders, key=narrowest))
