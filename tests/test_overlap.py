@@ -174,7 +174,10 @@ def predicted_from_the_measured_compute(models, path, slices, tracks):
             assert re.fullmatch(rf"{layer.name}(_\d+)*", scope.rsplit("/", 1)[1])
     times = layer_seconds(loaded, models[0])
     assert set(times) == set(names) | {None}  # None: the loss and its gradient
-    # In each step, a tower's compute ops are stretched to their span.
+    # In each step, a tower's compute ops are scaled to their span: stretched
+    # where the executor waited between them, shrunk where they overlapped
+    # (the inter-op pool runs a tower's independent ops side by side; a
+    # run beside other processes once gave 0.98).
     want = {(name, stage): 0.0 for name in names for stage in ("forward", "backward")}
     for step in [e for e in slices if e["args"]["type"] == "step"]:
         for k in range(4):
@@ -183,7 +186,6 @@ def predicted_from_the_measured_compute(models, path, slices, tracks):
                    and step["ts"] <= e["ts"] < step["ts"] + step["dur"]]
             span = max(e["ts"] + e["dur"] for e in ops) - min(e["ts"] for e in ops)
             stretch = span / sum(e["dur"] for e in ops)
-            assert stretch >= 1
             for i, name in enumerate(names):
                 scopes = tuple(s + "/" for s, index in loaded.layers.items() if index == i)
                 for e in ops:

@@ -134,12 +134,12 @@ def layer_seconds(timeline, model):
     backward op likewise after "gradient_tape/". The ops of no such scope
     (the loss and its gradient, the ops of layers without variables) go
     under None.
-    In each step, a tower's ops are stretched to the span they took, from
+    In each step, a tower's ops are scaled to the span they took, from
     its first forward op's start to its last backward op's end, so the
     executor's time between ops (and, on logical CPU devices that share
-    the cores, each op's wait for one) counts as the layers' own; a
-    layer's time is then the sum of its ops', averaged over the tower
-    tracks and the profiled steps.
+    the cores, each op's wait for one) counts as the layers' own, and ops
+    that ran side by side count once; a layer's time is then the sum of
+    its ops', averaged over the tower tracks and the profiled steps.
 
     Args:
       timeline: a tfreduce.timeline.Timeline of profiled steps
@@ -171,8 +171,9 @@ def layer_seconds(timeline, model):
     _check_same_model(timeline, model)
     totals = collections.defaultdict(lambda: [0.0, 0.0])
     for ops in _tower_steps(timeline, towers, ("forward", "backward")).values():
-        # Stretched to the tower's span: the executor's time between its
-        # ops and, on shared cores, the wait for one count as the layers'.
+        # Scaled to the tower's span: the executor's time between its ops
+        # and, on shared cores, the wait for one count as the layers'; ops
+        # that overlapped (the inter-op pool) count once.
         span = max(s.end for s in ops) - min(s.start for s in ops)
         stretch = span / max(sum(s.duration for s in ops), 1e-12)
         for s in ops:

@@ -264,12 +264,13 @@ def locate_nonfinite(finite, all_grads, reduced, devices, host):
     num_towers, num_vars = len(all_grads), len(reduced)
 
     def find():
+        # Built on every trace: 3 ops per gradient, one stack per row.
         rows = []
         for k, grads in enumerate(list(all_grads) + [reduced]):
             with tf.device(devices[k] if k < num_towers else devices[0]):
-                rows.append([_nonfinite(g) for g in grads])
+                rows.append(tf.stack([_finite(g) for g in grads]))
         with tf.device(host):
-            return tf.cast(tf.stack([tf.stack(row) for row in rows]), tf.int32)
+            return tf.cast(tf.logical_not(tf.stack(rows)), tf.int32)
 
     with tf.device(host):
         zeros = tf.zeros([num_towers + 1, num_vars], tf.int32)
@@ -278,14 +279,14 @@ def locate_nonfinite(finite, all_grads, reduced, devices, host):
     return tf.cond(finite, lambda: zeros, find)
 
 
-def _nonfinite(g):
-    # bool scalar: g (or any of a list of pieces) holds NaN or Inf.
-    parts = [p for p in (g if isinstance(g, list) else [g])
-             if p is not None and p.dtype.is_floating]
-    if not parts:
-        return tf.constant(False)
-    return tf.logical_not(tf.reduce_all([tf.reduce_all(tf.math.is_finite(values_of(p)))
-                                         for p in parts]))
+def _finite(g):
+    # bool scalar: every element of g (or of each of a list of pieces) is finite.
+    checks = [tf.reduce_all(tf.math.is_finite(values_of(p)))
+              for p in (g if isinstance(g, list) else [g])
+              if p is not None and p.dtype.is_floating]
+    if len(checks) > 1:
+        return tf.reduce_all(tf.stack(checks))
+    return checks[0] if checks else tf.constant(True)
 
 
 def apply_gradients(towers, reduced, finite, losses_finite):
