@@ -14,7 +14,7 @@ Rank ``--freeze-rank`` stops itself with SIGSTOP before step ``--freeze-at``
 an uncaught RuntimeError there, or with ``--pause S`` sleeps S seconds
 there (alive, outside its steps); ``--freeze-at -1`` never freezes (a clean
 run). ``--lag-ms M`` makes rank 1 of the tape loop (or of fit) sleep
-M ms before each step (a straggler), from step ``--lag-from`` on (tape); fit with ``--logdir`` runs 300
+M ms before each step (a straggler), from step ``--lag-from`` on (tape); fit with ``--logdir`` runs 150
 batches with WorkerTimesCallback writing to LOGDIR/rank<r>; ``--slow-trace S`` makes its first step's
 trace take S seconds more (a big model's first step, not a hang). The survivor's watchdog is expected to abort its
 collectives; the error then ends it with a non-zero code.
@@ -100,7 +100,7 @@ def fit(args):
     r = hvdk.rank()
     net = model()
     net.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
-    x, y = data(r, rows=8 * (300 if args.logdir else 1000))
+    x, y = data(r, rows=8 * (150 if args.logdir else 1000))
 
     class Freeze(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
