@@ -1,6 +1,7 @@
 """tfreduce.CrossDeviceOps: Keras model.fit under MirroredStrategy on tfreduce's all-reduce."""
 
 import functools
+import itertools
 import os
 import sys
 
@@ -23,7 +24,7 @@ FLOAT32 = dict(rtol=1e-5, atol=1e-6)
 worker = load_script(WORKER, "keras_fit_worker")
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+@pytest.fixture(scope="module")
 def default_run(request, tmp_path_factory):
     """MirroredStrategy's default reduction (CollectiveAllReduce here), in its own process."""
     out = tmp_path_factory.mktemp("default") / "weights.npz"
@@ -34,8 +35,21 @@ def default_run(request, tmp_path_factory):
     return request.param, weights, list(saved["losses"])
 
 
+# Each algorithm at one K per test, the other K in the other test: every
+# (K, algorithm) pair is fitted once, every algorithm and every K in each.
+FLOAT32_CASES = [(2, "flat"), (2, "hierarchical"), (4, "ring"), (4, "collective")]
+FLOAT64_CASES = [(4, "flat"), (4, "hierarchical"), (2, "ring"), (2, "collective")]
+
+
+def test_the_fit_cases_pair_every_k_with_every_algorithm():
+    pairs = set(itertools.product((2, 4), CPU_ALGORITHMS))
+    assert set(FLOAT32_CASES) | set(FLOAT64_CASES) == pairs
+    for cases in (FLOAT32_CASES, FLOAT64_CASES):
+        assert {k for k, _ in cases} == {2, 4} and {a for _, a in cases} == set(CPU_ALGORITHMS)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", CPU_ALGORITHMS)
+@pytest.mark.parametrize("default_run, algorithm", FLOAT32_CASES, indirect=["default_run"])
 def test_fit_equals_mirrored_strategys_default(default_run, algorithm):
     num_devices, want, want_losses = default_run
     got, losses = worker.fit_weights(CPU_DEVICES[:num_devices],
@@ -53,8 +67,7 @@ def one_device_float64():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("num_devices", [2, 4])
-@pytest.mark.parametrize("algorithm", CPU_ALGORITHMS)
+@pytest.mark.parametrize("num_devices, algorithm", FLOAT64_CASES)
 def test_fit_in_float64_equals_one_device(num_devices, algorithm):
     # Without BatchNorm (whose statistics are per replica under the
     # strategy), K replicas on equal shards make one device's updates.
