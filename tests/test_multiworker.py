@@ -23,6 +23,7 @@ limit here (which stops the launcher, and so its workers, if it is reached):
   (``FITS``): each worker trains four in turn on one cluster.
 """
 
+import functools
 import gzip
 import json
 import os
@@ -501,12 +502,18 @@ def test_each_worker_writes_the_timeline_of_its_towers(trainer_runs):
     assert list((logdir / "rank1" / "worker1").glob("plugins/profile/*/*.xplane.pb"))
 
 
+@functools.lru_cache(maxsize=None)
+def one_process(epochs=1):
+    """fit_reference's weights on 4 towers of this process, fitted once per process (read only)."""
+    return trainer_worker.fit_reference(CPU_DEVICES[:4], epochs)
+
+
 @pytest.mark.slow
 def test_trainer_on_two_workers_matches_one_process_with_four_devices(trainer_runs):
     first, _, _, _ = trainer_runs
     # 53 examples in batches of 10 over 4 towers: 5 steps (shards 3, 3, 2, 2;
     # rank 0 trains on 6 examples, rank 1 on 4), the last 3 skipped.
-    want = trainer_worker.fit_reference(CPU_DEVICES[:4])
+    want = one_process()
     assert want["step"] == 5
     start = trainer_worker.make_model(1).variables
     for r, got in enumerate(first):
@@ -522,7 +529,7 @@ def test_trainer_resume_reads_rank_0_checkpoint_and_only_rank_0_writes(trainer_r
     _, second, out, logdir = trainer_runs
     assert re.search(r"\[worker 0\] rank 0: resumed: restored .*ckpt-1 at step 5", out), out
     assert "[worker 1] rank 1: resumed: restored None at step 5" in out
-    want = trainer_worker.fit_reference(CPU_DEVICES[:4], epochs=2)
+    want = one_process(epochs=2)
     for r, got in enumerate(second):
         assert_matches(got, want, r)
     # Rank 1 wrote only what profile_steps asked of it (the first run):
@@ -578,12 +585,12 @@ def test_zero_stage_1_checkpoints_on_two_workers_are_whole_and_resume(more_fits,
     results, stdout, root = more_fits
     logdir = root / "zero_logs"
     assert "[worker 1] rank 1: zero1_resumed: restored None at step 5" in stdout
-    want = trainer_worker.fit_reference(CPU_DEVICES[:4], epochs=2)
+    want = one_process(epochs=2)
     for r in range(2):
         assert_models_match(results["zero1_resumed"][r], want, r, tmp_path)
     # The first epoch's checkpoint holds whole slots: an unsharded trainer
     # of 4 towers in this process reads the reference's momentum from it.
-    first = trainer_worker.fit_reference(CPU_DEVICES[:4])
+    first = one_process()
     reader = trainer_worker.make_trainer(CPU_DEVICES[:4], 0, None, algorithm="flat")
     reader.restore(str(logdir / "rank0" / "ckpt" / "ckpt-1"))
     for n, v in enumerate(reader.optimizers[0].variables):
