@@ -249,8 +249,7 @@ def all_finite(grads, device):
       device: where the check runs (tower 0's device).
     """
     with tf.device(device), tf.name_scope("nonfinite_check"):
-        checks = [tf.reduce_all(tf.math.is_finite(values_of(g))) for g in grads
-                  if g is not None and g.dtype.is_floating]
+        checks = [_finite(g) for g in grads if g is not None and g.dtype.is_floating]
         return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
 
