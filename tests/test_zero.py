@@ -375,7 +375,9 @@ def test_a_nonfinite_gradient_raises_naming_the_tower_and_variable():
     x[13, 0] = np.inf  # tower 3's shard
     with pytest.raises(FloatingPointError, match=r"step 1: tower 3 \(/device:CPU:3\) computed "
                                                  r"NaN or Inf in the gradient of variable "
-                                                 r"'sequential_\d+/dense_\d+/kernel'"):
+                                                 r"'sequential(_\d+)?/dense(_\d+)?/kernel'"):
+        # (Keras numbers the names of later models in a process: no suffix
+        # when this test runs alone.)
         t.train_step(x, y)
 
 
