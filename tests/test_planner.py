@@ -12,6 +12,7 @@ import tfreduce
 import tfreduce.allreduce
 from helpers import CPU_DEVICES, GPU_DEVICES, check, load_script, place
 from tfreduce import planner
+from tfreduce.costmodel import predict
 from tfreduce.cluster import Cluster
 from tfreduce.trainer import ReplicatedTrainer
 
@@ -97,6 +98,28 @@ def test_a_given_pack_size_and_compression_are_kept():
     plain = tfreduce.plan_allreduce([[2**16], [10]], CPU_DEVICES[:4], BANDWIDTH_BOUND,
                                     pack_bytes=2**20)
     assert plan.seconds == pytest.approx(plain.seconds / 2, rel=1e-3)
+
+
+def test_a_plan_made_again_reuses_the_costed_table(monkeypatch):
+    costed = []
+    monkeypatch.setattr(planner, "predict",
+                        lambda *args, **kwargs: costed.append(1) or predict(*args, **kwargs))
+    # A topology no other test plans on, made twice: equal figures, one key.
+    machine = lambda: tfreduce.Topology.fully_connected(4, 1.25e9, 3e-6)  # noqa: E731
+    shapes, devices = [[256, 10], [10]], CPU_DEVICES[:4]
+    first = tfreduce.plan_allreduce(shapes, devices, machine())
+    tried = len(first.table)
+    assert len(costed) == tried == len(planner.candidates(4, False))
+    first.options["pack_bytes"] = 1  # a plan's options are its own
+    again = tfreduce.plan_allreduce(shapes, devices, machine())
+    assert len(costed) == tried
+    assert again.options["pack_bytes"] != 1 and again.table[0][1] == again.options
+    assert (again.algorithm, again.seconds) == (first.algorithm, first.seconds)
+    # Another average, pack size or compression is another key: costed anew.
+    tfreduce.plan_allreduce(shapes, devices, machine(), average=False)
+    assert len(costed) == 2 * tried
+    tfreduce.plan_allreduce(shapes, devices, machine(), pack_bytes=2**20, compression="bf16")
+    assert len(costed) == 2 * tried + len(planner.candidates(4, False, [2**20]))
 
 
 def test_sparse_gradients_alone_take_the_default_rule(monkeypatch):

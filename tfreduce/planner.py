@@ -10,6 +10,7 @@ with ``plan_for`` on the gradients it is given.
 """
 
 import dataclasses
+import functools
 
 import tensorflow as tf
 
@@ -50,9 +51,11 @@ class Plan:
     def __init__(self, table, base):
         best = min(row[2] for row in table)
         chosen = next(row for row in table if row[2] <= best * (1 + 1e-9))
-        self.table = [chosen] + sorted((row for row in table if row is not chosen),
-                                       key=lambda row: row[2])
-        self.algorithm, self.options, self.seconds = chosen
+        # Each plan has its own options dicts: the planner's cache keeps the table.
+        self.table = [(a, dict(o), s) for a, o, s in
+                      [chosen] + sorted((row for row in table if row is not chosen),
+                                        key=lambda row: row[2])]
+        self.algorithm, self.options, self.seconds = self.table[0]
         self._base = base
 
     @property
@@ -139,9 +142,24 @@ def plan_shapes(specs, devices, topology, average, reduction):
     Raises:
       ValueError, TypeError: as ``hostprobe.resolve_topology``.
     """
-    topology = resolve_topology(topology, len(devices))
-    given = reduction.pack_bytes != "auto"
-    pack_sizes = (reduction.pack_bytes,) if given else PACK_SIZES
+    topology = resolve_topology(topology, len(devices))  # "host" is probed at each plan
+    key = (tuple((tuple(shape), tf.as_dtype(dtype)) for shape, dtype in specs), tuple(devices),
+           topology, bool(average), reduction.pack_bytes, reduction.sparse_as_dense,
+           reduction.compression)
+    return Plan(_costed(key), reduction)
+
+
+@functools.lru_cache(maxsize=256)
+def _costed(key):
+    """The table of (algorithm, options, seconds) for one plan_shapes key.
+
+    The same gradients, devices, topology and options always cost the same,
+    so a program that plans again (a new ``Reduction``, ``allreduce_grads``
+    with ``topology=`` in a loop, ``plan_allreduce``) reuses the table. A
+    Topology hashes by its figures, so a preset made again is the same key.
+    """
+    specs, devices, topology, average, pack_bytes, sparse_as_dense, compression = key
+    pack_sizes = (pack_bytes,) if pack_bytes != "auto" else PACK_SIZES
     table = []
     # One scratch graph: every candidate reduces the same inputs, and each
     # prediction walks back from its own outputs to them.
@@ -154,7 +172,6 @@ def plan_shapes(specs, devices, topology, average, reduction):
             own = {name: value for name, value in choice.items() if name != "pack_bytes"}
             out = run_stages(validate_grads(inputs, devices), [make_stage(algorithm, own)],
                              average, pack_bytes=choice["pack_bytes"],
-                             sparse_as_dense=reduction.sparse_as_dense,
-                             compression=reduction.compression)
+                             sparse_as_dense=sparse_as_dense, compression=compression)
             table.append((algorithm, choice, predict(out, topology, inputs=inputs).seconds))
-    return Plan(table, reduction)
+    return tuple(table)
