@@ -2,15 +2,20 @@
 
 import json
 import re
+import runpy
 import subprocess
+import sys
 
+import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfreduce
 import zygote
 from tfreduce import bench
-from tfreduce.bench import multiworker_mode, train_mode
+from tfreduce.bench import (horovod_worker, multiworker_mode, multiworker_worker, soak_mode,
+                            train_mode, zero_mode)
 from tfreduce.bench.workloads import gradient_shapes
 
 CHILD_TIMEOUT = 600
@@ -315,6 +320,78 @@ def test_bad_arguments_exit_with_a_usage_error(argv, message, capsys):
         bench.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_python_m_tfreduce_bench_is_the_command(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["tfreduce-bench", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("tfreduce.bench", run_name="__main__")
+    assert exit_info.value.code == 0
+    assert "--collective" in capsys.readouterr().out
+
+
+def test_collective_mode_checks_a_broadcast(tmp_path, capsys):
+    # The quick tier's run of the mode (the slow test runs every collective).
+    result = run(tmp_path, "--collective", "broadcast", "--devices", "2", "--total-bytes",
+                 "2KiB", "--steps", "1", "--warmup", "0")
+    rows = {r["name"]: r for r in result["results"]}
+    assert set(rows) == {"flat", "hierarchical", "ring", "collective", "plain", "tf.distribute"}
+    for r in rows.values():
+        assert r["correct"], r["name"]
+        assert r["busbw_GB_per_s"] == pytest.approx(r["algbw_GB_per_s"])  # a broadcast's factor 1
+    assert "busbw" in capsys.readouterr().out
+
+
+def test_the_multiworker_workers_reference_and_rotation():
+    # The worker program runs under the launcher in the slow tier; here its parts.
+    shapes = [[3], [2, 2]]
+    want = multiworker_worker._expected(shapes, 2, 3, True)
+    for n, shape in enumerate(shapes):
+        values = [multiworker_worker._values(shape, r, k, n) for r in range(2) for k in range(3)]
+        assert all(v.dtype == np.float32 and np.all(v * 4 == np.round(v * 4)) for v in values)
+        np.testing.assert_array_equal(want[n], np.mean(values, axis=0, dtype=np.float64))
+    calls = []
+    times = multiworker_worker._time_rounds({n: lambda n=n: calls.append(n) for n in "abc"},
+                                            steps=3, warmup=1)
+    assert "".join(calls) == "abc" + "abc" + "bca" + "cab"
+    assert {n: len(t) for n, t in times.items()} == {"a": 3, "b": 3, "c": 3}
+    assert multiworker_worker._relative_error(
+        [tf.constant([1.0, 2.0])], [np.array([1.0, 2.5])]) == pytest.approx(0.2)
+
+    @tf.function(autograph=False)
+    def cross():  # traced, never run
+        return tf.raw_ops.CollectiveReduceV2(
+            input=tf.zeros([3, 5]), group_size=2, group_key=1, instance_key=1,
+            ordering_token=[], merge_op="Add", final_op="Id")
+
+    assert multiworker_worker._cross_bytes(cross) == 3 * 5 * 4
+    args = multiworker_worker.parse_args(["--json", "out.json", "--devices", "3"])
+    assert (args.devices, args.model, args.reduce, args.json) == (3, "resnet50", "mean", "out.json")
+
+
+def test_the_horovod_worker_trains_in_one_process(tmp_path):
+    # One process is rank 0 of 1: the worker's whole program, as under the launcher.
+    path = tmp_path / "rates.json"
+    assert horovod_worker.main(["--batch-size", "4", "--image-size", "8", "--steps", "1",
+                                "--rounds", "1", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert result["processes"] == 1 and len(result["rates"]) == 1 and result["rates"][0] > 0
+
+
+def test_the_soak_modes_resident_memory_is_procs():
+    with open("/proc/self/status") as f:
+        rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    assert soak_mode._resident_mb() == pytest.approx(rss_kb * 1024 / 1e6, abs=8)
+
+
+def test_the_zero_modes_mirrored_state_is_one_replica_of_weights_and_adam():
+    make = lambda: keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])  # noqa: E731
+    held = zero_mode._mirrored_bytes(make)
+    weights = (3 * 2 + 2) * 4
+    # Adam's two float32 slots per weight, and its scalars (step, learning rate).
+    assert held["weights"] == weights and held["total"] == weights + held["optimizer"]
+    assert 2 * weights < held["optimizer"] <= 2 * weights + 16
+    assert zero_mode._busiest([{"a": 1, "b": 5}, {"a": 3, "b": 2}]) == {"a": 3, "b": 5}
 
 
 @pytest.mark.slow
