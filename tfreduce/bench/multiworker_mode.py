@@ -44,7 +44,8 @@ def run(args, log):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rank0.json")
         worker = [sys.executable, "-m", "tfreduce.bench.multiworker_worker", "--devices",
-                  str(args.devices), "--model", args.model, "--reduce", args.reduce,
+                  str(args.devices), "--model", args.model, "--num-tensors",
+                  str(args.num_tensors), "--reduce", args.reduce,
                   "--steps", str(args.steps), "--warmup", str(args.warmup),
                   "--powersgd-rank", str(args.powersgd_rank), "--json", path]
         if args.total_bytes:

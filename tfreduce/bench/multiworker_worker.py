@@ -36,6 +36,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--num-tensors", type=int, default=100, help="N of --model synthetic")
     parser.add_argument("--total-bytes", type=int, default=None)
     parser.add_argument("--reduce", choices=("mean", "sum"), default="mean")
     parser.add_argument("--steps", type=int, default=5)
@@ -57,7 +58,7 @@ def main(argv=None):
     local = logical_devices(args.devices)
     cluster.start()
     devices = cluster.devices(local)
-    shapes = gradient_shapes(args.model, total_bytes=args.total_bytes)
+    shapes = gradient_shapes(args.model, args.num_tensors, args.total_bytes)
     grads = _inputs(tf, shapes, devices, cluster.rank)
     average = args.reduce == "mean"
     contenders = _contenders(tf, cluster, local, devices, grads, average, args.powersgd_rank)
