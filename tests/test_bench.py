@@ -109,19 +109,16 @@ def test_allreduce_mode_compression_axis(tmp_path, capsys):
     # A small Keras model: PowerSGD compresses matrices, and synthetic
     # tensors are vectors.
     result = run(tmp_path, "--model", "MobileNetV3Small", "--devices", "2", "--steps", "2",
-                 "--warmup", "1", "--contenders", "flat,ring", "--packing", "on",
+                 "--warmup", "1", "--contenders", "flat", "--packing", "on",
                  "--compression", "none,bf16,powersgd1")
     rows = {r["name"]: r for r in result["results"]}
     flat = "flat+pack64KiB"
     assert {flat, f"{flat}+bf16", f"{flat}+powersgd1"} <= set(rows)
-    for name in (f"{flat}+bf16", "ring+pack64KiB+bf16"):
-        assert rows[name]["correct"] is True, name  # within 16-bit rounding of NumPy
+    assert rows[f"{flat}+bf16"]["correct"] is True  # within 16-bit rounding of NumPy
     assert rows[f"{flat}+powersgd1"]["correct"] is None  # an approximation: not judged
     cut = {c["name"]: c for c in result["compression"]}
-    assert set(cut) == {f"{a}+pack64KiB+{c}" for a in ("flat", "ring")
-                        for c in ("bf16", "powersgd1")}
+    assert set(cut) == {f"{flat}+bf16", f"{flat}+powersgd1"}
     assert cut[f"{flat}+bf16"]["bytes_cut"] == 2.0
-    assert cut["ring+pack64KiB+bf16"]["bytes_cut"] == 2.0
     sent, full = tfreduce.PowerSGD(rank=1).payload_elements(
         [list(s) for s in gradient_shapes("MobileNetV3Small")])
     # Flat on K = 2: the busiest pair carries one tower's whole payload.
@@ -134,16 +131,21 @@ def test_allreduce_mode_compression_axis(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_multiworker_mode_two_workers_through_the_launcher(tmp_path, capsys):
-    result = run(tmp_path, "--mode", "multiworker", "--model", "MobileNetV3Small",
-                 "--steps", "1", "--warmup", "0", "--powersgd-rank", "2")
+    # Synthetic vectors (the multi-worker path is the same for a Keras
+    # model's shapes; PowerSGD then sends vectors whole).
+    result = run(tmp_path, "--mode", "multiworker", "--model", "synthetic", "--num-tensors", "6",
+                 "--total-bytes", "24KiB", "--steps", "1", "--warmup", "0",
+                 "--powersgd-rank", "2")
     assert result["config"]["workers"] == 2 and result["config"]["devices_per_worker"] == 2
+    assert result["config"]["num_tensors"] == 6
     rows = result["results"]
     assert list(rows) == ["per-tensor collective", "tfreduce", "tfreduce+fp16",
                           "tfreduce+powersgd2"]
     for name in ("per-tensor collective", "tfreduce", "tfreduce+fp16"):
         assert rows[name]["relative_error"] == 0, name  # quarters: exact, fp16 included
-    shapes = [list(s) for s in gradient_shapes("MobileNetV3Small")]
+    shapes = [list(s) for s in gradient_shapes("synthetic", 6, 24 * 1024)]
     full = 4 * sum(int(np.prod(s)) for s in shapes)
+    assert full == 24 * 1024
     # What each worker puts into collectives: every local device's copy for
     # the per-tensor collective, one local sum for tfreduce, half of it in
     # float16, PowerSGD's payload.

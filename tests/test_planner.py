@@ -106,20 +106,20 @@ def test_a_plan_made_again_reuses_the_costed_table(monkeypatch):
                         lambda *args, **kwargs: costed.append(1) or predict(*args, **kwargs))
     # A topology no other test plans on, made twice: equal figures, one key.
     machine = lambda: tfreduce.Topology.fully_connected(4, 1.25e9, 3e-6)  # noqa: E731
-    shapes, devices = [[256, 10], [10]], CPU_DEVICES[:4]
-    first = tfreduce.plan_allreduce(shapes, devices, machine())
+    shapes, devices, given = [[256, 10], [10]], CPU_DEVICES[:4], {"pack_bytes": 2**20}
+    first = tfreduce.plan_allreduce(shapes, devices, machine(), **given)
     tried = len(first.table)
-    assert len(costed) == tried == len(planner.candidates(4, False))
+    assert len(costed) == tried == len(planner.candidates(4, False, [2**20]))
     first.options["pack_bytes"] = 1  # a plan's options are its own
-    again = tfreduce.plan_allreduce(shapes, devices, machine())
+    again = tfreduce.plan_allreduce(shapes, devices, machine(), **given)
     assert len(costed) == tried
-    assert again.options["pack_bytes"] != 1 and again.table[0][1] == again.options
+    assert again.options["pack_bytes"] == 2**20 and again.table[0][1] == again.options
     assert (again.algorithm, again.seconds) == (first.algorithm, first.seconds)
-    # Another average, pack size or compression is another key: costed anew.
-    tfreduce.plan_allreduce(shapes, devices, machine(), average=False)
+    # Another average or compression is another key: costed anew.
+    tfreduce.plan_allreduce(shapes, devices, machine(), average=False, **given)
     assert len(costed) == 2 * tried
-    tfreduce.plan_allreduce(shapes, devices, machine(), pack_bytes=2**20, compression="bf16")
-    assert len(costed) == 2 * tried + len(planner.candidates(4, False, [2**20]))
+    tfreduce.plan_allreduce(shapes, devices, machine(), compression="bf16", **given)
+    assert len(costed) == 3 * tried
 
 
 def test_sparse_gradients_alone_take_the_default_rule(monkeypatch):

@@ -62,7 +62,7 @@ MAX_VARS = 6
 # after this many seconds instead of hanging the test run.
 COLLECTIVE_TIMEOUT = 60
 
-NUMERIC_EXAMPLES = {"flat": 150, "hierarchical": 150, "ring": 120, "collective": 100}
+NUMERIC_EXAMPLES = {"flat": 100, "hierarchical": 100, "ring": 80, "collective": 70}
 COLLECTIVE_ZERO_SIZE_EXAMPLES = 30
 SUBPROCESS_TIMEOUT = 240
 ERROR_EXAMPLES = 100
