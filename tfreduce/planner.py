@@ -9,6 +9,7 @@ table, so the choice can be read and checked (``plan_allreduce``,
 with ``plan_for`` on the gradients it is given.
 """
 
+import copy
 import dataclasses
 import functools
 
@@ -52,7 +53,7 @@ class Plan:
         best = min(row[2] for row in table)
         chosen = next(row for row in table if row[2] <= best * (1 + 1e-9))
         # Each plan has its own options dicts: the planner's cache keeps the table.
-        self.table = [(a, dict(o), s) for a, o, s in
+        self.table = [(a, copy.deepcopy(o), s) for a, o, s in
                       [chosen] + sorted((row for row in table if row is not chosen),
                                         key=lambda row: row[2])]
         self.algorithm, self.options, self.seconds = self.table[0]
