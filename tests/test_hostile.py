@@ -214,22 +214,23 @@ def test_a_raised_nan_batch_changes_nothing(features, request):
 # NaN equals, bit for bit, the run without it; with accumulate_steps=3 the
 # NaN micro-batch spoils its cycle's update, which is skipped whole, so the
 # run equals the stream without the cycle's 3 batches. Of the 96
-# combinations, the cases run are a covering array of strength 3: every
-# value of any 3 features appears together in some case (18 cases; the 96
-# took 8 minutes of the suite's 30).
+# combinations, the cases run are a covering array of strength 2: every
+# value of any 2 features appears together in some case (9 cases; the 96
+# took 8 minutes of the suite's 30, the 18 of strength 3 95 s of test time
+# in a suite of 14 minutes on two processes).
 FEATURES = [(True, False), (False, True), (1, 3), (False, True), ("none", "fp16", "bf16"), (0, 2)]
 QUICK = [(True, True, 3, True, "fp16", 2), (False, False, 1, True, "bf16", 0),
          (True, False, 1, False, "none", 0)]
 
 
-GRID = covering_array(FEATURES, 3, QUICK)
+GRID = covering_array(FEATURES, 2, QUICK)
 
 
-def test_the_grid_covers_every_3_features_together():
-    for axes in itertools.combinations(range(len(FEATURES)), 3):
+def test_the_grid_covers_every_2_features_together():
+    for axes in itertools.combinations(range(len(FEATURES)), 2):
         seen = {tuple(case[i] for i in axes) for case in GRID}
         assert seen == set(itertools.product(*(FEATURES[i] for i in axes))), axes
-    assert len(GRID) == 18
+    assert len(GRID) == 9
 
 
 def grid_id(case):
