@@ -12,8 +12,8 @@ import tfreduce
 import tfreduce.allreduce
 from helpers import CPU_DEVICES, GPU_DEVICES, check, load_script, place
 from tfreduce import planner
-from tfreduce.costmodel import predict
 from tfreduce.cluster import Cluster
+from tfreduce.costmodel import predict
 from tfreduce.trainer import ReplicatedTrainer
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "keras_fit_worker.py")
