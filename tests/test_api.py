@@ -137,8 +137,13 @@ def describe(obj):
 
 
 def public_methods(name, cls):
+    # A class's own members and those it inherits from tfreduce's classes.
+    members = {}
+    for base in reversed(cls.__mro__):
+        if base is cls or base.__module__.startswith("tfreduce"):
+            members.update(vars(base))
     out = {}
-    for attr, value in sorted(vars(cls).items()):
+    for attr, value in sorted(members.items()):
         if attr.startswith("_"):
             continue
         if isinstance(value, (staticmethod, classmethod)):

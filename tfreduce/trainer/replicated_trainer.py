@@ -3,15 +3,17 @@
 from tfreduce.devices import tower_devices
 from tfreduce.trainer.batching import eval_batches, input_batches, worker_batch
 from tfreduce.trainer.checkpoints import find_prefix, read_counters
+from tfreduce.trainer.inspection import Inspection
 from tfreduce.trainer.loop import FitHooks, evaluate_loop, fit_loop, predict_loop
 from tfreduce.trainer.losses import per_example_loss_fn, takes_class_indices
 from tfreduce.trainer.options import StepOptions, check_trainer_options, trainer_reduction
 from tfreduce.trainer.signals import StopRequest
-from tfreduce.trainer.step import build_run, make_counters
+from tfreduce.trainer.step import make_counters
+from tfreduce.trainer.step_functions import build_run
 from tfreduce.trainer.towers import check_factories, create_replicas, resolve_cluster
 
 
-class ReplicatedTrainer:
+class ReplicatedTrainer(Inspection):
     """Trains K replicas of a Keras model with one gradient all-reduce per step.
 
     Tower k holds a replica of the model (`models[k]`) and its own optimizer,
@@ -224,31 +226,6 @@ class ReplicatedTrainer:
         """
         return self._run_train_step(x, y)[0]
 
-    def tracing_counts(self):
-        """How many times each step function was traced: 1 each, unless inputs vary.
-
-        Returns:
-          dict {"train", "evaluate", "predict"} ("accumulate" too with
-          accumulate_steps > 1) -> int; 0: not run yet; above 1: retraced.
-
-        Raises:
-          ValueError: the models are not built yet (no batch seen).
-        """
-        return self._built("tracing_counts").tracing_counts()
-
-    def check_replicas(self):
-        """Largest absolute difference between any tower's variable and tower 0's.
-
-        Returns:
-          float, max over towers k, model and optimizer variables n (with
-          ZeRO, model variables only) and elements of
-          |models[k] variable n - models[0] variable n|.
-
-        Raises:
-          ValueError: the models are not built yet (no batch seen).
-        """
-        return float(self._built("check_replicas").difference())
-
     def broadcast(self):
         """Copies tower 0's model and optimizer variables to every tower.
 
@@ -372,20 +349,6 @@ class ReplicatedTrainer:
           ValueError: x has no examples.
         """
         return predict_loop(input_batches(x, batch_size), self._built_steps)
-
-    def state_bytes(self):
-        """The bytes of state each tower's device holds.
-
-        Returns:
-          list of K dicts of ints: tower k's "weights" (the model's variables,
-          and the copy of its forward state a skipped step restores),
-          "optimizer" (with ZeRO, also its pieces of the weights),
-          "accumulation", "compression" (PowerSGD's) and "total".
-
-        Raises:
-          ValueError: the models are not built yet (no batch seen).
-        """
-        return self._built("state_bytes").state_bytes()
 
     def save(self, path):
         """Writes a checkpoint of tower 0's model, the optimizers' state, the counters.

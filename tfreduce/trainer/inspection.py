@@ -1,0 +1,49 @@
+"""What a built trainer shows of itself: traces, replica drift, state, step graphs."""
+
+
+class Inspection:
+    """The inspection methods of ReplicatedTrainer (a base class of it).
+
+    They read the trainer's built step functions through ``self._built(what)``,
+    which ReplicatedTrainer defines: the StepFunctions, or a ValueError naming
+    ``what`` when no batch has built the models yet.
+    """
+
+    def tracing_counts(self):
+        """How many times each step function was traced: 1 each, unless inputs vary.
+
+        Returns:
+          dict {"train", "evaluate", "predict"} ("accumulate" too with
+          accumulate_steps > 1) -> int; 0: not run yet; above 1: retraced.
+
+        Raises:
+          ValueError: the models are not built yet (no batch seen).
+        """
+        return self._built("tracing_counts").tracing_counts()
+
+    def check_replicas(self):
+        """Largest absolute difference between any tower's variable and tower 0's.
+
+        Returns:
+          float, max over towers k, model and optimizer variables n (with
+          ZeRO, model variables only) and elements of
+          |models[k] variable n - models[0] variable n|.
+
+        Raises:
+          ValueError: the models are not built yet (no batch seen).
+        """
+        return float(self._built("check_replicas").difference())
+
+    def state_bytes(self):
+        """The bytes of state each tower's device holds.
+
+        Returns:
+          list of K dicts of ints: tower k's "weights" (the model's variables,
+          and the copy of its forward state a skipped step restores),
+          "optimizer" (with ZeRO, also its pieces of the weights),
+          "accumulation", "compression" (PowerSGD's) and "total".
+
+        Raises:
+          ValueError: the models are not built yet (no batch seen).
+        """
+        return self._built("state_bytes").state_bytes()
