@@ -168,11 +168,10 @@ def train(trainer, x, y, batch=16):
 
 def state_of(trainer):
     """Every value a step may change, tower by tower (the step counter aside)."""
-    state = trainer._steps._state
     out = [v.numpy() for m, o in zip(trainer.models, trainer.optimizers)
            for v in list(m.variables) + list(o.variables)]
-    for k in range(len(trainer.devices)):
-        out += [v.numpy() for v in state.tower_variables(k)]
+    for kinds in trainer.state_variables():
+        out += [v.numpy() for v in kinds["accumulation"] + kinds["compression"]]
     return out
 
 
@@ -271,7 +270,7 @@ def test_a_save_refuses_any_non_finite_state_and_names_it(tmp_path):
                           powersgd=tfreduce.PowerSGD(rank=1, min_compression_rate=0))
     train(trainer, *stream(n=32))
     assert trainer.save(str(tmp_path)).endswith("ckpt-1")
-    error = trainer._steps._state.powersgd.error[1][0]
+    error = trainer.state_variables()[1]["compression"][1]  # tower 1's first error
     error.assign(error * np.nan)
     with pytest.raises(FloatingPointError) as info:
         trainer.save(str(tmp_path))

@@ -164,6 +164,43 @@ def test_the_trainer_has_one_code_path_for_one_process_and_a_cluster():
     assert not branches, branches
 
 
+def private_members(paths):
+    """{name: class}: the private methods and attributes (self._x = ...) of the files' classes."""
+    found = {}
+    for path in paths:
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for node in ast.walk(cls):
+                if isinstance(node, ast.FunctionDef):
+                    name = node.name
+                elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                      and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                    name = node.attr
+                else:
+                    continue
+                if name.startswith("_") and not name.startswith("__"):
+                    found[name] = cls.name
+    return found
+
+
+def test_no_test_reads_a_private_member_of_the_trainer():
+    # Tests see inside a trainer through its public seams (step_graphs,
+    # state_variables, fault_hook, a checkpoint): a test that reads
+    # trainer._x breaks when the state moves, and tests nothing a user sees.
+    private = private_members(sorted((PACKAGE / "trainer").glob("*.py")))
+    assert private["_built_steps"] == "ReplicatedTrainer" and private["_slots"] == "OptimizerState"
+    tests = pathlib.Path(__file__).parent
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in private
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                found.append(f"{path.relative_to(tests)}:{node.lineno}: {ast.unparse(node)} "
+                             f"({private[node.attr]}'s)")
+    assert not found, found
+
+
 def test_the_trainer_options_reach_few_modules():
     # The communication choice is one value: the trainer's settings need
     # Reduction, PowerSGD and the update's checks, not the layers below.

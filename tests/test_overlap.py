@@ -63,7 +63,7 @@ def traced_step(monkeypatch, **options):
     rng = np.random.default_rng(0)
     trainer.train_step(rng.normal(size=(16, 8)).astype("float32"), rng.integers(0, 4, 16))
     monkeypatch.undo()
-    graph = trainer._steps._train_fns[True].get_concrete_function().graph
+    graph = trainer.step_graphs()["train"]
     return graph, {op: n for op, n in marked.items() if op.graph is graph}
 
 

@@ -3,9 +3,11 @@
 import copy
 import dataclasses
 import inspect
+import os
 import pickle
 import pydoc
 import re
+import signal
 import warnings
 
 import keras
@@ -350,7 +352,7 @@ def test_powersgd_with_16_bit_wire_compression():
                                 powersgd=tfreduce.PowerSGD(rank=1, min_compression_rate=0))
     losses = [trainer.train_step(x, y) for _ in range(4)]
     assert trainer.check_replicas() == 0.0 and losses[-1] < losses[0]
-    graph = trainer._steps._train_fns[True].get_concrete_function().graph
+    graph = trainer.step_graphs()["train"]
     casts = [op for op in graph.get_operations()
              if op.type == "Cast" and op.outputs[0].dtype == tf.bfloat16]
     assert casts
@@ -410,19 +412,17 @@ def test_sparse_as_dense_across_workers_reduces_densely_through_the_cross_worker
 
 
 def test_a_stop_asked_for_during_a_step_ends_fit_after_that_step():
-    # SIGTERM while step 2 runs: one process stops after step 2, not 3.
+    # SIGTERM while fit's second step (the trainer's third) runs: one
+    # process stops after that step, not the next.
     trainer = ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2])
     x, y = data(64)
     trainer.train_step(x[:8], y[:8])  # builds the step functions
-    steps, train = trainer._steps, trainer._steps.train
 
-    def signalled(*args, **kwargs):
-        out = train(*args, **kwargs)
-        if trainer.step == 3:
-            trainer._stop.signum = 15  # as its SIGTERM handler does
-        return out
+    def signalled(step, phase):
+        if step == 3 and phase == "end":  # step 3 ran; fit has not decided yet
+            os.kill(os.getpid(), signal.SIGTERM)
 
-    steps.train = signalled
+    trainer.fault_hook = signalled
     with pytest.raises(KeyboardInterrupt) as info:
         trainer.fit(x, y, epochs=1, batch_size=8, verbose=0)
     assert trainer.step == 3

@@ -348,14 +348,12 @@ def test_ctrl_c_saves_a_checkpoint_and_resumes_mid_epoch(tmp_path, uninterrupted
     x, y = data(40)
     trainer = resumable_trainer()
     start_like(trainer, initial)
-    run_step = trainer._run_train_step
 
-    def interrupted_step(xb, yb):
-        if trainer.step == 7:
+    def interrupted_step(step, phase):
+        if step == 7 and phase == "start":
             raise KeyboardInterrupt
-        return run_step(xb, yb)
 
-    trainer._run_train_step = interrupted_step
+    trainer.fault_hook = interrupted_step
     with pytest.raises(KeyboardInterrupt):
         trainer.fit(x, y, epochs=2, batch_size=8, verbose=0, checkpoint_dir=str(tmp_path))
     # One checkpoint at the end of epoch 1, one at the interrupt.
@@ -460,6 +458,20 @@ def test_mismatched_inputs_and_missing_checkpoint(tmp_path):
 def test_negative_bcast_period():
     with pytest.raises(ValueError, match=r"bcast_period must be an int >= 0 .* got -1"):
         ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2], bcast_period=-1)
+
+
+def test_a_fault_hook_is_a_function_or_none():
+    trainer = ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2])
+    with pytest.raises(TypeError, match=r"fault_hook must be None or a function \(step, "
+                                        r"phase\), got int 3"):
+        trainer.fault_hook = 3
+    assert trainer.fault_hook is None
+    calls = []
+    trainer.fault_hook = lambda step, phase: calls.append((step, phase))
+    x, y = data(8)
+    trainer.train_step(x, y)
+    trainer.train_step(x, y)
+    assert calls == [(0, "start"), (1, "end"), (1, "start"), (2, "end")]
 
 
 def test_cluster_argument(monkeypatch):

@@ -58,8 +58,8 @@ def test_a_step_between_updates_has_no_cross_device_reduction():
     for got, want in zip(values(trainer.models[1].trainable_variables), before):
         np.testing.assert_array_equal(got, want)
     trainer.train_step(x, y)
-    functions = trainer._steps._train_fns
-    graphs = {update: functions[update].get_concrete_function().graph for update in functions}
+    graphs = {update: trainer.step_graphs()["train" if update else "accumulate"]
+              for update in (True, False)}
     traffic = {update: tfreduce.analyze_traffic(graph) for update, graph in graphs.items()}
     gradient_bytes = sum(int(np.prod(v.shape)) * 8 for v in trainer.models[0].trainable_variables)
     one_to_zero = ("/device:CPU:1", "/device:CPU:0")
@@ -149,17 +149,18 @@ def test_powersgd_state_is_per_tower_and_checkpointed(tmp_path):
 
     first = trainer()
     first.train_step(x[:16], y[:16])
-    state = first._steps._state.powersgd
+    # Each tower's Q and error feedback of the first variable.
+    state = [kinds["compression"][:2] for kinds in first.state_variables()]
     # Error feedback differs per tower; Q is shared.
-    assert not np.array_equal(state.error[0][0].numpy(), state.error[1][0].numpy())
-    np.testing.assert_array_equal(state.q[0][0].numpy(), state.q[1][0].numpy())
+    assert not np.array_equal(state[0][1].numpy(), state[1][1].numpy())
+    np.testing.assert_array_equal(state[0][0].numpy(), state[1][0].numpy())
     first.save(str(tmp_path))
     second = trainer()
     second.train_step(x[16:], y[16:])
     second.restore(str(tmp_path))
-    restored = second._steps._state.powersgd
+    restored = [kinds["compression"][:2] for kinds in second.state_variables()]
     for k in range(2):
-        np.testing.assert_array_equal(restored.error[k][0].numpy(), state.error[k][0].numpy())
+        np.testing.assert_array_equal(restored[k][1].numpy(), state[k][1].numpy())
     for t in (first, second):
         t.train_step(x[16:], y[16:])
     for a, b in zip(first.models[1].trainable_variables, second.models[1].trainable_variables):

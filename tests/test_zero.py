@@ -5,6 +5,7 @@ import gc
 import os
 import re
 import sys
+import tempfile
 
 import keras
 import numpy as np
@@ -236,7 +237,7 @@ def test_a_stage_1_step_sends_the_bytes_of_a_ring_all_reduce():
     for stage in (0, 1):
         t = trainer(4, stage, model=make, algorithm="ring")
         t.train_step(x, y)
-        graph = t._steps._train_fns[True].get_concrete_function()
+        graph = t.step_graphs()["train"]
         sent[stage] = sum(tfreduce.analyze_traffic(graph).pair_bytes.values())
     size = tower_bytes(t.models[0].trainable_variables)  # S, float32
     ring = 4 * 2 * 3 / 4 * size  # 2 (K-1)/K S from each of the K towers
@@ -252,15 +253,16 @@ def test_a_stage_1_step_sends_the_bytes_of_a_ring_all_reduce():
 
 
 def gathered_slots(t):
-    """{key: full flat slot} from every tower's pieces (or tower 0 unsharded)."""
-    state = t._checkpoint._parts["optimizer_state"]
-    out = {}
-    for key, pieces in state._slots.items():
-        full = np.full(state._sizes[pieces[0][0]], np.nan, np.float64)
-        for _, v, start in pieces:
-            full[start:start + int(v.shape.num_elements())] = v.numpy().ravel()
-        out[key] = full
-    return out
+    """{key: full flat slot}, every tower's pieces (or tower 0 unsharded) joined.
+
+    As a checkpoint of t holds them, read with TensorFlow's checkpoint
+    reader (the save goes to a directory of its own).
+    """
+    reader = tf.train.load_checkpoint(t.save(tempfile.mkdtemp()))
+    prefix = "optimizer_state/.ATTRIBUTES/"
+    return {key[len(prefix):]: reader.get_tensor(key).astype(np.float64)
+            for key, shape in reader.get_variable_to_shape_map().items()
+            if key.startswith(prefix) and len(shape) == 1}  # the slots, not the scalars
 
 
 @pytest.mark.slow
@@ -284,7 +286,7 @@ def test_a_checkpoint_resumes_at_another_k_and_stage(saved, resumed, tmp_path, c
     # A fresh run restored: every slot, gathered, equals the saved bit for bit.
     fresh = trainer(*resumed)
     fresh.restore(str(tmp_path))
-    fresh._built_steps(data(16)[0])
+    fresh.evaluate(*data(16))  # builds, restores
     got = gathered_slots(fresh)
     assert got.keys() == slots.keys()
     for key in slots:
@@ -344,7 +346,7 @@ def test_kill_9_during_a_sharded_save_keeps_the_previous_checkpoint(tmp_path):
     saved = np.load(tmp_path / "ckpt-1.npz")
     t = trainer(4, 1)
     assert t.restore(str(tmp_path)).endswith("ckpt-1")
-    t._built_steps(data(16)[0])
+    t.evaluate(*data(16))  # builds, restores
     for key, full in gathered_slots(t).items():
         np.testing.assert_array_equal(full, saved[key])
     assert t.step == 3
@@ -355,15 +357,15 @@ def test_skipped_steps_leave_every_piece_and_slot_untouched():
     t = trainer(4, 1, on_nonfinite="skip")
     train(t, 3)
     before = gathered_slots(t)
-    pieces = [[p.numpy() for p in row] for row in t._steps._towers.zero.pieces]
+    pieces = [[p.numpy() for p in kinds["optimizer"]] for kinds in t.state_variables()]
     x, y = data(16)
     x[5, 2] = np.nan  # tower 1's shard
     t.train_step(x, y)
     assert t.skipped_steps == 1
     for key, full in gathered_slots(t).items():
         np.testing.assert_array_equal(full, before[key])
-    for row, saved in zip(t._steps._towers.zero.pieces, pieces):
-        for p, s in zip(row, saved):
+    for kinds, saved in zip(t.state_variables(), pieces):
+        for p, s in zip(kinds["optimizer"], saved):
             np.testing.assert_array_equal(p.numpy(), s)
     assert all(int(o.iterations.numpy()) == 3 for o in t.optimizers)
 
@@ -489,7 +491,8 @@ def test_a_checkpoint_in_keras_optimizer_layout_restores_unsharded_and_is_refuse
     model, optimizer = t.models[0], t.optimizers[0]
     prefix = tf.train.Checkpoint(model=model, optimizer=optimizer,
                                  model_variables=list(model.variables),
-                                 step=t._step).save(str(tmp_path / "old"))
+                                 step=tf.Variable(t.step, dtype=tf.int64)).save(
+                                     str(tmp_path / "old"))
     u = trainer(2, 0)
     u.restore(prefix)
     assert u.step == 3

@@ -62,10 +62,10 @@ class TrainerCheckpoint:
             optimizer_state = OptimizerState(towers.optimizers, zero.pieces, zero.layout.pieces,
                                              towers.trainable[0], across=self._across)
         self._optimizer_state = optimizer_state
-        self._run = (options.total_towers, options.zero_stage)
+        self._layout_now = (options.total_towers, options.zero_stage)
         with tf.device("/device:CPU:0"):
-            self._run_layout = tf.Variable(self._run, dtype=tf.int64, trainable=False,
-                                           name="run_layout")
+            self._run_layout = tf.Variable(self._layout_now, dtype=tf.int64,
+                                           trainable=False, name="run_layout")
         # The explicit variable list adds what Keras does not track for
         # checkpoints (the random state of Dropout layers), which an exact
         # resume needs.
@@ -175,8 +175,8 @@ class TrainerCheckpoint:
             parts.pop("run_layout")
         # The towers' own state is per tower, and sharded at stage 2: kept
         # only in the layout it was saved in.
-        same_layout = saved is None or (saved[0] == self._run[0]
-                                        and (saved[1] == 2) == (self._run[1] == 2))
+        same_layout = saved is None or (saved[0] == self._layout_now[0]
+                                        and (saved[1] == 2) == (self._layout_now[1] == 2))
         dropped = bool(self._own_parts) and not same_layout
         if dropped:
             _check_cycle_boundary(reader, names, prefix, saved)
@@ -200,13 +200,13 @@ class TrainerCheckpoint:
             # The saved towers' own state is left out on purpose (the line
             # below says so); TensorFlow would report its values as lost.
             status.expect_partial()
-        self._run_layout.assign(self._run)
-        if saved is not None and tuple(saved) != self._run:
+        self._run_layout.assign(self._layout_now)
+        if saved is not None and tuple(saved) != self._layout_now:
             restart = "; the towers' own state (accumulated gradients, PowerSGD's) restarts" \
                 if dropped else ""
             print(f"restore: {prefix} was saved at {saved[0]} towers with zero_stage "
-                  f"{saved[1]}; resuming at {self._run[0]} towers with zero_stage "
-                  f"{self._run[1]}{restart}", file=sys.stderr)
+                  f"{saved[1]}; resuming at {self._layout_now[0]} towers with zero_stage "
+                  f"{self._layout_now[1]}{restart}", file=sys.stderr)
         if self._tower_state is not None:
             # A skip of the resumed cycle goes back to the restored state.
             self._tower_state.save_forward(always=True)

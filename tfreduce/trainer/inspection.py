@@ -47,3 +47,37 @@ class Inspection:
           ValueError: the models are not built yet (no batch seen).
         """
         return self._built("state_bytes").state_bytes()
+
+    def state_variables(self):
+        """The variables each tower's device holds, by kind (what `state_bytes` counts).
+
+        Returns:
+          list of K dicts: tower k's "weights" (models[k].variables, then
+          the copy of its forward state a skipped step restores),
+          "optimizer" (optimizers[k].variables; with ZeRO, then its pieces
+          of the weights, one per trainable variable), "accumulation" (the
+          gradient sums of accumulate_steps > 1: one per trainable
+          variable, or with zero_stage 2 one per shard) and
+          "compression" (PowerSGD's Q and error feedback of each
+          compressed variable, in that order), each a list of tf.Variable.
+
+        Raises:
+          ValueError: the models are not built yet (no batch seen).
+        """
+        return self._built("state_variables").state_variables()
+
+    def step_graphs(self):
+        """The graphs of the training step functions traced so far.
+
+        To inspect what a step runs: its ops, their devices, the bytes
+        that cross devices (`tfreduce.analyze_traffic`).
+
+        Returns:
+          dict: "train" (the step that reduces and applies) and, with
+          accumulate_steps > 1, "accumulate" (a step between updates) ->
+          tf.Graph; each present once a step of its kind has run.
+
+        Raises:
+          ValueError: the models are not built yet (no batch seen).
+        """
+        return self._built("step_graphs").step_graphs()

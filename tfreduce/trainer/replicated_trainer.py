@@ -58,6 +58,11 @@ class ReplicatedTrainer(Inspection):
         worker that writes checkpoints and logs.
       skipped_steps: int, the steps whose update was skipped (non-finite
         gradients) since this trainer was made.
+      fault_hook: None (default), or fn(step, phase) that every training
+        step (of `train_step` and `fit`) calls with the steps taken so far:
+        phase "start" before the step runs, "end" after it ran and before
+        `fit` decides whether to stop. For fault drills and tests: raise
+        KeyboardInterrupt, or send this process SIGTERM, at a chosen step.
     """
 
     def __init__(self, model_fn, loss, optimizer_fn, devices=None, algorithm="auto", average=True,
@@ -153,8 +158,9 @@ class ReplicatedTrainer(Inspection):
         self._steps = None  # StepFunctions, once the models are built
         self._checkpoint = None
         self._pending_restore = None
-        self._stop = StopRequest()  # SIGTERM while fit runs
+        self._stop_request = StopRequest()  # SIGTERM while fit runs
         self.skipped_steps = 0
+        self._fault_hook = None
         if all(model.built for model in self.models):
             self._build(None)
 
@@ -162,6 +168,18 @@ class ReplicatedTrainer(Inspection):
     def step(self):
         """int: the number of training steps taken so far."""
         return int(self._step.numpy())
+
+    @property
+    def fault_hook(self):
+        """None, or fn(step, phase) every training step calls (the class docstring)."""
+        return self._fault_hook
+
+    @fault_hook.setter
+    def fault_hook(self, hook):
+        if hook is not None and not callable(hook):
+            raise TypeError(f"fault_hook must be None or a function (step, phase), got "
+                            f"{type(hook).__name__} {hook!r}")
+        self._fault_hook = hook
 
     @property
     def cluster(self):
@@ -193,18 +211,23 @@ class ReplicatedTrainer(Inspection):
 
     def _run_train_step(self, x, y):
         """Runs one step; returns (mean loss float, correct count int or None, stopping bool)."""
+        if self._fault_hook is not None:
+            self._fault_hook(self.step, "start")
         x, y, batch = worker_batch(x, y, self._cluster, len(self.devices),
                                    self._options.total_towers, self._options.class_indices)
         loss, correct, stops, skipped = self._built_steps(x).train(
-            x, y, batch, self._stop.requested)
+            x, y, batch, self._stop_request.requested)
         self.skipped_steps += int(skipped)
         if self._bcast_period and self.step % self._bcast_period == 0:
             self._steps.broadcast()
         correct = int(correct)  # negative: accuracy is not defined for the model's outputs
+        if self._fault_hook is not None:
+            self._fault_hook(self.step, "end")
         # Across workers the requests summed over the workers (the flags sent
         # into the step): all stop after the same step. One process also
         # stops for a request that came during the step.
-        stopping = float(stops) > 0 or (self._cluster.is_local and self._stop.requested)
+        stopping = float(stops) > 0 or (self._cluster.is_local
+                                        and self._stop_request.requested)
         return float(loss), (correct if correct >= 0 else None), stopping
 
     def train_step(self, x, y):
@@ -302,9 +325,9 @@ class ReplicatedTrainer(Inspection):
             infinite dataset, verbose not 0, 1 or 2, bad profile_steps.
           KeyboardInterrupt: re-raised after the checkpoint is written.
         """
-        hooks = FitHooks(  # run_step looks the method up at every step (it may be replaced)
-            run_step=lambda x_batch, y_batch: self._run_train_step(x_batch, y_batch),
-            stop=self._stop, epoch_totals=self._epoch_totals,
+        hooks = FitHooks(
+            run_step=self._run_train_step,
+            stop=self._stop_request, epoch_totals=self._epoch_totals,
             reports_skipped=self._options.on_nonfinite == "skip", finish=self._cluster.finish,
             # The graphs once the first batch has built them (a model without an Input).
             graphs=lambda: self._steps.graphs(), rank=self._cluster.rank,

@@ -11,7 +11,7 @@ import tensorflow as tf
 from tfreduce.consistency import check_workers_agree, describe_variables
 from tfreduce.trainer.checkpoints import TrainerCheckpoint
 from tfreduce.trainer.step import HOST, eval_graph, predict_graph, train_graph
-from tfreduce.trainer.towers import build_towers, state_bytes, sync_functions
+from tfreduce.trainer.towers import build_towers, state_bytes, state_variables, sync_functions
 from tfreduce.trainer.towertimes import TowerTimes
 from tfreduce.trainer.update import TowerState, nonfinite_error, scales_loss
 from tfreduce.watchdog import progress
@@ -67,10 +67,19 @@ class StepFunctions:
         with self._options.cluster.detect_lost_workers():
             self._broadcast_fn()
 
+    def step_graphs(self):
+        """{"train", "accumulate"} -> tf.Graph of the step functions traced so far."""
+        functions = {"train": self._train_fns[True], "accumulate": self._train_fns[False]}
+        return {name: fn.get_concrete_function().graph for name, fn in functions.items()
+                if fn is not None}
+
     def graphs(self):
         """The graphs of the train and accumulate functions traced so far."""
-        return [fn.get_concrete_function().graph for fn in self._train_fns.values()
-                if fn is not None]
+        return list(self.step_graphs().values())
+
+    def state_variables(self):
+        """Variables per tower and kind (towers.state_variables)."""
+        return state_variables(self._towers, self._state)
 
     def state_bytes(self):
         """Bytes of state per tower and kind (towers.state_bytes)."""

@@ -269,6 +269,29 @@ def _nbytes(variables):
     return sum(int(v.shape.num_elements()) * tf.as_dtype(v.dtype).size for v in variables)
 
 
+def state_variables(towers, state):
+    """The variables on each tower's device, by kind (ReplicatedTrainer.state_variables).
+
+    Args:
+      towers: Towers, built.
+      state: update.TowerState.
+
+    Returns:
+      list of K dicts of lists of tf.Variable: "weights", "optimizer",
+      "accumulation", "compression".
+    """
+    out = []
+    for k, (model, optimizer) in enumerate(zip(towers.models, towers.optimizers)):
+        out.append({
+            "weights": list(model.variables) + list(state.saved[k]),
+            "optimizer": (list(optimizer.variables)
+                          + (towers.zero.variables(k) if towers.zero is not None else [])),
+            "accumulation": list(state.sums[k]) if state.sums else [],
+            "compression": state.powersgd.tower_variables(k) if state.powersgd else [],
+        })
+    return out
+
+
 def state_bytes(towers, state):
     """The bytes of state on each tower's device, by kind (ReplicatedTrainer.state_bytes).
 
@@ -281,14 +304,8 @@ def state_bytes(towers, state):
       "compression", "total".
     """
     out = []
-    for k, (model, optimizer) in enumerate(zip(towers.models, towers.optimizers)):
-        pieces = towers.zero.variables(k) if towers.zero is not None else []
-        row = {
-            "weights": _nbytes(model.variables) + _nbytes(state.saved[k]),
-            "optimizer": _nbytes(optimizer.variables) + _nbytes(pieces),
-            "accumulation": _nbytes(state.sums[k]) if state.sums else 0,
-            "compression": _nbytes(state.powersgd.tower_variables(k)) if state.powersgd else 0,
-        }
+    for kinds in state_variables(towers, state):
+        row = {kind: _nbytes(variables) for kind, variables in kinds.items()}
         row["total"] = sum(row.values())
         out.append(row)
     return out
