@@ -5,7 +5,7 @@ from setuptools import find_packages, setup
 setup(
     name="tfreduce",
     version="0.1.0",
-    description="Device-placed gradient all-reduce subgraphs (flat, hierarchical, "
+    description="Device-placed gradient all-reduce subgraphs (flat, hierarchical, ring, "
                 "NCCL, collective) and a replicated trainer for TensorFlow",
     packages=find_packages(include=["tfreduce", "tfreduce.*"]),
     python_requires=">=3.10",

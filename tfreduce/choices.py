@@ -3,7 +3,7 @@
 Standard library only, so that ``--help`` and argument errors of the
 example, ``tfreduce-bench`` and ``tfreduce-launch`` answer at once (importing
 TensorFlow takes seconds). The modules that implement a choice import it
-from here; ``allreduce`` checks at import that ``ALGORITHMS`` names its stages.
+from here; ``registry`` checks at import that ``ALGORITHMS`` names its stages.
 """
 
 import re
@@ -12,7 +12,7 @@ __all__ = ["ALGORITHMS", "BENCH_FAMILIES", "COLLECTIVES", "DEFAULT_PACK_BYTES",
            "GPU_ONLY_ALGORITHMS", "bench_compression"]
 
 #: Names ``allreduce_grads(algorithm=...)`` accepts: "auto" and one per Stage
-#: class (``allreduce.STAGES``, in the same order).
+#: class (``registry.STAGES``, in the same order).
 ALGORITHMS = ("auto", "flat", "hierarchical", "ring", "nccl", "collective")
 
 #: The collectives besides all-reduce (``tfreduce.collectives``; all-reduce

@@ -9,7 +9,7 @@ Five modes, on K logical CPU devices (default) or K real GPUs:
   on the same K x N inputs and run in one ``tf.compat.v1.Session``:
 
   - every tfreduce algorithm that runs on the devices, without packing and
-    with packing (``--pack-bytes``, default ``packing.DEFAULT_PACK_BYTES``);
+    with packing (``--pack-bytes``, default ``choices.DEFAULT_PACK_BYTES``);
   - tensorpack's ``allreduce_grads_hierarchical`` (when installed; it
     asserts K == 8, so only then);
   - tf.distribute's ``HierarchicalCopyAllReduce`` (even K: it splits the

@@ -102,7 +102,7 @@ def parse_args(argv):
     parser.add_argument("--pack-bytes", default=[DEFAULT_PACK_BYTES], metavar="BYTES[,BYTES]",
                         type=lambda s: _parse_list(s, parse_bytes, "--pack-bytes"),
                         help="pack sizes of the packed variants; default "
-                             f"{format_bytes(DEFAULT_PACK_BYTES)} (packing.DEFAULT_PACK_BYTES)")
+                             f"{format_bytes(DEFAULT_PACK_BYTES)} (choices.DEFAULT_PACK_BYTES)")
     parser.add_argument("--packing", choices=("both", "on", "off"), default="both",
                         help="run tfreduce algorithms unpacked, packed, or both (default)")
     parser.add_argument("--compression", default=["none"], metavar="C[,C]",
