@@ -44,7 +44,7 @@ SAME_LAYER = {
     ("cluster", "failures"), ("costmodel", "hostprobe"),
     ("hostprobe", "frame"), ("hostprobe", "nccl_ops"), ("planner", "hostprobe"),
     ("planner", "costmodel"), ("planner", "registry"), ("planner", "frame"),
-    ("planner", "hierarchical"), ("watchdog", "stragglers"), ("launch", "preload"),
+    ("watchdog", "stragglers"), ("launch", "preload"),
 }
 
 

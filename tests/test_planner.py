@@ -11,9 +11,10 @@ import tensorflow as tf
 import tfreduce
 import tfreduce.allreduce
 from helpers import CPU_DEVICES, GPU_DEVICES, check, load_script, place
-from tfreduce import planner
+from tfreduce import planner, registry
 from tfreduce.cluster import Cluster
 from tfreduce.costmodel import predict
+from tfreduce.replicated import FlatStage
 from tfreduce.trainer import ReplicatedTrainer
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "keras_fit_worker.py")
@@ -109,7 +110,7 @@ def test_a_plan_made_again_reuses_the_costed_table(monkeypatch):
     shapes, devices, given = [[256, 10], [10]], CPU_DEVICES[:4], {"pack_bytes": 2**20}
     first = tfreduce.plan_allreduce(shapes, devices, machine(), **given)
     tried = len(first.table)
-    assert len(costed) == tried == len(planner.candidates(4, False, [2**20]))
+    assert len(costed) == tried == len(planner.candidates(devices, [2**20]))
     first.options["pack_bytes"] = 1  # a plan's options are its own
     again = tfreduce.plan_allreduce(shapes, devices, machine(), **given)
     assert len(costed) == tried
@@ -120,6 +121,36 @@ def test_a_plan_made_again_reuses_the_costed_table(monkeypatch):
     assert len(costed) == 2 * tried
     tfreduce.plan_allreduce(shapes, devices, machine(), compression="bf16", **given)
     assert len(costed) == 3 * tried
+
+
+def test_the_planner_costs_every_registered_algorithm(monkeypatch):
+    # A toy algorithm: one registry entry, with an option set of its own
+    # that the planner tries, and one that bind refuses on these devices.
+    class Toy(FlatStage):
+        name = "toy"
+
+        def __init__(self, width=1):
+            self.width = width
+
+        @classmethod
+        def plan_options(cls, num_devices):
+            return [{"width": num_devices}, {"width": 0}]
+
+        def bind(self, devices):
+            if self.width != len(devices):
+                raise ValueError(f"toy takes width {len(devices)}, got {self.width}")
+            return self
+
+    monkeypatch.setitem(registry.STAGES, "toy", Toy)
+    sizes = [None, 2**20]
+    tried = planner.candidates(CPU_DEVICES[:4], sizes)
+    assert [row for row in tried if row[0] == "toy"] == [
+        ("toy", {"pack_bytes": None, "width": 4}), ("toy", {"pack_bytes": 2**20, "width": 4})]
+    # Every registered algorithm that binds on CPUs; NCCL refuses them.
+    assert {name for name, _ in tried} == set(registry.STAGES) - {"nccl"}
+    plan = tfreduce.plan_allreduce([[64, 10]], CPU_DEVICES[:4], BANDWIDTH_BOUND,
+                                   pack_bytes=None)
+    assert ("toy", {"pack_bytes": None, "width": 4}) in [(a, o) for a, o, _ in plan.table]
 
 
 def test_sparse_gradients_alone_take_the_default_rule(monkeypatch):

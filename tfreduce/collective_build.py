@@ -11,7 +11,6 @@ import tensorflow as tf
 
 from tfreduce.contract import dense_shape, values_of
 from tfreduce.costmodel import predict
-from tfreduce.devices import is_gpu
 from tfreduce.primitives import scale_by_reciprocal, split_rows
 from tfreduce.registry import STAGES, make_stage
 from tfreduce.shards import Tensors
@@ -248,8 +247,16 @@ def plan_algorithm(collective, reduction, tensors, group, ctx, splits=None):
 
 def _fastest(collective, topology, specs, ctx, splits):
     # Every candidate built in one scratch graph and costed.
-    candidates = [name for name, cls in STAGES.items() if collective in cls.collectives
-                  and (name != "nccl" or all(is_gpu(d) for d in ctx.devices))]
+    # Every registered algorithm that builds it and binds on these devices
+    # (NCCL refuses devices that are not GPUs).
+    stages = {}
+    for name, cls in STAGES.items():
+        if collective in cls.collectives:
+            try:
+                stages[name] = make_stage(name, {}).bind(list(ctx.devices))
+            except ValueError:
+                continue
+    candidates = list(stages)
     times = {}
     with tf.Graph().as_default():
         rows = []
@@ -258,8 +265,7 @@ def _fastest(collective, topology, specs, ctx, splits):
                 rows.append([tf.zeros(shape, dtype) for shape, dtype in row])
         scratch = Tensors(rows, list(ctx.devices), list(range(len(specs[0]))))
         positions = list(range(len(specs)))
-        for name in candidates:
-            stage = make_stage(name, {}).bind(scratch.devices)
+        for name, stage in stages.items():
             with tf.name_scope(name):
                 out = build_group(collective, stage, scratch, positions, ctx, splits)
             times[name] = predict(out, topology, inputs=rows).seconds

@@ -62,6 +62,14 @@ class HierarchicalStage(Stage):
 
     name = "hierarchical"
 
+    @classmethod
+    def plan_options(cls, num_devices):
+        """Two halves (``default_groups``), and groups of 4 when K > 4 is a multiple of 4."""
+        groups = [default_groups(num_devices)]
+        if num_devices % 4 == 0 and num_devices > 4:
+            groups.append([list(range(g, g + 4)) for g in range(0, num_devices, 4)])
+        return [{"groups": g} for g in groups]
+
     def __init__(self, groups=None):
         self.groups = None if groups is None else validate_groups(groups)
 

@@ -17,11 +17,9 @@ import tensorflow as tf
 
 from tfreduce.contract import dense_shape, validate_grads, values_of
 from tfreduce.costmodel import predict
-from tfreduce.devices import is_gpu
 from tfreduce.frame import run_stages
-from tfreduce.hierarchical import default_groups
 from tfreduce.hostprobe import resolve_topology
-from tfreduce.registry import make_stage
+from tfreduce.registry import STAGES, make_stage
 
 __all__ = ["Plan", "plan_for", "plan_shapes", "PACK_SIZES"]
 
@@ -73,17 +71,23 @@ class Plan:
         return f"Plan({self.algorithm}, {self.options}, {self.seconds * 1e3:.3f} ms)"
 
 
-def candidates(num_devices, on_gpus, pack_sizes=PACK_SIZES):
-    """(algorithm, options) pairs to try for K devices."""
-    algorithms = ["flat", "ring", "collective"] + (["nccl"] if on_gpus else [])
-    groups = [default_groups(num_devices)]
-    if num_devices % 4 == 0 and num_devices > 4:
-        groups.append([list(range(g, g + 4)) for g in range(0, num_devices, 4)])
-    out = []
-    for pack_bytes in pack_sizes:
-        out += [(a, {"pack_bytes": pack_bytes}) for a in algorithms]
-        out += [("hierarchical", {"pack_bytes": pack_bytes, "groups": g}) for g in groups]
-    return out
+def candidates(devices, pack_sizes=PACK_SIZES):
+    """(algorithm, options) pairs to try on K canonical devices: every registered one.
+
+    Each algorithm of ``registry.STAGES``, in its order, with each option
+    set of its ``plan_options`` that its ``bind`` accepts on these devices,
+    at each pack size.
+    """
+    usable = []
+    for name, stage in STAGES.items():
+        for options in stage.plan_options(len(devices)):
+            try:
+                make_stage(name, dict(options)).bind(devices)
+            except ValueError:
+                continue  # this algorithm cannot use these devices
+            usable.append((name, options))
+    return [(name, {"pack_bytes": pack_bytes, **options})
+            for pack_bytes in pack_sizes for name, options in usable]
 
 
 # Planning is plain Python over a scratch graph: when a reduction is built
@@ -144,9 +148,10 @@ def plan_shapes(specs, devices, topology, average, reduction):
       ValueError, TypeError: as ``hostprobe.resolve_topology``.
     """
     topology = resolve_topology(topology, len(devices))  # "host" is probed at each plan
+    # The registry too: an algorithm registered later is costed in the next plan.
     key = (tuple((tuple(shape), tf.as_dtype(dtype)) for shape, dtype in specs), tuple(devices),
            topology, bool(average), reduction.pack_bytes, reduction.sparse_as_dense,
-           reduction.compression)
+           reduction.compression, tuple(STAGES.items()))
     return Plan(_costed(key), reduction)
 
 
@@ -159,7 +164,7 @@ def _costed(key):
     with ``topology=`` in a loop, ``plan_allreduce``) reuses the table. A
     Topology hashes by its figures, so a preset made again is the same key.
     """
-    specs, devices, topology, average, pack_bytes, sparse_as_dense, compression = key
+    specs, devices, topology, average, pack_bytes, sparse_as_dense, compression, _ = key
     pack_sizes = (pack_bytes,) if pack_bytes != "auto" else PACK_SIZES
     table = []
     # One scratch graph: every candidate reduces the same inputs, and each
@@ -169,7 +174,7 @@ def _costed(key):
         for d in devices:
             with tf.device(d):
                 inputs.append([tf.zeros(shape, dtype) for shape, dtype in specs])
-        for algorithm, choice in candidates(len(devices), all(map(is_gpu, devices)), pack_sizes):
+        for algorithm, choice in candidates(devices, pack_sizes):
             own = {name: value for name, value in choice.items() if name != "pack_bytes"}
             out = run_stages(validate_grads(inputs, devices), [make_stage(algorithm, own)],
                              average, pack_bytes=choice["pack_bytes"],

@@ -49,6 +49,23 @@ class Stage:
     #: and integer dtype (add_n's).
     dtypes = None
 
+    @classmethod
+    def plan_options(cls, num_devices):
+        """The option sets ``algorithm="auto"`` with a topology costs for K devices.
+
+        The planner (planner.py) builds this stage once per option set, and
+        per pack size, on the devices of the call; a set that ``bind``
+        refuses there (NCCL off GPUs) is left out.
+
+        Args:
+          num_devices: int K >= 1.
+
+        Returns:
+          list of dicts of the constructor's options; [{}] (the defaults)
+          unless a stage has options worth comparing.
+        """
+        return [{}]
+
     def bind(self, devices):
         """Checks the options against the K canonical devices, before any op is built.
 
