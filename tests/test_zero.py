@@ -256,13 +256,14 @@ def gathered_slots(t):
     """{key: full flat slot}, every tower's pieces (or tower 0 unsharded) joined.
 
     As a checkpoint of t holds them, read with TensorFlow's checkpoint
-    reader (the save goes to a directory of its own).
+    reader (the save goes to a directory of its own, removed after).
     """
-    reader = tf.train.load_checkpoint(t.save(tempfile.mkdtemp()))
-    prefix = "optimizer_state/.ATTRIBUTES/"
-    return {key[len(prefix):]: reader.get_tensor(key).astype(np.float64)
-            for key, shape in reader.get_variable_to_shape_map().items()
-            if key.startswith(prefix) and len(shape) == 1}  # the slots, not the scalars
+    with tempfile.TemporaryDirectory() as scratch:
+        reader = tf.train.load_checkpoint(t.save(scratch))
+        prefix = "optimizer_state/.ATTRIBUTES/"
+        return {key[len(prefix):]: reader.get_tensor(key).astype(np.float64)
+                for key, shape in reader.get_variable_to_shape_map().items()
+                if key.startswith(prefix) and len(shape) == 1}  # the slots, not the scalars
 
 
 @pytest.mark.slow

@@ -246,9 +246,9 @@ def plan_algorithm(collective, reduction, tensors, group, ctx, splits=None):
 
 
 def _fastest(collective, topology, specs, ctx, splits):
-    # Every candidate built in one scratch graph and costed.
     # Every registered algorithm that builds it and binds on these devices
-    # (NCCL refuses devices that are not GPUs).
+    # (NCCL refuses devices that are not GPUs), built in one scratch graph
+    # and costed.
     stages = {}
     for name, cls in STAGES.items():
         if collective in cls.collectives:
@@ -256,7 +256,6 @@ def _fastest(collective, topology, specs, ctx, splits):
                 stages[name] = make_stage(name, {}).bind(list(ctx.devices))
             except ValueError:
                 continue
-    candidates = list(stages)
     times = {}
     with tf.Graph().as_default():
         rows = []
@@ -269,4 +268,4 @@ def _fastest(collective, topology, specs, ctx, splits):
             with tf.name_scope(name):
                 out = build_group(collective, stage, scratch, positions, ctx, splits)
             times[name] = predict(out, topology, inputs=rows).seconds
-    return min(candidates, key=lambda name: times[name])
+    return min(stages, key=lambda name: times[name])
