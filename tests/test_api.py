@@ -28,6 +28,7 @@ EXPORTS = {
     'Cluster.group_key': '(self, local_devices)',
     'Cluster.is_chief': 'property',
     'Cluster.num_workers': 'property',
+    'Cluster.op_timeout': 'property',
     'Cluster.rank': 'property',
     'Cluster.session_config': '(self, config=None)',
     'Cluster.start': '(self)',

@@ -43,6 +43,15 @@ def test_process_functions_and_the_error_before_init(ranks):
                                           "call it first, before building the model")
 
 
+def test_collectives_hold_no_thread_per_call(ranks):
+    # TF's per-op timeout starts a thread per op execution that sleeps for the
+    # whole timeout (300 s): 4 per eager call, 2 per call in a tf.function.
+    # Horovod's test suite (thousands of calls) aborted with no thread left.
+    for r, got in enumerate(ranks):
+        before, after = got["threads"].tolist()
+        assert after - before <= 10, f"rank {r}: {before} threads, then {after} after 80 calls"
+
+
 def test_collectives_equal_numpy(ranks):
     x = [np.array([1.0, 2.0]) * (r + 1) for r in range(2)]
     for r, got in enumerate(ranks):

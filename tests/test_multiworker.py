@@ -40,8 +40,10 @@ import tensorflow as tf
 
 import tfreduce
 from tfreduce.cluster import Cluster
+from tfreduce.launch import free_ports
 from tfreduce.multiworker import (CROSS_WORKER_PACK_BYTES, allreduce_grads_multiworker,
                                   broadcast_variables_multiworker)
+from tfreduce.watchdog import Watchdog
 
 import zygote
 from helpers import CPU_DEVICES, alive
@@ -87,6 +89,24 @@ def const(tensor):
 
 
 # ------------------------------------------------------------------ structure
+
+def test_with_a_watchdog_the_cross_worker_ops_carry_no_timeout(graph):
+    # TF's per-op timer holds a sleeping thread per op execution for the whole
+    # timeout; while the watchdog runs, it bounds the waits instead.
+    spec = {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]}
+    cluster = Cluster(spec, "worker", 1, timeout=42)
+    assert cluster.op_timeout == 42.0  # no watchdog (not started): TF's timer
+    cluster.watchdog = Watchdog(cluster, 1.0, on_stall=print)
+    try:
+        assert cluster.op_timeout is None and cluster.timeout == 42.0
+        allreduce_grads_multiworker(grads_on(GPUS, [(10,), (3, 4)]), GPUS, cluster=cluster,
+                                    local_algorithm="flat", pack_bytes=None)
+        ops = cross_ops(graph)
+        assert len(ops) == 2
+        assert [op.get_attr("timeout_seconds") for op in ops] == [0.0, 0.0]
+    finally:
+        cluster.watchdog.goodbye()
+
 
 def test_structure_roots_keys_and_placement(graph):
     cluster = Cluster(SPEC, "worker", 1, timeout=42)
@@ -462,6 +482,18 @@ def more_fits(tmp_path_factory):
     """The other four FITS, in a launch of their own."""
     return launch_fits(tmp_path_factory.mktemp("more_fits"),
                        ["zero1", "zero1_resumed", "nan", "without"])
+
+
+@pytest.mark.slow
+def test_a_fit_holds_no_thread_per_collective(fits, more_fits):
+    # Each fit runs 5-10 steps of several cross-worker collectives; TF's
+    # per-op timeout would hold a sleeping thread per op execution for 300 s.
+    out = fits[1] + more_fits[1]
+    counts = re.findall(r"\[worker (\d)\] rank \d: (\w+): threads (\d+) -> (\d+)", out)
+    assert sorted((name, int(r)) for r, name, _, _ in counts) == sorted(
+        (name, r) for name in FITS for r in range(2)), out
+    for r, name, before, after in counts:
+        assert int(after) - int(before) <= 10, f"{name}, rank {r}: {before} threads, then {after}"
 
 
 @pytest.fixture(scope="module")

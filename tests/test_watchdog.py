@@ -27,12 +27,12 @@ from helpers import scalars
 from test_multiworker import launch_workers
 
 
-def pair(stall=1.0):
+def pair(stall=1.0, timeout=300.0):
     """Watchdogs of ranks 0 and 1 of one cluster, and the stalls each reported."""
     spec = {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]}
     fired = {0: [], 1: []}
-    dogs = [Watchdog(Cluster(spec, "worker", r), stall, on_stall=fired[r].append)
-            for r in (0, 1)]
+    dogs = [Watchdog(Cluster(spec, "worker", r, timeout=timeout), stall,
+                     on_stall=fired[r].append) for r in (0, 1)]
     return dogs, fired
 
 
@@ -130,6 +130,70 @@ def test_a_live_peer_behind_this_workers_step_is_warned_of_once():
             r"waits for it until the collectives' timeout \(\d+ s\)\.", dogs[0].reported[0])
     finally:
         progress.advance(0)
+        dogs[0].goodbye()
+
+
+LONG_WAIT = (r"worker 0 \(127\.0\.0\.1:\d+\): waited \d+ s, idle, in {mine}: the "
+             r"collectives' timeout \(2 s\); {who}\. Stopping them\.")
+BEHIND = r"worker 1 \(127\.0\.0\.1:\d+\) has not come to it \(alive, but stuck or much slower\)"
+
+
+@pytest.mark.parametrize("steps_done, busy, peer, who", [
+    (3, False, (2, ""), BEHIND),
+    (3, False, (3, "training step 4"), r"every peer that still sends is in it too: the workers "
+                                       r"may run different programs \(other models, shapes, or "
+                                       r"collectives in another order\)"),
+    (0, False, (0, ""), BEHIND),
+    (0, True, (0, ""), None),
+], ids=["peer-behind", "peer-in-it", "first-step", "busy"])
+@pytest.mark.slow
+def test_a_wait_as_long_as_the_timeout_is_ended(monkeypatch, steps_done, busy, peer, who):
+    # The ops carry no timeout while the watchdog runs (Cluster.op_timeout):
+    # it ends a wait it sees after the cluster's timeout of idle seconds. A
+    # process that works (a first step tracing for minutes) is not waiting.
+    monkeypatch.setattr(progress, "step", steps_done)
+    dogs, fired = pair(stall=600.0, timeout=2.0)  # no silence could fire within the test
+    dogs[0].start()  # rank 1's heartbeats are sent by hand
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    beat = json.dumps({"run": dogs[0]._run, "rank": 1, "kind": "beat", "step": peer[0],
+                       "doing": peer[1]}).encode()
+    doing = f"training step {steps_done + 1}"
+    try:
+        with progress.within(doing):
+            end = time.monotonic() + (30 if who else 5)  # 5: over twice the timeout
+            while not fired[0] and time.monotonic() < end:
+                sender.sendto(beat, ("127.0.0.1", dogs[0]._socket.getsockname()[1]))
+                pause = time.monotonic() + 0.1
+                while busy and time.monotonic() < pause:
+                    sum(range(1000))  # a core's work, as tracing does
+                time.sleep(0 if busy else 0.1)
+        if who is None:
+            assert fired[0] == []
+            return
+        mine = re.escape(f"{doing} (3 steps done)" if steps_done else doing)
+        assert len(fired[0]) == 1, fired[0]
+        assert re.fullmatch(LONG_WAIT.format(mine=mine, who=who), fired[0][0]), fired[0][0]
+    finally:
+        dogs[0].goodbye()
+
+
+@pytest.mark.slow
+def test_a_custom_loops_idle_tensorflow_call_is_a_wait_too(monkeypatch):
+    # A Horovod-style loop tells nothing (progress.doing is None): the wait is
+    # the main thread's TensorFlow call, here a graph idle in a py_function.
+    import tensorflow as tf
+    monkeypatch.setattr(progress, "step", 0)
+    dogs, fired = pair(stall=600.0, timeout=2.0)
+    dogs[0].start()
+    idle = tf.function(lambda: tf.py_function(lambda: time.sleep(5) or 1.0, [], tf.float32))
+    try:
+        idle()
+        assert len(fired[0]) == 1, fired[0]
+        assert re.fullmatch(LONG_WAIT.format(
+            mine=r"a TensorFlow call of the main thread \(quick_execute\)",
+            who=r"what the peers do is not told \(a custom loop tells it with "
+                r"tfreduce\.watchdog\.progress\.timed\)"), fired[0][0]), fired[0][0]
+    finally:
         dogs[0].goodbye()
 
 
@@ -231,6 +295,26 @@ def test_a_worker_that_an_error_ends_stops_the_others_at_once():
     assert line, err[-3000:]
     assert f"Collective ops is aborted by: {line.group(1)}" in err
     assert "[launch] stopping worker 0" not in err  # it ended by itself, within the grace
+
+
+@pytest.mark.slow
+def test_a_live_worker_that_never_comes_ends_the_wait_at_the_timeout():
+    # Rank 1 sleeps 60 s before step 21, its heartbeats going on; rank 0's
+    # ops carry no timeout (the watchdog runs), and its watchdog ends the
+    # wait after 10 idle seconds, the collectives' timeout of hvd.init.
+    code, out, err, _ = launch_workers("stall_worker.py", "tape", "--pause", "60", "--steps", "30",
+                                       "--init-stall", "5", "--init-timeout", "10",
+                                       launcher=("--grace", "2"), timeout=240)
+    assert "[worker 1] rank 1: pausing 60 s at step 20" in out, (out, err[-3000:])
+    assert code == 1, (code, err[-3000:])  # not 124: the launcher's timeout was not needed
+    line = re.search(r"\[worker 0\] tfreduce watchdog: (worker 0 \(127\.0\.0\.1:\d+\): waited "
+                     r"1\d s, idle, in training step 21 \(20 steps done\): the collectives' timeout "
+                     r"\(10 s\); worker 1 \(127\.0\.0\.1:\d+\) has not come to it \(alive, but "
+                     r"stuck or much slower\)\. Stopping them\.)", err)
+    assert line, err[-3000:]
+    assert "[worker 0] tensorflow.python.framework.errors_impl.DeadlineExceededError" in err
+    assert f"Collective ops is aborted by: {line.group(1)}" in err
+    assert "[worker 1] finished" not in out
 
 
 @pytest.mark.slow

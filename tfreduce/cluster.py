@@ -39,10 +39,11 @@ from tfreduce.watchdog import stall_seconds_from, start_watchdog
 
 __all__ = ["Cluster", "WorkerLostError", "parse_tf_config", "DEFAULT_TIMEOUT"]
 
-#: Seconds a collective waits for its peers before it fails (Cluster default).
-#: It bounds how long survivors wait for a worker that hangs or vanishes
-#: without closing its connections; a worker whose process dies is usually
-#: detected within a second, because its peers' connections are refused.
+#: Seconds a worker waits in a collective for its peers before it fails
+#: (Cluster default). A worker whose process dies is usually detected within
+#: a second (its peers' connections are refused), and a frozen or vanished
+#: one after the watchdog's stall_seconds; this bounds the wait for a peer
+#: that is alive but never comes.
 DEFAULT_TIMEOUT = 300.0
 
 # Cross-worker instance keys start above the range that
@@ -71,8 +72,18 @@ class Cluster:
         of "host:port" addresses, TF_CONFIG's "cluster".
       task_type: str, "worker" or "chief", this process's job.
       task_index: int, this process's index in its job.
-      timeout: float seconds > 0; how long a cross-worker collective waits
-        for its peers before failing with DeadlineExceededError.
+      timeout: float seconds > 0; how long this worker waits in a
+        cross-worker collective for its peers before it fails with
+        DeadlineExceededError. While the watchdog runs, it enforces the
+        bound with its one thread, counting idle seconds (a step that
+        traces or computes is not waiting; ``tfreduce.watchdog``), and the
+        ops carry no timeout of their own (``op_timeout``): TensorFlow's
+        per-op timer starts one sleeping
+        thread per op execution that lives for the whole timeout, so a run
+        of 100 collectives a second would hold 30,000 threads at 300 s and
+        abort when the system has no more. With no watchdog
+        (``stall_seconds=0``, one worker, ``start_server()``), every
+        cross-worker op carries it instead.
       stall_seconds: float seconds >= 0, or None for $TFREDUCE_STALL_SECONDS
         (default 20): a peer silent this long is named (``tfreduce.watchdog``); 0: off.
 
@@ -81,6 +92,8 @@ class Cluster:
       task_type: str.
       task_index: int.
       timeout: float seconds.
+      op_timeout: float seconds or None, the timeout set on each
+        cross-worker collective op (see ``timeout``).
       keys: CollectiveKeys, the instance keys of cross-worker collectives.
       stall_seconds: float; watchdog: its Watchdog after ``start()``, or None.
 
@@ -104,6 +117,14 @@ class Cluster:
         self.keys = CollectiveKeys(first_instance_key=_FIRST_CROSS_WORKER_KEY)
         self._tasks = [(job, i) for job in JOBS for i in range(len(spec.get(job, [])))]
         self._mode = None
+
+    @property
+    def op_timeout(self):
+        """float seconds or None: the ``timeout_seconds`` of each cross-worker collective op.
+
+        None (no per-op timer) while the watchdog runs and bounds the waits;
+        ``timeout`` otherwise. Read it when building the ops, after ``start()``."""
+        return None if self.watchdog is not None else self.timeout
 
     @classmethod
     def from_tf_config(cls, tf_config=None, timeout=DEFAULT_TIMEOUT, stall_seconds=None):
@@ -380,7 +401,7 @@ class Cluster:
                 "no session after start()")
         device = self.task_name() + "/device:CPU:0"
         group_key = self.group_key(["/device:CPU:0"])
-        options = CollectiveOptions(timeout=self.timeout)
+        options = CollectiveOptions(timeout=self.op_timeout)
 
         def build():
             with tf.name_scope("cluster_finish"), tf.device(device):

@@ -37,7 +37,7 @@ def _gather(cluster, values):
     """Every worker's int64 vector `values` (one length on all), as a W x L array."""
     values = np.asarray(values, np.int64)
     group_key = cluster.group_key([_DEVICE])
-    options = CollectiveOptions(timeout=cluster.timeout)
+    options = CollectiveOptions(timeout=cluster.op_timeout)
     instance_key = cluster.keys.instance_key()
 
     def build():
@@ -257,7 +257,7 @@ def _gather_cached(cluster, functions, values):
     gather = functions.get(key)
     if gather is None:
         group_key = cluster.group_key([_DEVICE])
-        options = CollectiveOptions(timeout=cluster.timeout)
+        options = CollectiveOptions(timeout=cluster.op_timeout)
         instance_key = cluster.keys.instance_key()
 
         def build(value):

@@ -32,7 +32,7 @@ def cross_worker_options(cluster, communication, timeout, keys):
     options = CollectiveOptions(communication, timeout,
                                 none_means=f"the cluster's {cluster.timeout:g}s")
     check_keys(keys, none_means="the cluster's")
-    return options.with_timeout(cluster.timeout), cluster.keys if keys is None else keys
+    return options.with_timeout(cluster.op_timeout), cluster.keys if keys is None else keys
 
 
 class CrossWorkerStage(Stage):

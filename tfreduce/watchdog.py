@@ -2,8 +2,11 @@
 
 TF's collectives wait for every member: when one worker stops (SIGSTOP, a
 stuck driver, a swapped-out host, a deadlock in its input pipeline) the
-others wait in their collective with nothing in the log until the
-collective's timeout (``Cluster.timeout``, 300 s by default) or forever.
+others wait in their collective with nothing in the log, forever unless the
+ops carry a timeout. TF's per-op timeout costs a sleeping thread per op
+execution for the whole timeout (thousands of threads in a fast training
+loop), so while this thread runs the ops carry none (``Cluster.op_timeout``)
+and it enforces the bound instead.
 
 Each started worker runs a ``Watchdog`` thread: it sends a small UDP
 heartbeat to every peer once a second (to the peer's host, on the port
@@ -21,7 +24,16 @@ blocked call raises with that line; if the process is still alive
 ``exit_seconds`` later, it exits with code 75. A peer that still sends
 but has not come to the step this worker has waited in for
 ``stall_seconds`` (fewer steps done, or outside its next one) is named in
-a warning: it may be saving a checkpoint, or stuck in its own code.
+a warning: it may be saving a checkpoint, or stuck in its own code. A wait
+this worker has spent the cluster's ``timeout`` (300 s by default) in,
+idle (the process below a tenth of a core: a step that traces or computes
+for minutes is not waiting), is ended the same way, with
+DeadlineExceededError and a line naming the peers not in it (or saying
+every peer is: different programs, e.g. other models or collectives in
+another order). A wait is what ``progress`` tells (training steps, fit
+batches, eager collectives, a custom loop's steps in ``progress.timed``),
+or else the main thread's current TensorFlow call (a custom loop's
+``tf.function`` step), but never ``join()``.
 
 A process that exits cleanly says goodbye first, so a peer that finished
 is never taken for a frozen one; a process that an uncaught exception ends
@@ -78,6 +90,14 @@ _FAILED_GRACE = 2.0
 # its peers name its error before its connections drop.
 _FAILED_MARGIN = 0.3
 _DOING_CHARS = 160
+# The TF error codes the aborted collectives raise (tf.errors.UnavailableError,
+# DeadlineExceededError).
+_UNAVAILABLE, _DEADLINE_EXCEEDED = 14, 4
+# A process using less than this share of one core is waiting, not working.
+_IDLE_SHARE = 0.1
+# The innermost Python functions of TensorFlow's calls into its runtime: a
+# function or eager op (tensorflow/python/eager/execute.py) and a v1 session.
+_TF_CALLS = ("quick_execute", "_call_tf_sessionrun")
 #: What a process waiting in Horovod's join() is doing (it makes the others' calls).
 IN_JOIN = "join() (its data ended)"
 
@@ -200,6 +220,9 @@ class Watchdog(threading.Thread):
         self._warned = set()  # (peer rank, this worker's step) warned of
         self._next_report = 0  # the step from which another report may come
         self._stop = threading.Event()
+        # The idle seconds spent in the current wait (_count_idle), and the wait.
+        self._idle, self._waiting = 0.0, None
+        self._last_judged, self._last_cpu = time.monotonic(), time.process_time()
         atexit.register(self.goodbye)
 
     def run(self):
@@ -221,6 +244,8 @@ class Watchdog(threading.Thread):
             self._fire(failed[0])
         if self.fired is None:
             self._warn_behind(now)
+        if self.fired is None:
+            self._end_long_wait(now)
         if self.cluster.rank == 0:  # the chief reports, once for all
             self._report_stragglers()
 
@@ -272,12 +297,24 @@ class Watchdog(threading.Thread):
         """The rank of a peer heard before and silent for stall_seconds since, or None.
 
         A peer never heard is not judged: it may still be starting (TF's
-        import and the server's start take seconds, more on a loaded host);
-        its collectives' own failure or timeout names it."""
+        import and the server's start take seconds, more on a loaded host),
+        or a firewall may drop UDP between hosts; the cluster's timeout
+        ends this worker's waits for it after the first step."""
         for rank, (last, _) in sorted(self._heard.items()):
             if rank not in self._gone and now - last > self.stall_seconds:
                 return rank
         return None
+
+    def _behind(self):
+        """The ranks of live peers that have not come to the step this worker is in."""
+        ranks = []
+        for rank, (_, beat) in sorted(self._heard.items()):
+            step, doing = beat.get("step") or 0, beat.get("doing")
+            if rank in self._gone or doing == IN_JOIN:
+                continue  # a peer in join() makes the others' calls: it is not waited for
+            if step < progress.step or (step == progress.step and not doing):
+                ranks.append(rank)
+        return ranks
 
     def _warn_behind(self, now):
         """Warns (once per peer and step) of a live peer that this worker has waited for too long.
@@ -286,18 +323,18 @@ class Watchdog(threading.Thread):
         eager collective) for stall_seconds, and a peer that still sends
         heartbeats has done fewer steps, or as many and is outside its next
         one: loading data, saving a checkpoint, or stuck in its own code. It
-        may come yet, so this is a warning; the collectives' timeout ends a
-        wait that never does."""
+        may come yet, so this is a warning; ``_end_long_wait`` ends a wait
+        that lasts the cluster's timeout."""
         if (not progress.doing or progress.step < 1
                 or now - progress.since <= self.stall_seconds):
             return  # the first step's skew (imports, tracing) is no one's fault
-        for rank, (_, beat) in sorted(self._heard.items()):
-            step, doing = beat.get("step") or 0, beat.get("doing")
+        for rank in self._behind():
             key = (rank, progress.step)
-            if rank in self._gone or key in self._warned or doing == IN_JOIN or not (
-                    step < progress.step or (step == progress.step and not doing)):
-                continue  # a peer in join() makes the others' calls: it is not waited for
+            if key in self._warned:
+                continue
             self._warned.add(key)
+            _, beat = self._heard[rank]
+            step, doing = beat.get("step") or 0, beat.get("doing")
             line = (f"{self.cluster.describe(self.cluster.rank)}: "
                     f"{self.cluster.describe(rank)} is alive but has not come to "
                     f"{_state(progress.step, progress.doing)} for {now - progress.since:.0f} s "
@@ -307,6 +344,42 @@ class Watchdog(threading.Thread):
                     f"({self.cluster.timeout:g} s).")
             self.reported.append(line)
             print(f"tfreduce watchdog: {line}", file=sys.stderr, flush=True)
+
+    def _count_idle(self, now):
+        """Adds the seconds since the last judgement to `_idle` if the process was idle in them.
+
+        Idle: below _IDLE_SHARE of a core (``time.process_time``, every
+        thread's CPU). The count starts again with each new wait
+        (``_current_wait``)."""
+        cpu, waiting = time.process_time(), _current_wait()
+        if waiting is None or self._waiting is None or waiting[0] is not self._waiting[0]:
+            self._waiting, self._idle = waiting, 0.0
+        elif cpu - self._last_cpu < _IDLE_SHARE * (now - self._last_judged):
+            self._idle += now - self._last_judged
+        self._last_judged, self._last_cpu = now, cpu
+
+    def _end_long_wait(self, now):
+        """Ends a wait this worker has spent the cluster's timeout in, idle (DeadlineExceededError).
+
+        One thread bounds every wait, where TF's per-op timeout would hold a
+        thread per op execution (``Cluster.op_timeout``). Only idle seconds
+        count: a first step may trace and optimise for minutes."""
+        self._count_idle(now)
+        if self._waiting is None or self._idle <= self.cluster.timeout:
+            return
+        behind = [self.cluster.describe(rank) for rank in self._behind()]
+        if not progress.doing:
+            who = ("what the peers do is not told (a custom loop tells it with "
+                   "tfreduce.watchdog.progress.timed)")
+        elif behind:
+            who = (f"{', '.join(behind)} {'has' if len(behind) == 1 else 'have'} not come to "
+                   f"it (alive, but stuck or much slower)")
+        else:
+            who = ("every peer that still sends is in it too: the workers may run different "
+                   "programs (other models, shapes, or collectives in another order)")
+        self._abort(f"{self.cluster.describe(self.cluster.rank)}: waited {self._idle:.0f} s, "
+                    f"idle, in {self._waiting[1]}: the collectives' timeout "
+                    f"({self.cluster.timeout:g} s); {who}. Stopping them.", _DEADLINE_EXCEEDED)
 
     def step_medians(self):
         """dict rank -> median ms inside the last STRAGGLER_STEPS steps (None until known).
@@ -357,14 +430,18 @@ class Watchdog(threading.Thread):
                     f"{f' (its last heartbeat: {theirs})' if theirs else ''}; this worker "
                     f"waits in {mine or 'its collectives'}. Stopping them "
                     f"(stall_seconds={self.stall_seconds:g}).")
-        self.fired = f"{self.cluster.describe(self.cluster.rank)}: {what}"
+        self._abort(f"{self.cluster.describe(self.cluster.rank)}: {what}", _UNAVAILABLE)
+
+    def _abort(self, message, code):
+        """Says `message`, then aborts this process's collectives with TF error `code`."""
+        self.fired = message
         print(f"tfreduce watchdog: {self.fired}", file=sys.stderr, flush=True)
         if self.on_stall is not None:
             self.on_stall(self.fired)
             return
         # Imported here: the launcher reads this module's settings without TensorFlow.
         from tensorflow.python.eager import context
-        context.context().abort_collective_ops(14, self.fired)  # 14: UNAVAILABLE
+        context.context().abort_collective_ops(code, self.fired)
         if self.exit_seconds is not None:
             # A daemon: a process that ends by itself is not held back by it.
             timer = threading.Timer(self.exit_seconds, _exit, [self.fired])
@@ -391,6 +468,24 @@ def start_watchdog(cluster):
         return None
     watchdog.start()
     return watchdog
+
+
+def _current_wait():
+    """(an object that is the same for the whole wait, what it is) or None: what this process waits in.
+
+    What ``progress`` tells (a step, a fit batch, an eager collective), or
+    else a TensorFlow graph or op the main thread runs now (a custom loop's
+    ``tf.function`` step: its frame stays the same for the whole call);
+    None outside both, and in ``join()`` (the others may train long after
+    this process's data ended)."""
+    if progress.doing == IN_JOIN:
+        return None
+    if progress.doing:
+        return progress.since, _state(progress.step, progress.doing)
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is not None and frame.f_code.co_name in _TF_CALLS:
+        return frame, f"a TensorFlow call of the main thread ({frame.f_code.co_name})"
+    return None
 
 
 def _state(step, doing):

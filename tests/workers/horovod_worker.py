@@ -27,6 +27,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+from helpers import thread_count  # noqa: E402
+
 GLOBAL_BATCH, EPOCHS, EXAMPLES = 32, 3, 96
 FIT_SEED, TAPE_SEED = 100, 200  # rank r draws its first weights from seed + r
 
@@ -143,6 +146,22 @@ def collectives(hvd, out):
         hvd.broadcast(x, root_rank=2)
     except ValueError as e:
         out["root_error"] = np.array(str(e))
+
+
+def threads(hvd, out):
+    """This process's threads before and after 40 eager all-reduces and 40 in a tf.function.
+
+    TF's per-op timeout holds a sleeping thread per op execution for the whole
+    timeout; Horovod's own test suite, thousands of calls, once ran out of them."""
+    x = tf.ones([3])
+    step = tf.function(lambda v: hvd.allreduce(v * 2.0))
+    hvd.allreduce(x)
+    step(x)  # both traced
+    before = thread_count()
+    for _ in range(40):
+        hvd.allreduce(x)
+        step(x)
+    out["threads"] = np.array([before, thread_count()])
 
 
 def semantics(hvd, out):
@@ -433,6 +452,7 @@ def main(argv=None):
     hvd.init()
     out = {"init_error": np.array(with_init_error)}
     collectives(hvd, out)
+    threads(hvd, out)
     semantics(hvd, out)
     gradients(hvd, out)
     mismatches(hvd, out)

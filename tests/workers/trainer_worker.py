@@ -31,6 +31,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+from helpers import thread_count  # noqa: E402
+
 FEATURES, HIDDEN, CLASSES = 8, 16, 3
 EXAMPLES, GLOBAL_BATCH = 53, 10
 
@@ -184,8 +187,11 @@ def fit_on_cluster(args, cluster, devices, name=None):
     drop = None if args.drop_rows is None else [int(r) for r in args.drop_rows.split(":")]
     steps = None if args.profile_steps is None else tuple(
         int(s) for s in args.profile_steps.split(","))
+    threads = thread_count()
     out = run(trainer, args.epochs, logdir, shuffle=not args.no_shuffle,
               fit_data=data(args.nan_row, drop), profile_steps=steps)
+    # No thread per collective (tests/test_multiworker.py): fit, evaluate, predict.
+    print(f"{said}threads {threads} -> {thread_count()}", flush=True)
     np.savez(os.path.join(args.out, f"rank{rank}.npz"), **out)
     print(f"{said}finished at step {trainer.step}", flush=True)
 

@@ -122,7 +122,7 @@ def _contenders(tf, cluster, local, devices, grads, average, rank):
     def per_tensor():
         # One collective per tensor over all W x K devices, as
         # MultiWorkerMirroredStrategy's CollectiveAllReduce does unpacked.
-        chain = CollectiveChain(CollectiveOptions("auto", None).with_timeout(cluster.timeout))
+        chain = CollectiveChain(CollectiveOptions("auto", cluster.op_timeout))
         group_key = cluster.group_key(local)
         values, out = read(), [[] for _ in devices]
         for n in range(len(values[0])):

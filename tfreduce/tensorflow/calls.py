@@ -122,7 +122,9 @@ def agree(key, tensors, rows_vary=False, name=None, values=None, recipe=None):
     if _JOINED_CALL:  # made by join() for the others: already agreed
         every = None
     else:
-        every = check_same_call(cluster(), description, functions, values, recipe)
+        # A collective too: the cluster's timeout bounds its wait (tfreduce.watchdog).
+        with progress.within(description):
+            every = check_same_call(cluster(), description, functions, values, recipe)
     functions[_LAST_CALL] = description
     number = functions.get(_AGREED, -1) + 1
     functions[_AGREED] = number

@@ -241,7 +241,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
 
 
 def _chain_for(found, where):
-    options = CollectiveOptions(timeout=found.timeout)
+    options = CollectiveOptions(timeout=found.op_timeout)
     chain = CollectiveChain(options)
     group_key = found.group_key([local_name(where)])
     chain.token(where, f"tfreduce_hvd_order_{group_key}", "hvd_order")

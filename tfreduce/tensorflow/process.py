@@ -79,7 +79,9 @@ def init(comm=None, process_sets=None, *, stall_seconds=None, timeout_seconds=No
         is named and the run ends (``tfreduce.watchdog``); 0 turns the
         watchdog off; None: $TFREDUCE_STALL_SECONDS, else 20.
       timeout_seconds: float seconds > 0 (tfreduce's own): the longest a
-        collective waits for its peers; None: ``Cluster``'s default, 300.
+        collective waits, idle, for its peers (``Cluster``'s timeout: the
+        watchdog enforces it, and the ops carry no per-op timeout while it
+        runs); None: ``Cluster``'s default, 300.
 
     Raises:
       TypeError: stall_seconds not a number.
