@@ -78,10 +78,10 @@ class Cluster:
         bound with its one thread, counting idle seconds (a step that
         traces or computes is not waiting; ``tfreduce.watchdog``), and the
         ops carry no timeout of their own (``op_timeout``): TensorFlow's
-        per-op timer starts one sleeping
-        thread per op execution that lives for the whole timeout, so a run
-        of 100 collectives a second would hold 30,000 threads at 300 s and
-        abort when the system has no more. With no watchdog
+        per-op timer starts one sleeping thread per op execution that lives
+        for the whole timeout, so a run of 100 collectives a second would
+        hold 30,000 threads at 300 s and abort when the system has no more.
+        With no watchdog
         (``stall_seconds=0``, one worker, ``start_server()``), every
         cross-worker op carries it instead.
       stall_seconds: float seconds >= 0, or None for $TFREDUCE_STALL_SECONDS

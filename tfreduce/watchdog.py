@@ -298,8 +298,8 @@ class Watchdog(threading.Thread):
 
         A peer never heard is not judged: it may still be starting (TF's
         import and the server's start take seconds, more on a loaded host),
-        or a firewall may drop UDP between hosts; the cluster's timeout
-        ends this worker's waits for it after the first step."""
+        or a firewall may drop UDP between hosts; ``_end_long_wait`` ends
+        an idle wait for it."""
         for rank, (last, _) in sorted(self._heard.items()):
             if rank not in self._gone and now - last > self.stall_seconds:
                 return rank
