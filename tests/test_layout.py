@@ -20,6 +20,7 @@ PACKAGE = pathlib.Path(tfreduce.__file__).parent
 # smaller layer, or of its own layer where the pair is listed below.
 LAYERS = {
     "tf_config": 0, "startup": 0, "choices": 0, "topology": 0, "watchdog": 0, "stragglers": 0,
+    "progress": 0,
     "devices": 1,
     "contract": 2, "shards": 2,
     "packing": 3, "compression": 3, "graphwalk": 3,
@@ -36,7 +37,8 @@ LAYERS = {
 # primitives' one scaling; the registry names the algorithms;
 # the planner costs the registry's stages, run in the frame, with the cost
 # model, which calls the host probe, which times the collective algorithm's
-# stage; the cluster uses the failure probes; the watchdog, the straggler rule.
+# stage; the cluster uses the failure probes; the watchdog, the straggler rule and
+# this process's progress, which keeps the straggler rule's window of step times.
 SAME_LAYER = {
     ("stage", "primitives"), ("shards", "contract"),
     ("registry", "replicated"), ("registry", "hierarchical"), ("registry", "ring"),
@@ -44,7 +46,8 @@ SAME_LAYER = {
     ("cluster", "failures"), ("costmodel", "hostprobe"),
     ("hostprobe", "frame"), ("hostprobe", "nccl_ops"), ("planner", "hostprobe"),
     ("planner", "costmodel"), ("planner", "registry"), ("planner", "frame"),
-    ("watchdog", "stragglers"), ("launch", "preload"),
+    ("watchdog", "stragglers"), ("watchdog", "progress"), ("progress", "stragglers"),
+    ("launch", "preload"),
 }
 
 

@@ -23,7 +23,7 @@ import tensorflow as tf
 from tfreduce.collective import CollectiveKeys
 from tfreduce.consistency import check_same_call, join_round
 from tfreduce.tensorflow.process import cluster, eager_functions
-from tfreduce.watchdog import IN_JOIN, progress
+from tfreduce.progress import IN_JOIN, progress
 
 __all__ = ["agree", "differentiable", "in_session", "result_spec", "run_cached",
            "session_graph", "tensor_or_slices", "wait_in_join"]

@@ -14,7 +14,7 @@ from tfreduce.trainer.step import HOST, eval_graph, predict_graph, train_graph
 from tfreduce.trainer.towers import build_towers, state_bytes, state_variables, sync_functions
 from tfreduce.trainer.towertimes import TowerTimes
 from tfreduce.trainer.update import TowerState, nonfinite_error, scales_loss
-from tfreduce.watchdog import progress
+from tfreduce.progress import progress
 
 
 def signature(t):

@@ -21,7 +21,7 @@ from tfreduce.tensorflow.keras.optimizer import describe_optimizer, own_sums
 from tfreduce.tensorflow.ops import (allgather, broadcast, broadcast_variables,
                                      grouped_allreduce)
 from tfreduce.tensorflow.process import cluster, rank, size
-from tfreduce.watchdog import progress
+from tfreduce.progress import progress
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback", "WorkerTimesCallback"]
