@@ -39,11 +39,9 @@ from tfreduce.watchdog import stall_seconds_from, start_watchdog
 
 __all__ = ["Cluster", "WorkerLostError", "parse_tf_config", "DEFAULT_TIMEOUT"]
 
-#: Seconds a worker waits in a collective for its peers before it fails
-#: (Cluster default). A worker whose process dies is usually detected within
-#: a second (its peers' connections are refused), and a frozen or vanished
-#: one after the watchdog's stall_seconds; this bounds the wait for a peer
-#: that is alive but never comes.
+#: Seconds a worker waits, idle, in a collective before it fails (Cluster
+#: default): the bound on a peer that is alive but never comes (a dead one is
+#: named within a second, a frozen one after the watchdog's stall_seconds).
 DEFAULT_TIMEOUT = 300.0
 
 # Cross-worker instance keys start above the range that
@@ -72,18 +70,10 @@ class Cluster:
         of "host:port" addresses, TF_CONFIG's "cluster".
       task_type: str, "worker" or "chief", this process's job.
       task_index: int, this process's index in its job.
-      timeout: float seconds > 0; how long this worker waits in a
-        cross-worker collective for its peers before it fails with
-        DeadlineExceededError. While the watchdog runs, it enforces the
-        bound with its one thread, counting idle seconds (a step that
-        traces or computes is not waiting; ``tfreduce.watchdog``), and the
-        ops carry no timeout of their own (``op_timeout``): TensorFlow's
-        per-op timer starts one sleeping thread per op execution that lives
-        for the whole timeout, so a run of 100 collectives a second would
-        hold 30,000 threads at 300 s and abort when the system has no more.
-        With no watchdog
-        (``stall_seconds=0``, one worker, ``start_server()``), every
-        cross-worker op carries it instead.
+      timeout: float seconds > 0; how long this worker waits, idle, in a
+        cross-worker collective before DeadlineExceededError. The watchdog
+        enforces it (``tfreduce.watchdog``); without one, each op carries it
+        (``op_timeout``).
       stall_seconds: float seconds >= 0, or None for $TFREDUCE_STALL_SECONDS
         (default 20): a peer silent this long is named (``tfreduce.watchdog``); 0: off.
 
@@ -92,8 +82,6 @@ class Cluster:
       task_type: str.
       task_index: int.
       timeout: float seconds.
-      op_timeout: float seconds or None, the timeout set on each
-        cross-worker collective op (see ``timeout``).
       keys: CollectiveKeys, the instance keys of cross-worker collectives.
       stall_seconds: float; watchdog: its Watchdog after ``start()``, or None.
 
@@ -122,8 +110,10 @@ class Cluster:
     def op_timeout(self):
         """float seconds or None: the ``timeout_seconds`` of each cross-worker collective op.
 
-        None (no per-op timer) while the watchdog runs and bounds the waits;
-        ``timeout`` otherwise. Read it when building the ops, after ``start()``."""
+        None while the watchdog runs and bounds the waits: TF's per-op timer
+        holds a sleeping thread per op execution for the whole timeout (at
+        100 collectives a second and 300 s, 30,000 threads). ``timeout``
+        otherwise (``stall_seconds=0``, one worker, ``start_server()``)."""
         return None if self.watchdog is not None else self.timeout
 
     @classmethod
@@ -166,11 +156,7 @@ class Cluster:
         return self.rank == 0
 
     def task_name(self, rank=None):
-        """The TF device prefix of a task, e.g. "/job:worker/replica:0/task:1".
-
-        Args:
-          rank: int rank, or None for this task.
-        """
+        """The TF device prefix of task `rank` (None: this one): "/job:worker/replica:0/task:1"."""
         job, index = self._tasks[self.rank if rank is None else rank]
         return f"/job:{job}/replica:0/task:{index}"
 

@@ -407,7 +407,7 @@ def start_watchdog(cluster):
 
 
 def _current_wait():
-    """(an object that is the same for the whole wait, what it is) or None: what this process waits in.
+    """What this process waits in: (an object the same for the whole wait, its name) or None.
 
     What ``progress`` tells (a step, a fit batch, an eager collective), or
     else a TensorFlow graph or op the main thread runs now (a custom loop's
