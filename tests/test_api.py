@@ -29,6 +29,7 @@ EXPORTS = {
     'Cluster.is_chief': 'property',
     'Cluster.num_workers': 'property',
     'Cluster.op_timeout': 'property',
+    'Cluster.order_after': '(self, tensors)',
     'Cluster.rank': 'property',
     'Cluster.session_config': '(self, config=None)',
     'Cluster.start': '(self)',

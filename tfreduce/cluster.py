@@ -39,9 +39,8 @@ from tfreduce.watchdog import stall_seconds_from, start_watchdog
 
 __all__ = ["Cluster", "WorkerLostError", "parse_tf_config", "DEFAULT_TIMEOUT"]
 
-#: Seconds a worker waits, idle, in a collective before it fails (Cluster
-#: default): the bound on a peer that is alive but never comes (a dead one is
-#: named within a second, a frozen one after the watchdog's stall_seconds).
+#: Seconds a worker waits, idle, in a collective before it fails (Cluster default):
+#: the bound on a live peer that never comes (the watchdog names a frozen one).
 DEFAULT_TIMEOUT = 300.0
 
 # Cross-worker instance keys start above the range that
@@ -106,14 +105,17 @@ class Cluster:
         self._tasks = [(job, i) for job in JOBS for i in range(len(spec.get(job, [])))]
         self._mode = None
 
+    def order_after(self, tensors):
+        """`tensors` as a list: the next collective follows them (one order on every worker)."""
+        return list(tensors)
+
     @property
     def op_timeout(self):
         """float seconds or None: the ``timeout_seconds`` of each cross-worker collective op.
 
-        None while the watchdog runs and bounds the waits: TF's per-op timer
-        holds a sleeping thread per op execution for the whole timeout (at
-        100 collectives a second and 300 s, 30,000 threads). ``timeout``
-        otherwise (``stall_seconds=0``, one worker, ``start_server()``)."""
+        None while the watchdog bounds the waits: TF's per-op timer holds a
+        sleeping thread per op execution for the whole timeout (30,000 at 100
+        ops/s and 300 s). Else ``timeout`` (``stall_seconds=0``, ``start_server()``)."""
         return None if self.watchdog is not None else self.timeout
 
     @classmethod

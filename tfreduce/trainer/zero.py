@@ -325,7 +325,7 @@ class ZeroState:
         self._apply(towers.optimizers, pieces, finite, losses_finite, present, lso)
         full = self.gather(towers.trainable, options)
         applied = tf.logical_and(finite[0], losses_finite) if lso else finite[0]
-        after = list(full[0]) if options.multiworker else []
+        after = options.cluster.order_after(full[0])
         return applied, [[] for _ in self.devices], report, after
 
     def accumulate(self, state, all_grads, batch, options, after):
@@ -340,7 +340,7 @@ class ZeroState:
         with tf.control_dependencies(after):
             shards = self.reduce_scatter(all_grads, options)
         state.accumulate(shards, batch)
-        return list(shards[0]) if options.multiworker else []
+        return options.cluster.order_after(shards[0])
 
     def _apply(self, optimizers, pieces, finite, losses_finite, present, scales_loss):
         """Each optimizer applies its tower's pieces of the gradients, on every tower or none.
