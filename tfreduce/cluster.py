@@ -116,7 +116,7 @@ class Cluster:
         None while the watchdog bounds the waits: TF's per-op timer holds a
         sleeping thread per op execution for the whole timeout (30,000 at 100
         ops/s and 300 s). Else ``timeout`` (``stall_seconds=0``, ``start_server()``)."""
-        return None if self.watchdog is not None else self.timeout
+        return None if self.watchdog is not None or self.num_workers < 2 else self.timeout
 
     @classmethod
     def from_tf_config(cls, tf_config=None, timeout=DEFAULT_TIMEOUT, stall_seconds=None):

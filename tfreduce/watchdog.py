@@ -89,8 +89,7 @@ _FAILED_GRACE = 2.0
 # its peers name its error before its connections drop.
 _FAILED_MARGIN = 0.3
 _DOING_CHARS = 160
-# The TF error codes the aborted collectives raise (tf.errors.UnavailableError,
-# DeadlineExceededError).
+# The TF error codes aborted collectives raise: UnavailableError, DeadlineExceededError.
 _UNAVAILABLE, _DEADLINE_EXCEEDED = 14, 4
 # A process using less than this share of one core is waiting, not working.
 _IDLE_SHARE = 0.1
@@ -286,12 +285,13 @@ class Watchdog(threading.Thread):
 
         Idle: below _IDLE_SHARE of a core (``time.process_time``, every
         thread's CPU). The count starts again with each new wait
-        (``_current_wait``)."""
+        (``_current_wait``) and after each busy interval: unbroken idle time."""
         cpu, waiting = time.process_time(), _current_wait()
         if waiting is None or self._waiting is None or waiting[0] is not self._waiting[0]:
             self._waiting, self._idle = waiting, 0.0
-        elif cpu - self._last_cpu < _IDLE_SHARE * (now - self._last_judged):
-            self._idle += now - self._last_judged
+        else:
+            idle = cpu - self._last_cpu < _IDLE_SHARE * (now - self._last_judged)
+            self._idle = self._idle + now - self._last_judged if idle else 0.0
         self._last_judged, self._last_cpu = now, cpu
 
     def _end_long_wait(self, now):
@@ -370,7 +370,7 @@ class Watchdog(threading.Thread):
 
     def _abort(self, message, code):
         """Says `message`, then aborts this process's collectives with TF error `code`."""
-        self.fired = message
+        self.fired, self._waiting = message, None  # the wait's frame is let go
         print(f"tfreduce watchdog: {self.fired}", file=sys.stderr, flush=True)
         if self.on_stall is not None:
             self.on_stall(self.fired)

@@ -121,6 +121,8 @@ def _update(towers, options, state, all_grads, batch, losses_finite, after):
         # A non-finite loss skips the update even when its gradients are
         # finite: the commit and the skipped-step count follow.
         finite = tf.logical_and(finite, losses_finite)
+    # Each worker's collectives run one after the other, in the same
+    # order on every worker: independent ones could wait for each other.
     after = options.cluster.order_after(g for g in reduced[0] if g is not None)
     return finite, pending, report, after
 
