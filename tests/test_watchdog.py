@@ -20,6 +20,7 @@ import pytest
 from tfreduce import watchdog
 from tfreduce.cluster import Cluster
 from tfreduce.launch import free_ports, parse_args
+from tfreduce.progress import IdleClock
 from tfreduce.stragglers import STRAGGLER_MS, stragglers
 from tfreduce.watchdog import Watchdog, progress, stall_seconds_from
 
@@ -27,12 +28,12 @@ from helpers import scalars
 from test_multiworker import launch_workers
 
 
-def pair(stall=1.0, timeout=300.0):
-    """Watchdogs of ranks 0 and 1 of one cluster, and the stalls each reported."""
-    spec = {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]}
-    fired = {0: [], 1: []}
+def pair(stall=1.0, timeout=300.0, workers=2):
+    """Watchdogs of ranks 0, 1, ... of one cluster (not started), and the stalls each reported."""
+    spec = {"worker": [f"127.0.0.1:{p}" for p in free_ports(workers)]}
+    fired = {r: [] for r in range(workers)}
     dogs = [Watchdog(Cluster(spec, "worker", r, timeout=timeout), stall,
-                     on_stall=fired[r].append) for r in (0, 1)]
+                     on_stall=fired[r].append) for r in range(workers)]
     return dogs, fired
 
 
@@ -127,7 +128,7 @@ def test_a_live_peer_behind_this_workers_step_is_warned_of_once():
             r"worker 0 \(127\.0\.0\.1:\d+\): worker 1 \(127\.0\.0\.1:\d+\) is alive but has not "
             r"come to training step 4 \(3 steps done\) for \d+ s \(its heartbeat: 2 steps done\); "
             r"it may be loading data, saving a checkpoint or stuck in its own code\. This worker "
-            r"waits for it until the collectives' timeout \(\d+ s\)\.", dogs[0].reported[0])
+            r"waits for it until the collectives' timeout \(\d+ s idle\)\.", dogs[0].reported[0])
     finally:
         progress.advance(0)
         dogs[0].goodbye()
@@ -185,16 +186,62 @@ def test_a_custom_loops_idle_tensorflow_call_is_a_wait_too(monkeypatch):
     monkeypatch.setattr(progress, "step", 0)
     dogs, fired = pair(stall=600.0, timeout=2.0)
     dogs[0].start()
-    idle = tf.function(lambda: tf.py_function(lambda: time.sleep(5) or 1.0, [], tf.float32))
+    # 10 s: the 2 s of idleness fit in it however slowly a loaded host starts the call.
+    idle = tf.function(lambda: tf.py_function(lambda: time.sleep(10) or 1.0, [], tf.float32))
     try:
         idle()
         assert len(fired[0]) == 1, fired[0]
         assert re.fullmatch(LONG_WAIT.format(
             mine=r"a TensorFlow call of the main thread \(quick_execute\)",
-            who=r"what the peers do is not told \(a custom loop tells it with "
-                r"tfreduce\.watchdog\.progress\.timed\)"), fired[0][0]), fired[0][0]
+            who=r"worker 1 \(127\.0\.0\.1:\d+\) has sent no heartbeat \(not started, or UDP "
+                r"between the hosts is blocked\)"), fired[0][0]), fired[0][0]
     finally:
         dogs[0].goodbye()
+
+
+def test_the_idle_clock_counts_unbroken_idle_seconds_in_one_wait():
+    clock, a, b = IdleClock(share=0.1), (object(), "a"), (object(), "b")
+    assert clock.tick(0.0, 5.0, a) == 0.0  # the wait begins
+    assert clock.tick(1.0, 5.05, a) == 1.0  # 0.05 s of CPU in 1 s: idle
+    assert clock.tick(3.0, 5.2, a) == 3.0
+    assert clock.tick(4.0, 5.7, a) == 0.0  # half a core: work, the count starts again
+    assert clock.tick(5.0, 5.7, a) == 1.0
+    assert clock.tick(6.0, 5.7, b) == 0.0 and clock.wait is b  # another wait
+    assert clock.tick(7.0, 5.7, None) == 0.0 and clock.wait is None  # outside any wait
+    assert clock.tick(8.0, 5.7, b) == 0.0  # the same wait again is a new one
+    assert clock.tick(9.5, 5.7, b) == 1.5
+    clock.forget()
+    assert (clock.wait, clock.idle) == (None, 0.0)
+
+
+def test_the_long_wait_names_peers_unheard_or_ended_and_spares_a_worker_left_alone(
+        monkeypatch):
+    # No clock and no socket: _end_long_wait is judged at given times, CPU still.
+    dogs, fired = pair(stall=600.0, timeout=2.0, workers=3)
+    for dog in dogs[1:]:
+        dog.goodbye()
+    wait = (object(), "a TensorFlow call of the main thread (quick_execute)")
+    monkeypatch.setattr(watchdog, "_current_wait", lambda: wait)
+    monkeypatch.setattr(watchdog.time, "process_time", lambda: 7.0)
+    monkeypatch.setattr(progress, "doing", None)
+    dog = dogs[0]
+    try:
+        dog._gone = {1, 2}  # every peer said goodbye: what is left is this worker's own
+        for now in range(6):
+            dog._end_long_wait(float(now))
+        assert fired[0] == []
+        dog._gone = {1}  # one ended, one never heard
+        dog._heard = {1: (0.0, {"step": 3, "doing": ""})}
+        dog._end_long_wait(6.0)
+        assert len(fired[0]) == 1
+        assert re.fullmatch(LONG_WAIT.format(
+            mine=re.escape(wait[1]),
+            who=r"worker 2 \(127\.0\.0\.1:\d+\) has sent no heartbeat \(not started, or UDP "
+                r"between the hosts is blocked\); worker 1 \(127\.0\.0\.1:\d+\) has ended"),
+            fired[0][0]), fired[0][0]
+        assert dog._clock.wait is None  # the wait's frame is let go
+    finally:
+        dog.goodbye()
 
 
 @pytest.mark.slow
@@ -341,7 +388,7 @@ def test_a_long_first_trace_is_not_a_hang_and_a_live_worker_waited_for_is_warned
         r"worker 0 \(127\.0\.0\.1:\d+\): worker 1 \(127\.0\.0\.1:\d+\) is alive but has not come "
         r"to training step 21 \(20 steps done\) for \d+ s \(its heartbeat: 20 steps done\); it may "
         r"be loading data, saving a checkpoint or stuck in its own code\. This worker waits for "
-        r"it until the collectives' timeout \(\d+ s\)\.", warnings[0]), warnings[0]
+        r"it until the collectives' timeout \(\d+ s idle\)\.", warnings[0]), warnings[0]
     assert "[worker 1] tfreduce watchdog" not in err
 
 

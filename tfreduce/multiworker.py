@@ -139,8 +139,10 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
       keys: CollectiveKeys of the cross-worker collectives, or None for
         ``cluster.keys``. Whatever is used must hand out the same keys on
         every worker, which the cluster's does for the same program.
-      timeout: float seconds or None (``cluster.timeout``) a cross-worker
-        collective waits for its peers before failing; run steps inside
+      timeout: float seconds or None (``cluster.timeout``, enforced by the
+        cluster's watchdog) a cross-worker collective waits for its peers
+        before failing; given here, each op carries it (a thread per op
+        execution, ``Cluster.op_timeout``). Run steps inside
         ``cluster.detect_lost_workers()`` to name the worker that was lost.
       compression: see ``tfreduce.Reduction``; across workers only the
         cross-worker hop is compressed: each worker's float32 local sum,
@@ -206,7 +208,8 @@ def broadcast_variables_multiworker(all_vars, cluster, keys=None, timeout=None,
         ``tfreduce.broadcast_variables`` from tower 0, the other arguments
         unused).
       keys: CollectiveKeys or None (``cluster.keys``).
-      timeout: float seconds or None (``cluster.timeout``).
+      timeout: float seconds or None (``cluster.timeout``); as in
+        ``allreduce_grads_multiworker``.
       communication: "auto", "ring" or "nccl".
       root_rank: int, the rank whose tower 0 is copied (0, the chief, by default).
 

@@ -13,10 +13,12 @@ import time
 
 from tfreduce.stragglers import STRAGGLER_STEPS
 
-__all__ = ["IN_JOIN", "progress"]
+__all__ = ["IN_JOIN", "IDLE_SHARE", "IdleClock", "progress"]
 
 #: What a process waiting in Horovod's join() is doing (it makes the others' calls).
 IN_JOIN = "join() (its data ended)"
+#: A process using less than this share of one core is waiting, not working.
+IDLE_SHARE = 0.1
 
 
 class _Progress:
@@ -78,3 +80,47 @@ class _Progress:
 
 #: This process's progress (one per process: a process is one worker).
 progress = _Progress()
+
+
+class IdleClock:
+    """The unbroken idle seconds this process has spent in its current wait.
+
+    The watchdog's long-wait rule: TF's per-op timeout counts from the op's
+    start, but one thread cannot see ops start, so it counts the seconds in
+    which the process waits (uses under `share` of a core) inside one wait.
+    A new wait, or an interval of work (tracing, a step's compute), starts
+    the count again, as a new op would start TF's timer.
+
+    Args:
+      share: float, the share of one core under which a process is idle.
+
+    Attributes:
+      wait: (key, name) of the current wait, or None; the key is the same
+        object for the whole wait.
+      idle: float seconds, idle without a break since the wait began.
+    """
+
+    def __init__(self, share=IDLE_SHARE):
+        self.share = share
+        self.wait, self.idle = None, 0.0
+        self._last = None  # (time, CPU seconds) at the last tick
+
+    def tick(self, now, cpu, wait):
+        """Counts the interval since the last tick; returns `idle`.
+
+        Args:
+          now: float, monotonic seconds.
+          cpu: float, the process's CPU seconds (``time.process_time``).
+          wait: (key, name) of the wait the process is in now, or None.
+        """
+        last, self._last = self._last, (now, cpu)
+        if last is None or wait is None or self.wait is None or wait[0] is not self.wait[0]:
+            self.wait, self.idle = wait, 0.0
+        else:
+            span = now - last[0]
+            self.idle = self.idle + span if cpu - last[1] < self.share * span else 0.0
+        return self.idle
+
+    def forget(self):
+        """Drops the current wait (and so the frame its key may be)."""
+        self.wait, self.idle = None, 0.0

@@ -65,7 +65,7 @@ import threading
 import time
 import warnings
 
-from tfreduce.progress import IN_JOIN, progress
+from tfreduce.progress import IN_JOIN, IdleClock, progress
 from tfreduce.stragglers import REPORT_EVERY, median_ms, stragglers
 
 __all__ = ["DEFAULT_STALL_SECONDS", "EXIT_CODE", "IN_JOIN", "STALL_ENV", "Watchdog", "progress",
@@ -91,11 +91,9 @@ _FAILED_MARGIN = 0.3
 _DOING_CHARS = 160
 # The TF error codes aborted collectives raise: UnavailableError, DeadlineExceededError.
 _UNAVAILABLE, _DEADLINE_EXCEEDED = 14, 4
-# A process using less than this share of one core is waiting, not working.
-_IDLE_SHARE = 0.1
 # The innermost Python functions of TensorFlow's calls into its runtime: a
 # function or eager op (tensorflow/python/eager/execute.py) and a v1 session.
-_TF_CALLS = ("quick_execute", "_call_tf_sessionrun")
+_TF_CALLS = ("quick_execute", "execute_with_cancellation", "_call_tf_sessionrun")
 
 
 def stall_seconds_from(value=None):
@@ -155,9 +153,7 @@ class Watchdog(threading.Thread):
         self._warned = set()  # (peer rank, this worker's step) warned of
         self._next_report = 0  # the step from which another report may come
         self._stop = threading.Event()
-        # The idle seconds spent in the current wait (_count_idle), and the wait.
-        self._idle, self._waiting = 0.0, None
-        self._last_judged, self._last_cpu = time.monotonic(), time.process_time()
+        self._clock = IdleClock()  # the idle seconds of the current wait
         atexit.register(self.goodbye)
 
     def run(self):
@@ -276,46 +272,49 @@ class Watchdog(threading.Thread):
                     f"(its heartbeat: {_state(step, doing) or 'no step done'}); it "
                     f"may be loading data, saving a checkpoint or stuck in its own code. This "
                     f"worker waits for it until the collectives' timeout "
-                    f"({self.cluster.timeout:g} s).")
+                    f"({self.cluster.timeout:g} s idle).")
             self.reported.append(line)
             print(f"tfreduce watchdog: {line}", file=sys.stderr, flush=True)
-
-    def _count_idle(self, now):
-        """Adds the seconds since the last judgement to `_idle` if the process was idle in them.
-
-        Idle: below _IDLE_SHARE of a core (``time.process_time``, every
-        thread's CPU). The count starts again with each new wait
-        (``_current_wait``) and after each busy interval: unbroken idle time."""
-        cpu, waiting = time.process_time(), _current_wait()
-        if waiting is None or self._waiting is None or waiting[0] is not self._waiting[0]:
-            self._waiting, self._idle = waiting, 0.0
-        else:
-            idle = cpu - self._last_cpu < _IDLE_SHARE * (now - self._last_judged)
-            self._idle = self._idle + now - self._last_judged if idle else 0.0
-        self._last_judged, self._last_cpu = now, cpu
 
     def _end_long_wait(self, now):
         """Ends a wait this worker has spent the cluster's timeout in, idle (DeadlineExceededError).
 
         One thread bounds every wait, where TF's per-op timeout would hold a
-        thread per op execution (``Cluster.op_timeout``). Only idle seconds
-        count: a first step may trace and optimise for minutes."""
-        self._count_idle(now)
-        if self._waiting is None or self._idle <= self.cluster.timeout:
+        thread per op execution (``Cluster.op_timeout``). Only unbroken idle
+        seconds count (``IdleClock``): a first step may trace for minutes.
+        Once every peer has said goodbye, what is left is this worker's own."""
+        idle = self._clock.tick(now, time.process_time(), _current_wait())
+        if idle <= self.cluster.timeout or not set(self._peers) - self._gone:
             return
-        behind = [self.cluster.describe(rank) for rank in self._behind()]
+        self._abort(f"{self.cluster.describe(self.cluster.rank)}: waited {idle:.0f} s, "
+                    f"idle, in {self._clock.wait[1]}: the collectives' timeout "
+                    f"({self.cluster.timeout:g} s); {self._who()}. Stopping them.",
+                    _DEADLINE_EXCEEDED)
+
+    def _who(self):
+        """Which peers the long wait is for, as far as their heartbeats tell."""
+        def named(ranks, singular, plural):
+            names = ", ".join(self.cluster.describe(rank) for rank in ranks)
+            return f"{names} {singular if len(ranks) == 1 else plural}"
+        parts = []
+        behind = self._behind() if progress.doing else []
+        if behind:
+            parts.append(named(behind, "has", "have") + " not come to it (alive, but stuck "
+                         "or much slower)")
+        unheard = sorted(set(self._peers) - set(self._heard))
+        if unheard:
+            parts.append(named(unheard, "has", "have") + " sent no heartbeat (not started, "
+                         "or UDP between the hosts is blocked)")
+        gone = sorted(self._gone - set(self._failed))
+        if gone:
+            parts.append(named(gone, "has", "have") + " ended")
+        if parts:
+            return "; ".join(parts)
         if not progress.doing:
-            who = ("what the peers do is not told (a custom loop tells it with "
-                   "tfreduce.watchdog.progress.timed)")
-        elif behind:
-            who = (f"{', '.join(behind)} {'has' if len(behind) == 1 else 'have'} not come to "
-                   f"it (alive, but stuck or much slower)")
-        else:
-            who = ("every peer that still sends is in it too: the workers may run different "
-                   "programs (other models, shapes, or collectives in another order)")
-        self._abort(f"{self.cluster.describe(self.cluster.rank)}: waited {self._idle:.0f} s, "
-                    f"idle, in {self._waiting[1]}: the collectives' timeout "
-                    f"({self.cluster.timeout:g} s); {who}. Stopping them.", _DEADLINE_EXCEEDED)
+            return ("what the peers do is not told (a custom loop tells it with "
+                    "tfreduce.watchdog.progress.timed)")
+        return ("every peer that still sends is in it too: the workers may run different "
+                "programs (other models, shapes, or collectives in another order)")
 
     def step_medians(self):
         """dict rank -> median ms inside the last STRAGGLER_STEPS steps (None until known).
@@ -370,7 +369,8 @@ class Watchdog(threading.Thread):
 
     def _abort(self, message, code):
         """Says `message`, then aborts this process's collectives with TF error `code`."""
-        self.fired, self._waiting = message, None  # the wait's frame is let go
+        self.fired = message
+        self._clock.forget()  # the wait's frame is let go
         print(f"tfreduce watchdog: {self.fired}", file=sys.stderr, flush=True)
         if self.on_stall is not None:
             self.on_stall(self.fired)
