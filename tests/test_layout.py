@@ -167,6 +167,34 @@ def test_the_trainer_has_one_code_path_for_one_process_and_a_cluster():
     assert not branches, branches
 
 
+def test_the_zero_stage_is_asked_only_by_the_sharding_objects():
+    # The towers hold a sharding (ReplicatedState or ZeroState): the step,
+    # the broadcast and the checkpoint call it instead of testing the stage.
+    asks = re.compile(r"zero is (not )?None|(?<!trainer)\.zero\b|if [\w.]*zero_stage\b|zero_stage [=!]=|"
+                      r"stage [=!]= [0-2]")
+    found = [f"{path.name}:{number}: {line.strip()}"
+             for path in sorted((PACKAGE / "trainer").glob("*.py"))
+             if path.name not in ("sharding.py", "zero.py")
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if asks.search(line)]
+    assert not found, found
+
+
+def test_the_step_graph_builders_take_at_most_five_parameters():
+    # What every step reads (towers, options, state, counter) is held by
+    # StepGraph and reached through it, not passed along.
+    builders = ["step.py", "sharding.py", "zero.py", "statistics.py", "update.py"]
+    found = []
+    for name in builders:
+        for node in ast.walk(ast.parse((PACKAGE / "trainer" / name).read_text())):
+            if isinstance(node, ast.FunctionDef):
+                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                names = [a.arg for a in args if a.arg not in ("self", "cls")]
+                if len(names) > 5:
+                    found.append(f"{name}: {node.name}({', '.join(names)})")
+    assert not found, found
+
+
 def private_members(paths):
     """{name: class}: the private methods and attributes (self._x = ...) of the files' classes."""
     found = {}

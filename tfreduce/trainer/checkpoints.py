@@ -24,7 +24,6 @@ import sys
 import tensorflow as tf
 
 from tfreduce.multiworker import broadcast_variables_multiworker
-from tfreduce.trainer.optimizer_state import OptimizerState
 
 _CHECKPOINT_NAME = "ckpt"
 _CHECKPOINTS_KEPT = 3
@@ -51,16 +50,11 @@ class TrainerCheckpoint:
     """
 
     def __init__(self, towers, step, epoch_totals, tower_state, options):
-        model, zero = towers.models[0], towers.zero
+        model, sharding = towers.models[0], towers.sharding
         self._options = options
-        self._across = zero is not None and options.multiworker
-        if zero is None:
-            sizes = [int(v.shape.num_elements()) for v in towers.trainable[0]]
-            optimizer_state = OptimizerState(towers.optimizers[:1], towers.trainable[:1],
-                                             [[(0, size) for size in sizes]], towers.trainable[0])
-        else:
-            optimizer_state = OptimizerState(towers.optimizers, zero.pieces, zero.layout.pieces,
-                                             towers.trainable[0], across=self._across)
+        optimizer_state = sharding.optimizer_state(towers.optimizers, towers.trainable,
+                                                   options.cluster)
+        self._across = optimizer_state.across
         self._optimizer_state = optimizer_state
         self._layout_now = (options.total_towers, options.zero_stage)
         with tf.device("/device:CPU:0"):
@@ -74,13 +68,13 @@ class TrainerCheckpoint:
                            epoch_totals=epoch_totals, run_layout=self._run_layout)
         self._own_parts = tower_state.checkpointed() if tower_state is not None else {}
         self._checkpoint = tf.train.Checkpoint(**self._parts, **self._own_parts)
-        self._legacy_optimizer = towers.optimizers[0] if zero is None else None
+        self._legacy_optimizer = sharding.whole_optimizer(towers.optimizers)
         self._tower_state = tower_state
         self._epoch_totals = epoch_totals
         # Every variable a checkpoint holds is checked before a save.
         own = [v for k in range(len(tower_state.devices)) for v in tower_state.tower_variables(k)
                ] if tower_state is not None else []
-        pieces = [v for k in range(len(towers.devices)) for v in zero.variables(k)] if zero else []
+        pieces = [v for k in range(len(towers.devices)) for v in sharding.variables(k)]
         self._variables = (list(model.variables) + optimizer_state.variables_held() + pieces
                            + own + [step, epoch_totals])
 

@@ -50,7 +50,7 @@ class OptimizerState(tf.__internal__.tracking.Trackable):
 
     def __init__(self, optimizers, references, ranges, variables, across=False):
         self._sizes = [int(v.shape.num_elements()) for v in variables]
-        self._across = across
+        self.across = across
         self._slots = {}  # key -> [(variable n, slot variable, start)], one per optimizer
         self._scalars = {}  # key -> [the variable on each optimizer]
         self._whole = None  # key -> the whole tensor, while a gathered state is written
@@ -73,7 +73,7 @@ class OptimizerState(tf.__internal__.tracking.Trackable):
         # A slot is a SaveSpec whose tensor is made only when a save writes
         # it: a restore builds no whole slot from the pieces.
         out = {key: tf.convert_to_tensor(found[0]) for key, found in self._scalars.items()}
-        if self._across and self._whole is None:
+        if self.across and self._whole is None:
             # A restore across workers: rank 0 reads the slots whole for
             # ``scatter`` (read_whole), outside the restore, which may run
             # in a tf.function whose tensors cannot be kept.

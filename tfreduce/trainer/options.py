@@ -8,7 +8,7 @@ from collections.abc import Callable
 from tfreduce.powersgd import PowerSGD
 from tfreduce.reduction import as_reduction
 from tfreduce.trainer.update import check_update_options
-from tfreduce.trainer.zero import check_zero_stage
+from tfreduce.trainer.zero import check_zero_across, check_zero_stage
 
 
 def trainer_reduction(algorithm, reduction, powersgd, options):
@@ -121,12 +121,7 @@ class StepOptions:
             ZeRO with compression across workers (the cross-worker
             reduce-scatter moves the gradients in their own dtype).
         """
-        if self.zero_stage and self.multiworker and self.reduction.compression.compresses:
-            raise ValueError(
-                f"zero_stage={self.zero_stage} with compression="
-                f"{self.reduction.compression.name!r} across workers: the reduce-scatter "
-                f"across workers moves the gradients in their own dtype; drop compression, "
-                f"or use zero_stage=0")
+        check_zero_across(self.zero_stage, self.cluster, self.reduction.compression)
         self.reduction.check_devices(self.devices, self.cluster)
 
     def allreduce(self, all_grads, average):

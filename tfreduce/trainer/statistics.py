@@ -1,14 +1,15 @@
 """What a step reduces besides the gradients: BatchNorm's moving statistics and the step's metrics.
 
 Both go through the trainer's all-reduce callable, in the order the step
-builds them, after the tensors given as `after`: each worker's collectives
-run one after the other, in the same order on every worker.
+builds them (the metrics first, the statistics after the tensors given as
+`after`): each worker's collectives run one after the other, in the same
+order on every worker.
 """
 
 import tensorflow as tf
 
 
-def sum_metrics(devices, loss_sums, corrects, stop, after, allreduce):
+def sum_metrics(devices, loss_sums, corrects, stop, allreduce):
     """Loss sums, correct counts and stop requests summed over every worker.
 
     Args:
@@ -17,7 +18,6 @@ def sum_metrics(devices, loss_sums, corrects, stop, after, allreduce):
       corrects: [K] int64 scalar correct counts, or [K] None.
       stop: float64 scalar, 1 when this worker was asked to stop; counted
         once per worker (on its tower 0).
-      after: tensors the reduction runs after (control dependencies).
       allreduce: fn(all_grads, average) -> K x N, the trainer's all-reduce.
 
     Returns:
@@ -33,7 +33,7 @@ def sum_metrics(devices, loss_sums, corrects, stop, after, allreduce):
             if has_accuracy:
                 row.append(tf.cast(corrects[k], tf.float64))
             values.append(row)
-    with tf.control_dependencies(after), tf.name_scope("metrics"):
+    with tf.name_scope("metrics"):
         summed = allreduce(values, average=False)[0]
     return [summed[0]], [summed[2] if has_accuracy else None], summed[1]
 

@@ -1,7 +1,7 @@
 """Graph builders of one step: train, evaluate, predict, and their syncs.
 
-The builders are functions of their arguments (the towers, the all-reduce
-callable, flags in StepOptions) that set no state of the trainer while
+The builders are methods of StepGraph, which holds the towers, the
+options and the per-tower state; they set no state of the trainer while
 tracing. One exception is inherent: in a cluster each trace draws the
 cross-worker collectives' instance keys from the cluster's CollectiveKeys,
 so a step function must be traced once, the same way on every worker
@@ -20,7 +20,7 @@ from tfreduce.contract import shard_sizes
 from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
 from tfreduce.trainer.statistics import sum_metrics, sync_moving
 from tfreduce.trainer.towertimes import split_stamp, stamp_towers
-from tfreduce.trainer.update import all_finite, apply_gradients, locate_nonfinite, scales_loss
+from tfreduce.trainer.update import scales_loss
 
 # The device that holds the step counter and where the global batch is split
 # and per-tower results are gathered: the host, which every tower can reach.
@@ -51,199 +51,183 @@ def _split(tensors, num_towers):
         return sizes, [tf.split(t, sizes, num=num_towers) for t in tensors]
 
 
-def _tower_gradients(towers, options, x_shards, y_shards, batch, accumulating):
-    """Forward and backward on every tower.
+class StepGraph:
+    """The graph builders of one trainer's steps: train, evaluate, predict.
 
-    Args:
-      accumulating: bool, the gradients go into sums that the update divides
-        by the examples of all its micro-batches: each is the gradient of
-        this micro-batch's mean loss, as in a step without accumulation (so
-        a float16 backward pass sees the same magnitudes), times its number
-        of examples B, so the update is the gradient of the mean over all.
-
-    Returns:
-      (all_grads K x N, loss_sums [K], corrects [K] int64 or None, regs [K]).
-    """
-    all_grads, loss_sums, corrects, regs = [], [], [], []
-    for k, (model, device) in enumerate(zip(towers.models, towers.devices)):
-        with tf.device(device), tf.name_scope(f"tower{k}"):
-            x_k = tf.identity(x_shards[k])
-            y_k = tf.identity(y_shards[k])
-            with tf.GradientTape() as tape:
-                loss_sum, y_pred = tower_loss_sum(options.loss_fn, model, x_k, y_k, training=True)
-                dtype = loss_sum.dtype
-                # Scale before the reduction so that its sum (or mean)
-                # is the gradient of the global-batch mean loss.
-                numerator = tf.cast(options.total_towers if options.average else 1, dtype)
-                scale = numerator / tf.cast(batch, dtype)
-                reg = regularization(model, dtype)
-                # Every tower adds the same regularisation term; a sum
-                # over the T towers would count it T times.
-                reg_weight = 1.0 if options.average else 1.0 / options.total_towers
-                # Keras' loss scaling (LossScaleOptimizer, loss_scale_factor);
-                # apply_gradients divides it out again.
-                tower_loss = towers.optimizers[k].scale_loss(loss_sum * scale + reg * reg_weight)
-            grads = tape.gradient(tower_loss, towers.trainable[k])
-            if accumulating:
-                # Weighted by B after the backward pass, in the variables'
-                # dtype: the sums then add up per-example gradients.
-                grads = [None if g is None else tf.convert_to_tensor(g) * tf.cast(batch, g.dtype)
-                         for g in grads]
-        all_grads.append(list(grads))
-        loss_sums.append(loss_sum)
-        regs.append(reg)
-        corrects.append(correct_count(y_k, y_pred))
-    return all_grads, loss_sums, corrects, regs
-
-
-def _update(towers, options, state, all_grads, batch, losses_finite, after):
-    """The update of a step: reduce, check once, apply.
-
-    Args:
-      losses_finite: bool scalar, every loss of the update cycle, on every
-        tower of every worker, is finite; a LossScaleOptimizer applies
-        (or lowers its scale) only then.
-      after: tensors the gradients' reduction runs after.
-
-    Returns:
-      (finite bool scalar: the update applied (with a LossScaleOptimizer,
-      also every loss finite), report int32 [K + 1, N] (see
-      locate_nonfinite), the tensors a later collective must run after).
-    """
-    grads = state.take(all_grads, batch)
-    with tf.control_dependencies(after):
-        reduced, pending = state.reduce(grads, options.allreduce, options.average,
-                                        options.total_towers)
-    finite = all_finite(reduced[0], towers.devices[0])
-    report = locate_nonfinite(finite, grads, reduced[0], towers.devices, HOST)
-    apply_gradients(towers, reduced, finite, losses_finite)
-    if scales_loss(towers.optimizers[0]):
-        # A non-finite loss skips the update even when its gradients are
-        # finite: the commit and the skipped-step count follow.
-        finite = tf.logical_and(finite, losses_finite)
-    # Each worker's collectives run one after the other, in the same
-    # order on every worker: independent ones could wait for each other.
-    after = options.cluster.order_after(g for g in reduced[0] if g is not None)
-    return finite, pending, report, after
-
-
-def train_graph(towers, options, state, step, x, y, batch, stop, update=True):
-    """One synchronous step; traced once by tf.function (once more without update).
+    It owns what every step reads (the towers, the options, the per-tower
+    state and the step counter); the towers' sharding builds the update
+    (``trainer.sharding``) and the cluster orders the collectives
+    (``order_after``), so one path serves one process and a cluster, and
+    every ZeRO stage.
 
     Args:
       towers: Towers, this worker's K built replicas.
       options: StepOptions.
       state: TowerState, the per-tower state of the update.
-      step: the int64 step counter tf.Variable, incremented by one unless
+      counter: the int64 step counter tf.Variable, incremented by one unless
         the step's gradients are not finite and on_nonfinite is "raise".
-      x, y: [b, ...], this worker's part of the global batch (all of it alone).
-      batch: int32 scalar B, the size of the global batch.
-      stop: float64 scalar, 1 when this worker was asked to stop (SIGTERM).
-      update: bool, reduce and apply (False: only accumulate; the only
-        cross-device reductions are then BatchNorm's moving statistics, in a
-        cluster the step's metrics, and at ZeRO stage 2 the reduce-scatter).
 
-    Returns:
-      (float64 mean loss over the global batch plus regularisation; int64
-      correct predictions in it, -1 when accuracy is not defined; float64
-      workers asked to stop, summed over the cluster; bool, the update
-      applied (see _update); int32 [K + 1, N], where the gradients are not
-      finite (update.locate_nonfinite); float64 [K], each tower's loss sum;
-      bool, every loss of the update cycle on every tower of every worker is
-      finite; float64 [K], each tower's seconds from the split to its
-      gradients (towertimes.stamp_towers)). Unshaped ones are scalars.
+    Attributes:
+      towers, options, state, counter: as given.
+      host: the device where the global batch is split and results gathered.
     """
-    sizes, (x_shards, y_shards) = _split([x, y], len(towers.devices))
-    start = split_stamp(x_shards, HOST)  # the towers start from here
-    # A step is a transaction: what its forward pass changes is kept first,
-    # to be put back if the update cycle does not commit.
-    state.save_forward()
-    all_grads, loss_sums, corrects, regs = _tower_gradients(
-        towers, options, x_shards, y_shards, batch, state.accumulate_steps > 1)
-    tower_seconds = stamp_towers(start, towers.devices, all_grads, loss_sums, HOST)
-    with tf.device(HOST):
-        tower_losses = tf.stack([tf.cast(loss, tf.float64) for loss in loss_sums])
-        losses_finite = tf.reduce_all(tf.math.is_finite(tower_losses))
-    has_accuracy = corrects[0] is not None
-    after = []
-    if options.multiworker:
-        # First, so that a non-finite loss on any worker is known to all.
-        loss_sums, corrects, stop = sum_metrics(
-            towers.devices, loss_sums, corrects, stop, after, options.allreduce_exact)
-        after = [loss_sums[0]]
+
+    host = HOST
+
+    def __init__(self, towers, options, state, counter):
+        self.towers = towers
+        self.options = options
+        self.state = state
+        self.counter = counter
+
+    def _tower_gradients(self, x_shards, y_shards, batch, accumulating):
+        """Forward and backward on every tower.
+
+        Args:
+          accumulating: bool, the gradients go into sums that the update divides
+            by the examples of all its micro-batches: each is the gradient of
+            this micro-batch's mean loss, as in a step without accumulation (so
+            a float16 backward pass sees the same magnitudes), times its number
+            of examples B, so the update is the gradient of the mean over all.
+
+        Returns:
+          (all_grads K x N, loss_sums [K], corrects [K] int64 or None, regs [K]).
+        """
+        towers, options = self.towers, self.options
+        all_grads, loss_sums, corrects, regs = [], [], [], []
+        for k, (model, device) in enumerate(zip(towers.models, towers.devices)):
+            with tf.device(device), tf.name_scope(f"tower{k}"):
+                x_k = tf.identity(x_shards[k])
+                y_k = tf.identity(y_shards[k])
+                with tf.GradientTape() as tape:
+                    loss_sum, y_pred = tower_loss_sum(options.loss_fn, model, x_k, y_k,
+                                                      training=True)
+                    dtype = loss_sum.dtype
+                    # Scale before the reduction so that its sum (or mean)
+                    # is the gradient of the global-batch mean loss.
+                    numerator = tf.cast(options.total_towers if options.average else 1, dtype)
+                    scale = numerator / tf.cast(batch, dtype)
+                    reg = regularization(model, dtype)
+                    # Every tower adds the same regularisation term; a sum
+                    # over the T towers would count it T times.
+                    reg_weight = 1.0 if options.average else 1.0 / options.total_towers
+                    # Keras' loss scaling (LossScaleOptimizer, loss_scale_factor);
+                    # apply_gradients divides it out again.
+                    tower_loss = towers.optimizers[k].scale_loss(
+                        loss_sum * scale + reg * reg_weight)
+                grads = tape.gradient(tower_loss, towers.trainable[k])
+                if accumulating:
+                    # Weighted by B after the backward pass, in the variables'
+                    # dtype: the sums then add up per-example gradients.
+                    grads = [None if g is None
+                             else tf.convert_to_tensor(g) * tf.cast(batch, g.dtype)
+                             for g in grads]
+            all_grads.append(list(grads))
+            loss_sums.append(loss_sum)
+            regs.append(reg)
+            corrects.append(correct_count(y_k, y_pred))
+        return all_grads, loss_sums, corrects, regs
+
+    def train(self, x, y, batch, stop, update=True):
+        """One synchronous step; traced once by tf.function (once more without update).
+
+        Args:
+          x, y: [b, ...], this worker's part of the global batch (all of it alone).
+          batch: int32 scalar B, the size of the global batch.
+          stop: float64 scalar, 1 when this worker was asked to stop (SIGTERM).
+          update: bool, reduce and apply (False: only accumulate; the only
+            cross-device reductions are then BatchNorm's moving statistics, in a
+            cluster the step's metrics, and at ZeRO stage 2 the reduce-scatter).
+
+        Returns:
+          (float64 mean loss over the global batch plus regularisation; int64
+          correct predictions in it, -1 when accuracy is not defined; float64
+          workers asked to stop, summed over the cluster; bool, the update
+          applied (see sharding.ReplicatedState.update); int32 [K + 1, N], where
+          the gradients are not finite (update.locate_nonfinite); float64 [K],
+          each tower's loss sum; bool, every loss of the update cycle on every
+          tower of every worker is finite; float64 [K], each tower's seconds
+          from the split to its gradients (towertimes.stamp_towers)). Unshaped
+          ones are scalars.
+        """
+        towers, options, state = self.towers, self.options, self.state
+        sizes, (x_shards, y_shards) = _split([x, y], len(towers.devices))
+        start = split_stamp(x_shards, HOST)  # the towers start from here
+        # A step is a transaction: what its forward pass changes is kept first,
+        # to be put back if the update cycle does not commit.
+        state.save_forward()
+        all_grads, loss_sums, corrects, regs = self._tower_gradients(
+            x_shards, y_shards, batch, state.accumulate_steps > 1)
+        tower_seconds = stamp_towers(start, towers.devices, all_grads, loss_sums, HOST)
         with tf.device(HOST):
-            losses_finite = tf.math.is_finite(loss_sums[0])
-    losses_finite = state.cycle_losses_finite(losses_finite, update)
-    pending = None
-    if update and towers.zero is not None:
-        finite, pending, report, after = towers.zero.update(
-            towers, options, state, all_grads, batch, losses_finite, after, HOST)
-    elif update:
-        finite, pending, report, after = _update(
-            towers, options, state, all_grads, batch, losses_finite, after)
-    else:
-        if towers.zero is not None:
-            after = towers.zero.accumulate(state, all_grads, batch, options, after)
+            tower_losses = tf.stack([tf.cast(loss, tf.float64) for loss in loss_sums])
+            losses_finite = tf.reduce_all(tf.math.is_finite(tower_losses))
+        has_accuracy = corrects[0] is not None
+        after = []
+        if options.multiworker:
+            # First, so that a non-finite loss on any worker is known to all.
+            loss_sums, corrects, stop = sum_metrics(
+                towers.devices, loss_sums, corrects, stop, options.allreduce_exact)
+            after = [loss_sums[0]]
+            with tf.device(HOST):
+                losses_finite = tf.math.is_finite(loss_sums[0])
+        losses_finite = state.cycle_losses_finite(losses_finite, update)
+        pending = None
+        if update:
+            finite, pending, report, after = towers.sharding.update(
+                self, all_grads, batch, losses_finite, after)
         else:
-            state.accumulate(all_grads, batch)
+            after = towers.sharding.accumulate(self, all_grads, batch, after)
+            with tf.device(HOST):
+                finite = tf.constant(True)
+                report = tf.zeros([len(all_grads) + 1, len(all_grads[0])], tf.int32)
+        # Every step, between updates too: each forward pass moved every tower's
+        # BatchNorm statistics, and the replicas must stay equal.
+        sync_moving(towers, sizes, batch, after, options.allreduce_exact)
+        if pending is not None:
+            state.commit(finite, pending)
         with tf.device(HOST):
-            finite = tf.constant(True)
-            report = tf.zeros([len(all_grads) + 1, len(all_grads[0])], tf.int32)
-    # Every step, between updates too: each forward pass moved every tower's
-    # BatchNorm statistics, and the replicas must stay equal.
-    sync_moving(towers, sizes, batch, after, options.allreduce_exact)
-    if pending is not None:
-        state.commit(finite, pending)
-    with tf.device(HOST):
-        # A step that is about to raise is not counted: its update was not applied.
-        if options.on_nonfinite == "skip":
-            counted = tf.constant(True)
-        else:
-            counted = losses_finite if scales_loss(towers.optimizers[0]) else finite
-        step.assign_add(tf.cast(counted, tf.int64))
-        dtype = loss_sums[0].dtype
-        mean_loss = tf.add_n(loss_sums) / tf.cast(batch, dtype) + tf.cast(regs[0], dtype)
-        correct = (
-            tf.cast(tf.add_n(corrects), tf.int64) if has_accuracy else tf.constant(-1, tf.int64)
-        )
-    return (tf.cast(mean_loss, tf.float64), correct, stop, finite, report, tower_losses,
-            losses_finite, tower_seconds)
+            # A step that is about to raise is not counted: its update was not applied.
+            if options.on_nonfinite == "skip":
+                counted = tf.constant(True)
+            else:
+                counted = losses_finite if scales_loss(towers.optimizers[0]) else finite
+            self.counter.assign_add(tf.cast(counted, tf.int64))
+            dtype = loss_sums[0].dtype
+            mean_loss = tf.add_n(loss_sums) / tf.cast(batch, dtype) + tf.cast(regs[0], dtype)
+            correct = (tf.cast(tf.add_n(corrects), tf.int64) if has_accuracy
+                       else tf.constant(-1, tf.int64))
+        return (tf.cast(mean_loss, tf.float64), correct, stop, finite, report, tower_losses,
+                losses_finite, tower_seconds)
 
+    def evaluate(self, x, y):
+        """Sum of losses and correct predictions over a global batch x, y, split across towers.
 
-def eval_graph(towers, loss_fn, x, y):
-    """Sum of losses and correct predictions over a batch, split across towers.
+        Returns:
+          (float64 scalar loss sum, int64 scalar correct count, -1 when accuracy
+          is not defined).
+        """
+        towers = self.towers
+        _, (x_shards, y_shards) = _split([x, y], len(towers.devices))
+        loss_sums, corrects = [], []
+        for k, (model, device) in enumerate(zip(towers.models, towers.devices)):
+            with tf.device(device), tf.name_scope(f"tower{k}"):
+                loss_sum, y_pred = tower_loss_sum(
+                    self.options.loss_fn, model, x_shards[k], y_shards[k], training=False
+                )
+                loss_sums.append(tf.cast(loss_sum, tf.float64))
+                corrects.append(correct_count(y_shards[k], y_pred))
+        with tf.device(HOST):
+            correct = tf.add_n(corrects) if corrects[0] is not None else tf.constant(-1, tf.int64)
+            return tf.add_n(loss_sums), correct
 
-    Args:
-      towers: Towers, this worker's K built replicas.
-      loss_fn: fn(y_true, y_pred) -> per-example losses.
-      x, y: [batch, ...], a global batch.
-
-    Returns:
-      (float64 scalar loss sum, int64 scalar correct count, -1 when accuracy
-      is not defined).
-    """
-    num_towers = len(towers.devices)
-    _, (x_shards, y_shards) = _split([x, y], num_towers)
-    loss_sums, corrects = [], []
-    for k, (model, device) in enumerate(zip(towers.models, towers.devices)):
-        with tf.device(device), tf.name_scope(f"tower{k}"):
-            loss_sum, y_pred = tower_loss_sum(
-                loss_fn, model, x_shards[k], y_shards[k], training=False
-            )
-            loss_sums.append(tf.cast(loss_sum, tf.float64))
-            corrects.append(correct_count(y_shards[k], y_pred))
-    with tf.device(HOST):
-        correct = tf.add_n(corrects) if corrects[0] is not None else tf.constant(-1, tf.int64)
-        return tf.add_n(loss_sums), correct
-
-
-def predict_graph(towers, x):
-    """The towers' outputs on their shards of x, concatenated in input order."""
-    num_towers = len(towers.devices)
-    _, (x_shards,) = _split([x], num_towers)
-    outputs = []
-    for k, (model, device) in enumerate(zip(towers.models, towers.devices)):
-        with tf.device(device), tf.name_scope(f"tower{k}"):
-            outputs.append(model(x_shards[k], training=False))
-    with tf.device(HOST):
-        return tf.concat(outputs, axis=0)
+    def predict(self, x):
+        """The towers' outputs on their shards of x, concatenated in input order."""
+        towers = self.towers
+        _, (x_shards,) = _split([x], len(towers.devices))
+        outputs = []
+        for k, (model, device) in enumerate(zip(towers.models, towers.devices)):
+            with tf.device(device), tf.name_scope(f"tower{k}"):
+                outputs.append(model(x_shards[k], training=False))
+        with tf.device(HOST):
+            return tf.concat(outputs, axis=0)

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tfreduce.consistency import check_workers_agree, describe_variables
 from tfreduce.trainer.checkpoints import TrainerCheckpoint
-from tfreduce.trainer.step import HOST, eval_graph, predict_graph, train_graph
+from tfreduce.trainer.step import HOST, StepGraph
 from tfreduce.trainer.towers import build_towers, state_bytes, state_variables, sync_functions
 from tfreduce.trainer.towertimes import TowerTimes
 from tfreduce.trainer.update import TowerState, nonfinite_error, scales_loss
@@ -54,6 +54,7 @@ class StepFunctions:
         self._options = options
         self._state = state
         self._step = step
+        self._graph = StepGraph(towers, options, state, step)
         self._broadcast_fn, self.difference = sync_functions(
             towers, options.cluster, [step, epoch_totals])
         self._train_fns = {True: None, False: None}  # update -> tf.function
@@ -90,7 +91,7 @@ class StepFunctions:
         self._state.reset()
 
     def train(self, x, y, batch, stop=False):
-        """Runs train_graph on this worker's part x, y of a global batch of int size `batch`.
+        """Runs StepGraph.train on this worker's part x, y of a global batch of int size `batch`.
 
         Every `accumulate_steps`-th step (counting from 1) reduces and
         updates; the others accumulate, with a function of their own that
@@ -109,8 +110,7 @@ class StepFunctions:
         update = number % self._state.accumulate_steps == 0
         if self._train_fns[update] is None:
             self._train_fns[update] = tf.function(
-                functools.partial(train_graph, self._towers, self._options, self._state,
-                                  self._step, update=update),
+                functools.partial(self._graph.train, update=update),
                 input_signature=[signature(x), signature(y), tf.TensorSpec([], tf.int32),
                                  tf.TensorSpec([], tf.float64)], autograph=False)
         with self._options.cluster.detect_lost_workers(), \
@@ -154,18 +154,18 @@ class StepFunctions:
                 for name, fn in functions}
 
     def evaluate(self, x, y):
-        """Runs eval_graph on the global batch x, y."""
+        """Runs StepGraph.evaluate on the global batch x, y."""
         if self._eval_fn is None:
             self._eval_fn = tf.function(
-                functools.partial(eval_graph, self._towers, self._options.loss_fn),
+                self._graph.evaluate,
                 input_signature=[signature(x), signature(y)], autograph=False)
         return self._eval_fn(x, y)
 
     def predict(self, x):
-        """Runs predict_graph on the global batch of inputs x."""
+        """Runs StepGraph.predict on the global batch of inputs x."""
         if self._predict_fn is None:
             self._predict_fn = tf.function(
-                functools.partial(predict_graph, self._towers),
+                self._graph.predict,
                 input_signature=[signature(x)], autograph=False)
         return self._predict_fn(x)
 
@@ -189,17 +189,15 @@ def build_run(models, optimizers, options, counters, x, describe, restore=None):
       ValueError: the towers differ, the workers differ, or the checkpoint
         does not match.
     """
-    zero = None
-    if options.zero_stage:
-        num_towers = len(options.devices)
-        zero = (options.zero_stage, options.total_towers, options.cluster.rank * num_towers)
-    built = build_towers(models, optimizers, options.devices, x, zero)
+    first_tower = options.cluster.rank * len(options.devices)
+    built = build_towers(models, optimizers, options.devices, x,
+                         (options.zero_stage, options.total_towers, first_tower))
     # Before the first collective: a worker that differs fails now, on all.
     check_workers_agree(options.cluster, len(options.devices),
                         f"{options.describe()}, {describe}",
                         describe_variables(built.variables[0]))
     state = TowerState(built, options.accumulate_steps, options.powersgd, HOST,
-                       built.zero.sum_specs() if options.zero_stage == 2 else None)
+                       built.sharding.sum_specs())
     checkpoint = TrainerCheckpoint(built, *counters, state, options)
     if restore is not None:
         # Before the step functions exist: if it fails, the next call builds again.

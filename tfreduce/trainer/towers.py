@@ -19,7 +19,8 @@ from tfreduce.localcluster import LocalCluster
 from tfreduce.multiworker import broadcast_variables_multiworker
 from tfreduce.replicated import max_replica_difference
 from tfreduce.trainer.update import scales_loss
-from tfreduce.trainer.zero import ZeroState, check_optimizer
+from tfreduce.trainer.sharding import sharding_for
+from tfreduce.trainer.zero import check_optimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +39,8 @@ class Towers:
       variables: K x V list of every model and optimizer variable, the ones a
         broadcast copies and a replica check compares (with ZeRO, the
         model's only: each optimizer holds its own shard).
-      zero: trainer.zero.ZeroState, the towers' pieces, or None (zero_stage 0).
+      sharding: where the optimizer state lives (trainer.sharding):
+        ReplicatedState at zero_stage 0, else ZeroState.
     """
 
     models: list
@@ -48,7 +50,7 @@ class Towers:
     moving: list
     forward: list
     variables: list
-    zero: object = None
+    sharding: object = None
 
 
 def resolve_cluster(given):
@@ -124,8 +126,7 @@ def create_replicas(model_fn, optimizer_fn, devices, zero_stage=0):
             # As Keras' compile does: float16 gradients underflow without
             # loss scaling.
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-        if zero_stage:
-            check_optimizer(optimizer, k)
+        check_optimizer(optimizer, k, zero_stage)
         models.append(model)
         optimizers.append(optimizer)
     return models, optimizers
@@ -160,7 +161,7 @@ def forward_state(model):
     return moving_statistics(model) + seeds
 
 
-def build_towers(models, optimizers, devices, x, zero=None):
+def build_towers(models, optimizers, devices, x, zero):
     """Creates every variable on its tower and checks that the towers match.
 
     Args:
@@ -168,8 +169,9 @@ def build_towers(models, optimizers, devices, x, zero=None):
         and device.
       x: a batch [batch, ...] to build unbuilt models with, or None when all
         are built.
-      zero: None, or (stage, total towers T, this worker's first tower):
-        the optimizers are built on the towers' pieces (trainer.zero).
+      zero: (zero_stage, total towers T, this worker's first tower): the
+        towers' sharding (trainer.sharding.sharding_for), whose targets
+        the optimizers are built on.
 
     Returns:
       Towers.
@@ -185,14 +187,12 @@ def build_towers(models, optimizers, devices, x, zero=None):
                 # inference call leaves BatchNorm statistics untouched.
                 model(x[:1], training=False)
     trainable = [list(m.trainable_variables) for m in models]
-    state = None if zero is None else ZeroState(zero[0], trainable, devices, *zero[1:])
-    if state is not None:
-        state.check_loss_scaling(optimizers)
+    sharding = sharding_for(zero[0], trainable, devices, *zero[1:])
+    sharding.check_loss_scaling(optimizers)
     for k, (optimizer, device) in enumerate(zip(optimizers, devices)):
         with tf.device(device):
-            optimizer.build(trainable[k] if state is None else state.pieces[k])
-    # Sharded optimizers differ per tower: neither broadcast nor compared.
-    shared = [list(o.variables) if state is None else [] for o in optimizers]
+            optimizer.build(sharding.targets(k))
+    shared = [sharding.shared_variables(o) for o in optimizers]
     towers = Towers(
         models=models,
         optimizers=optimizers,
@@ -201,7 +201,7 @@ def build_towers(models, optimizers, devices, x, zero=None):
         moving=[moving_statistics(m) for m in models],
         forward=[forward_state(m) for m in models],
         variables=[list(m.variables) + own for m, own in zip(models, shared)],
-        zero=state,
+        sharding=sharding,
     )
     _check_match(towers.variables)
     return towers
@@ -255,9 +255,8 @@ def sync_functions(towers, cluster, counters):
         with tf.control_dependencies(ops):
             ops = broadcast_variables_multiworker([list(counters)], cluster)
         with tf.control_dependencies(ops):
-            if towers.zero is not None:
-                # Each piece takes its range of the weights just broadcast.
-                towers.zero.load_pieces(towers.trainable)
+            # With ZeRO, each piece takes its range of the weights just broadcast.
+            towers.sharding.load_pieces(towers.trainable)
             return tf.constant(0)
 
     broadcast_fn = tf.function(broadcast, autograph=False)
@@ -284,8 +283,7 @@ def state_variables(towers, state):
     for k, (model, optimizer) in enumerate(zip(towers.models, towers.optimizers)):
         out.append({
             "weights": list(model.variables) + list(state.saved[k]),
-            "optimizer": (list(optimizer.variables)
-                          + (towers.zero.variables(k) if towers.zero is not None else [])),
+            "optimizer": list(optimizer.variables) + towers.sharding.variables(k),
             "accumulation": list(state.sums[k]) if state.sums else [],
             "compression": state.powersgd.tower_variables(k) if state.powersgd else [],
         })

@@ -47,6 +47,7 @@ import tensorflow as tf
 from tfreduce.collectives import all_gather, reduce_scatter
 from tfreduce.contract import shard_sizes
 from tfreduce.packing import buffer_order
+from tfreduce.trainer.optimizer_state import OptimizerState
 from tfreduce.trainer.update import locate_nonfinite, scales_loss
 
 ZERO_STAGES = (0, 1, 2)
@@ -81,13 +82,28 @@ def check_zero_stage(zero_stage, powersgd):
                          f"all-reduces low-rank factors, ZeRO reduce-scatters the gradients")
 
 
-def check_optimizer(optimizer, k):
-    """Raises ValueError unless tower k's optimizer can update pieces of variables.
+def check_zero_across(zero_stage, cluster, compression):
+    """Raises ValueError for ZeRO with wire compression across workers.
+
+    The cross-worker reduce-scatter moves the gradients in their own dtype.
+    """
+    if zero_stage and cluster.num_workers > 1 and compression.compresses:
+        raise ValueError(
+            f"zero_stage={zero_stage} with compression={compression.name!r} across workers: "
+            f"the reduce-scatter across workers moves the gradients in their own dtype; drop "
+            f"compression, or use zero_stage=0")
+
+
+def check_optimizer(optimizer, k, zero_stage):
+    """Raises ValueError unless tower k's optimizer can update pieces of variables (stage > 0).
 
     Args:
       optimizer: a Keras optimizer, or a LossScaleOptimizer around one.
       k: int, the tower (for the message).
+      zero_stage: int; at 0 every optimizer updates whole variables.
     """
+    if not zero_stage:
+        return
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if not isinstance(inner, ELEMENTWISE):
         names = ", ".join(c.__name__ for c in ELEMENTWISE)
@@ -245,10 +261,29 @@ class ZeroState:
                 f"would hold no element of the model's {sum(self.layout.sizes)}, fewer than "
                 f"the towers of the run; use fewer towers or zero_stage=0")
 
+    def targets(self, k):
+        """The variables tower k's optimizer updates: its pieces."""
+        return self.pieces[k]
+
+    def shared_variables(self, optimizer):
+        """[]: sharded optimizers differ per tower, neither broadcast nor compared."""
+        return []
+
     def sum_specs(self):
-        """K lists of (shape, dtype): the sharded accumulation buffers of stage 2."""
+        """K lists of (shape, dtype): the sharded accumulation buffers of stage 2; None at 1."""
+        if self.stage == 1:
+            return None
         return [[([length], dtype) for length, dtype in zip(row, self.layout.dtypes)]
                 for row in self.layout.shard_lengths]
+
+    def optimizer_state(self, optimizers, trainable, cluster):
+        """The checkpoint's OptimizerState: every tower's pieces (across workers: gathered)."""
+        return OptimizerState(optimizers, self.pieces, self.layout.pieces, trainable[0],
+                              across=cluster.num_workers > 1)
+
+    def whole_optimizer(self, optimizers):
+        """None: no checkpoint stored a sharded optimizer whole."""
+        return None
 
     def load_pieces(self, trainable):
         """Assigns each piece its range of the towers' weights (after a broadcast or restore)."""
@@ -288,23 +323,22 @@ class ZeroState:
                 out.append(tf.equal(row[0][0], 0.0))
         return out
 
-    def update(self, towers, options, state, all_grads, batch, losses_finite, after, host):
-        """The update of a step with sharded state; returns what step._update returns.
+    def update(self, step, all_grads, batch, losses_finite, after):
+        """The update of a step with sharded state; returns what ReplicatedState.update returns.
 
         Args:
-          towers: Towers, built with this state.
-          options: StepOptions.
-          state: update.TowerState (its sums: full at stage 1, shards at 2).
+          step: step.StepGraph, built with this state; its TowerState's sums
+            are full at stage 1, shards at 2.
           all_grads: K x N, this step's gradients.
           batch: int32 scalar, the global batch.
           losses_finite: bool scalar, every loss of the update cycle is finite.
           after: tensors the reduce-scatter runs after.
-          host: the device of the non-finite report.
 
         Returns:
           (finite bool scalar, pending: K empty lists, report int32 [K + 1, N],
           the tensors a later collective must run after).
         """
+        towers, options, state = step.towers, step.options, step.state
         if self.stage == 2:
             with tf.control_dependencies(after):
                 shards = state.take(self.reduce_scatter(all_grads, options), batch)
@@ -319,21 +353,22 @@ class ZeroState:
             with tf.device(device):
                 pieces.append(self.layout.split_shard(k, shards[k]))
         report = locate_nonfinite(finite[0], grads, [list(col) for col in zip(*pieces)],
-                                  self.devices, host)
+                                  self.devices, step.host)
         lso = scales_loss(towers.optimizers[0])
         present = [g is not None for g in all_grads[0]]
-        self._apply(towers.optimizers, pieces, finite, losses_finite, present, lso)
+        self._apply(towers.optimizers, pieces, finite, losses_finite, present)
         full = self.gather(towers.trainable, options)
         applied = tf.logical_and(finite[0], losses_finite) if lso else finite[0]
         after = options.cluster.order_after(full[0])
         return applied, [[] for _ in self.devices], report, after
 
-    def accumulate(self, state, all_grads, batch, options, after):
+    def accumulate(self, step, all_grads, batch, after):
         """A step between updates: stage 1 sums each tower's gradients, stage 2 its shards.
 
         Returns:
           the tensors a later collective must run after.
         """
+        state, options = step.state, step.options
         if self.stage == 1:
             state.accumulate(all_grads, batch)
             return after
@@ -342,7 +377,7 @@ class ZeroState:
         state.accumulate(shards, batch)
         return options.cluster.order_after(shards[0])
 
-    def _apply(self, optimizers, pieces, finite, losses_finite, present, scales_loss):
+    def _apply(self, optimizers, pieces, finite, losses_finite, present):
         """Each optimizer applies its tower's pieces of the gradients, on every tower or none.
 
         Args:
@@ -351,9 +386,11 @@ class ZeroState:
           finite: K bool scalars, the same value: every shard is finite.
           losses_finite: bool scalar, every loss of the update cycle is finite.
           present: list of N bools, variable n has a gradient.
-          scales_loss: bool, the optimizers are LossScaleOptimizers, which see
-            the global decision as NaN gradients when it is a skip.
+
+        LossScaleOptimizers see the global decision as NaN gradients when it
+        is a skip.
         """
+        lso = scales_loss(optimizers[0])
         for k, (optimizer, device) in enumerate(zip(optimizers, self.devices)):
             with tf.device(device), tf.name_scope(f"tower{k}_apply"):
                 # Only the pieces this tower holds: most of a tower's N pieces are
@@ -364,7 +401,7 @@ class ZeroState:
                 # A tower that holds nothing still counts the step (Keras skips
                 # an empty list), so every tower's optimizer counts alike.
                 pairs = pairs or [(pieces[k][0], self.pieces[k][0])]
-                if scales_loss:
+                if lso:
                     # Its own shard could be finite where another's is not.
                     pairs = [(tf.where(finite[k], g, tf.constant(float("nan"), g.dtype)), v)
                              for g, v in pairs]
@@ -372,7 +409,7 @@ class ZeroState:
                 def step(optimizer=optimizer, pairs=pairs):
                     optimizer.apply_gradients(pairs)
 
-                tf.cond(losses_finite if scales_loss else finite[k], step, lambda: None)
+                tf.cond(losses_finite if lso else finite[k], step, lambda: None)
 
     def gather(self, trainable, options):
         """All-gathers the updated pieces and assigns every tower's weights.
