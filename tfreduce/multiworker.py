@@ -73,6 +73,40 @@ def check_local_options(local_options):
     return local_options
 
 
+def sum_over_workers(columns, devices, cluster, allreduce):
+    """Per-tower scalars summed over the towers of every worker (a step's metrics).
+
+    Args:
+      columns: C lists of K scalars, ``columns[c][k]`` on devices[k]; a None
+        entry counts as 0, a column of None stays None.
+      devices: list of K device names, this worker's towers.
+      cluster: a started tfreduce.Cluster, or a LocalCluster.
+      allreduce: fn(K x N, average) -> K x N over every tower of the
+        cluster (the trainer's uncompressed all-reduce).
+
+    Returns:
+      C lists whose ``tf.add_n`` is the column's total over every tower of
+      the run: across workers one float64 scalar each (exact for counts
+      below 2**53), from one all-reduce of all columns; with a LocalCluster
+      the column's given values, in their dtype (no collective). A column
+      of None gives [None].
+    """
+    if cluster.is_local:
+        return [[v for v in column if v is not None] or [None] for column in columns]
+    present = [c for c, column in enumerate(columns) if any(v is not None for v in column)]
+    rows = []
+    for k, device in enumerate(devices):
+        with tf.device(device):
+            rows.append([tf.zeros([], tf.float64) if columns[c][k] is None
+                         else tf.cast(columns[c][k], tf.float64) for c in present])
+    with tf.name_scope("metrics"):
+        summed = allreduce(rows, average=False)[0]
+    out = [[None] for _ in columns]
+    for c, total in zip(present, summed):
+        out[c] = [total]
+    return out
+
+
 def _check_cluster(cluster, local_too=False):
     if not isinstance(cluster, (Cluster, LocalCluster) if local_too else Cluster):
         local = " or a LocalCluster" if local_too else ""

@@ -101,11 +101,6 @@ class StepOptions:
     powersgd: object = None
     zero_stage: int = 0
 
-    @property
-    def multiworker(self):
-        """bool: the all-reduces cross workers; loss and counts are then summed over all."""
-        return not self.cluster.is_local
-
     def describe(self):
         """The settings that shape the collectives, as text the workers compare."""
         return (f"reduction=({self.reduction.describe()}), average={self.average}, "

@@ -18,7 +18,8 @@ import tensorflow as tf
 
 from tfreduce.contract import shard_sizes
 from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
-from tfreduce.trainer.statistics import sum_metrics, sync_moving
+from tfreduce.multiworker import sum_over_workers
+from tfreduce.trainer.statistics import sync_moving
 from tfreduce.trainer.towertimes import split_stamp, stamp_towers
 from tfreduce.trainer.update import scales_loss
 
@@ -161,16 +162,18 @@ class StepGraph:
         tower_seconds = stamp_towers(start, towers.devices, all_grads, loss_sums, HOST)
         with tf.device(HOST):
             tower_losses = tf.stack([tf.cast(loss, tf.float64) for loss in loss_sums])
-            losses_finite = tf.reduce_all(tf.math.is_finite(tower_losses))
         has_accuracy = corrects[0] is not None
-        after = []
-        if options.multiworker:
-            # First, so that a non-finite loss on any worker is known to all.
-            loss_sums, corrects, stop = sum_metrics(
-                towers.devices, loss_sums, corrects, stop, options.allreduce_exact)
-            after = [loss_sums[0]]
-            with tf.device(HOST):
-                losses_finite = tf.math.is_finite(loss_sums[0])
+        # First, so that a non-finite loss on any worker is known to all (the
+        # stop requests are counted once per worker, on its tower 0).
+        stops = [stop] + [None] * (len(towers.devices) - 1)
+        loss_sums, stops, corrects = sum_over_workers(
+            [loss_sums, stops, corrects], towers.devices, options.cluster,
+            options.allreduce_exact)
+        after = options.cluster.order_after(loss_sums[:1])
+        with tf.device(HOST):
+            stop = tf.add_n(stops)
+            losses_finite = tf.reduce_all(tf.math.is_finite(
+                tf.stack([tf.cast(loss, tf.float64) for loss in loss_sums])))
         losses_finite = state.cycle_losses_finite(losses_finite, update)
         pending = None
         if update:
