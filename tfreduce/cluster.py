@@ -109,6 +109,13 @@ class Cluster:
         """`tensors` as a list: the next collective follows them (one order on every worker)."""
         return list(tensors)
 
+    def agreed(self, summed, here):
+        """Whether the workers act on a flag: its sum over them in the last collective is > 0.
+
+        A flag raised `here` since then is counted in the next collective."""
+        del here
+        return summed > 0
+
     @property
     def op_timeout(self):
         """float seconds or None: the ``timeout_seconds`` of each cross-worker collective op.
@@ -140,8 +147,6 @@ class Cluster:
         return (f"Cluster({self.describe(self.rank)} of {self.num_workers}, "
                 f"timeout={self.timeout:g}s)")
 
-    # ------------------------------------------------------------------ topology
-
     @property
     def num_workers(self):
         """int W, the number of tasks taking part (chief and workers)."""
@@ -171,6 +176,11 @@ class Cluster:
         """A task as messages name it, e.g. "worker 1 (10.0.0.2:2222)"."""
         job, index = self._tasks[rank]
         return f"{job} {index} ({self.cluster_spec[job][index]})"
+
+    def describe_towers(self, towers_per_worker):
+        """The run's towers as messages name them, e.g. "4 towers (2 workers x 2)"."""
+        workers = self.num_workers
+        return f"{workers * towers_per_worker} towers ({workers} workers x {towers_per_worker})"
 
     def device(self, device, where="device"):
         """Names one of this worker's devices in full.
@@ -239,10 +249,9 @@ class Cluster:
         towers = self.num_workers * towers_per_worker
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or (
                 batch_size < towers):
-            raise ValueError(
-                f"global batch size {batch_size!r} is smaller than the {towers} "
-                f"towers ({self.num_workers} workers x {towers_per_worker}): every "
-                f"tower needs at least one example")
+            raise ValueError(f"global batch size {batch_size!r} is smaller than the "
+                             f"{self.describe_towers(towers_per_worker)}: every tower needs "
+                             f"at least one example")
         sizes = shard_sizes(batch_size, towers)
         first = self.rank * towers_per_worker
         start = sum(sizes[:first])
@@ -264,8 +273,6 @@ class Cluster:
             for d in local_devices:
                 members.append(self.task_name(rank) + local_name(d))
         return CollectiveKeys.group_key(members)
-
-    # ------------------------------------------------------------------ servers
 
     def _session_settings(self, config):
         """Collective settings every server of this cluster needs, into config."""
@@ -408,17 +415,10 @@ class Cluster:
                 f"barrier; every worker must call finish() once, at the same point")
         time.sleep(linger)
 
-    # ------------------------------------------------------------------ failures
-
     def unreachable_workers(self, probe_timeout=5.0):
-        """The other tasks that do not answer now (probed as ``failures.unreachable_workers`` says).
+        """int ranks of the other tasks that do not answer within probe_timeout seconds now.
 
-        Args:
-          probe_timeout: float seconds to wait for each peer.
-
-        Returns:
-          list of int ranks.
-        """
+        Probed as ``failures.unreachable_workers`` says."""
         return unreachable_workers(self, probe_timeout, eager=self._mode == "eager")
 
     @contextlib.contextmanager

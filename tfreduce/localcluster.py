@@ -53,10 +53,18 @@ class LocalCluster:
         del tensors
         return []
 
+    def agreed(self, summed, here):
+        """Whether to act on a flag: raised in the last step, or `here` since (no one to tell)."""
+        return summed > 0 or bool(here)
+
     def describe(self, rank):
         """The process as messages name it."""
         del rank
         return "this process"
+
+    def describe_towers(self, towers_per_worker):
+        """The towers as messages name them, e.g. "4 towers"."""
+        return f"{towers_per_worker} towers"
 
     def device(self, device, where="device"):
         """The canonical name of one of this process's devices.

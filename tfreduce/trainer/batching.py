@@ -63,12 +63,10 @@ def worker_batch(x, y, cluster, num_devices, total_towers, class_indices=False):
     batch = int(x.shape[0])
     total = total_towers
     if batch < total:
-        workers = ("" if cluster.is_local
-                   else f" ({cluster.num_workers} workers x {num_devices})")
         raise ValueError(
             f"train_step: the global batch has {batch} examples but there are "
-            f"{total} towers{workers}; every tower needs at least one example, so use "
-            f"a batch of at least {total}"
+            f"{cluster.describe_towers(num_devices)}; every tower needs at least one "
+            f"example, so use a batch of at least {total}"
         )
     # Every worker is given the same global batch and takes its part (one
     # process: all of it).

@@ -226,8 +226,7 @@ class ReplicatedTrainer(Inspection):
         # Across workers the requests summed over the workers (the flags sent
         # into the step): all stop after the same step. One process also
         # stops for a request that came during the step.
-        stopping = float(stops) > 0 or (self._cluster.is_local
-                                        and self._stop_request.requested)
+        stopping = self._cluster.agreed(float(stops), self._stop_request.requested)
         return float(loss), (correct if correct >= 0 else None), stopping
 
     def train_step(self, x, y):
@@ -420,8 +419,9 @@ class ReplicatedTrainer(Inspection):
           ValueError: every checkpoint at path is damaged (each named), or it
             does not match this trainer's model.
         """
-        if not self._cluster.is_local and self._steps is not None:
-            # Rank 0's tower state alone is in the checkpoint: all restart theirs.
+        if self._steps is not None:
+            # The tower state restarts, then takes the checkpoint's (in a
+            # cluster rank 0's alone is in it: the others keep the restart).
             self._steps.reset_state()
         # The other ranks ("") receive rank 0's values with the broadcast.
         prefix = find_prefix(path) if self.is_chief else ""
