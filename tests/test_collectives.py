@@ -1,5 +1,7 @@
 """The collectives besides all-reduce: exact per-device values against NumPy, placement, errors."""
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -7,6 +9,9 @@ import tensorflow as tf
 from hypothesis import given, settings, strategies as st
 
 import tfreduce
+from tfreduce import collectives
+from tfreduce.collective_build import BUILDERS
+from tfreduce.collective_rules import COLLECTIVE_RULES, CollectiveRule
 from helpers import CPU_DEVICES, GPU_DEVICES, RUNNERS, covering, placeholders, run_in_function
 
 ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]
@@ -615,3 +620,37 @@ def test_two_workers_of_two_towers_equal_four_towers(tmp_path):
                     np.testing.assert_array_equal(got, w, err_msg=f"{case} rank {rank} {r} {n}")
                     tower = root % 2 if collective == "reduce" else r
                     assert placed[r][n] == f"/job:worker/replica:0/task:{rank}/device:CPU:{tower}"
+
+
+def _build_all_sum(stage, tensors, group, ctx, splits):
+    # A toy collective: every tower gets the sum, as the all-gather of a reduce-scatter.
+    scattered = BUILDERS["reduce_scatter"](stage, tensors, group, ctx, splits)
+    return stage.all_gather(scattered, ctx)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_new_collective_is_one_row_and_its_builder(monkeypatch, algorithm):
+    # docs/architecture.md's recipe: a rule and a builder made of the stages'
+    # own collectives; every algorithm that builds those builds it.
+    monkeypatch.setitem(COLLECTIVE_RULES, "all_sum", CollectiveRule(
+        "same", True, sums=True, needs=("reduce_scatter", "all_gather")))
+    monkeypatch.setitem(BUILDERS, "all_sum", _build_all_sum)
+    devices = CPU_DEVICES[:3]
+    rng = np.random.default_rng(9)
+    arrays = [[values(rng, (7, 2), np.float32), values(rng, (5,), np.float64)]
+              for _ in devices]
+    got, placed = run_in_function(
+        lambda t: collectives._run("all_sum", t, devices, (algorithm, None, {}), None),
+        arrays, devices)
+    for k, device in enumerate(devices):
+        for n in range(2):
+            want = sum(row[n] for row in arrays)
+            assert got[k][n].dtype == want.dtype, (k, n, got[k][n].dtype)
+            np.testing.assert_array_equal(got[k][n], want)
+            assert placed[k][n].endswith(device.replace("/device", "")), (k, n, placed[k][n])
+    if algorithm == "collective":  # once: an algorithm without what it needs refuses it
+        with pytest.raises(ValueError, match=re.escape(
+                "algorithm 'nccl' does not build all_sum (TF has no such nccl op); use "
+                "algorithm= one of ['flat', 'hierarchical', 'ring', 'collective']")):
+            collectives._run("all_sum", [[tf.constant(a) for a in row] for row in arrays],
+                             devices, ("nccl", None, {}), None)

@@ -20,7 +20,7 @@ PACKAGE = pathlib.Path(tfreduce.__file__).parent
 # smaller layer, or of its own layer where the pair is listed below.
 LAYERS = {
     "tf_config": 0, "startup": 0, "choices": 0, "topology": 0, "watchdog": 0, "stragglers": 0,
-    "progress": 0,
+    "progress": 0, "collective_rules": 0,
     "devices": 1,
     "contract": 2, "shards": 2,
     "packing": 3, "compression": 3, "graphwalk": 3,
@@ -47,7 +47,7 @@ SAME_LAYER = {
     ("hostprobe", "frame"), ("hostprobe", "nccl_ops"), ("planner", "hostprobe"),
     ("planner", "costmodel"), ("planner", "registry"), ("planner", "frame"),
     ("watchdog", "stragglers"), ("watchdog", "progress"), ("progress", "stragglers"),
-    ("launch", "preload"),
+    ("launch", "preload"), ("choices", "collective_rules"),
 }
 
 

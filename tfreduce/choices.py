@@ -8,6 +8,8 @@ from here; ``registry`` checks at import that ``ALGORITHMS`` names its stages.
 
 import re
 
+from tfreduce.collective_rules import COLLECTIVE_RULES
+
 __all__ = ["ALGORITHMS", "BENCH_FAMILIES", "COLLECTIVES", "DEFAULT_PACK_BYTES",
            "GPU_ONLY_ALGORITHMS", "bench_compression"]
 
@@ -16,8 +18,8 @@ __all__ = ["ALGORITHMS", "BENCH_FAMILIES", "COLLECTIVES", "DEFAULT_PACK_BYTES",
 ALGORITHMS = ("auto", "flat", "hierarchical", "ring", "nccl", "collective")
 
 #: The collectives besides all-reduce (``tfreduce.collectives``; all-reduce
-#: is ``tfreduce.allreduce_grads``).
-COLLECTIVES = ("reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
+#: is ``tfreduce.allreduce_grads``): one per row of ``COLLECTIVE_RULES``.
+COLLECTIVES = tuple(COLLECTIVE_RULES)
 
 #: Algorithms that run on GPUs only.
 GPU_ONLY_ALGORITHMS = ("nccl",)

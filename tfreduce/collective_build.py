@@ -9,6 +9,7 @@ for "auto" with a topology, costs every algorithm's build of it.
 
 import tensorflow as tf
 
+from tfreduce.collective_rules import COLLECTIVE_RULES, builds
 from tfreduce.contract import dense_shape, values_of
 from tfreduce.costmodel import predict
 from tfreduce.primitives import scale_by_reciprocal, split_rows
@@ -16,7 +17,7 @@ from tfreduce.registry import STAGES, make_stage
 from tfreduce.shards import Tensors
 from tfreduce.stage import ReduceContext
 
-__all__ = ["build_group", "build_wire_group", "plan_algorithm", "result_dtypes"]
+__all__ = ["BUILDERS", "build_group", "build_wire_group", "plan_algorithm", "result_dtypes"]
 
 
 def result_dtypes(tensors, tower):
@@ -122,9 +123,12 @@ def _as_slices(gathered, tensors, group, sparse):
     return out
 
 
-_BUILDERS = {"reduce_scatter": _build_reduce_scatter, "all_gather": _build_all_gather,
-             "broadcast": _build_broadcast, "reduce": _build_reduce,
-             "all_to_all": _build_all_to_all}
+#: Each collective's builder of one group: fn(stage, tensors, group, ctx,
+#: splits) -> len(group) rows of the present tensors' results (a row on the
+#: root where its rule is ``on_root``), from the stage's methods.
+BUILDERS = {"reduce_scatter": _build_reduce_scatter, "all_gather": _build_all_gather,
+            "broadcast": _build_broadcast, "reduce": _build_reduce,
+            "all_to_all": _build_all_to_all}
 
 
 def build_group(collective, stage, tensors, group, ctx, splits=None):
@@ -141,10 +145,10 @@ def build_group(collective, stage, tensors, group, ctx, splits=None):
       splits: the checked all-to-all splits, or None.
 
     Returns:
-      list of len(group) rows of the present tensors' results (reduce: one
-      list, on the root).
+      list of len(group) rows of the present tensors' results (one list, on
+      the root, where the collective's rule is ``on_root``: reduce).
     """
-    return _BUILDERS[collective](stage, tensors, group, ctx, splits)
+    return BUILDERS[collective](stage, tensors, group, ctx, splits)
 
 
 def build_wire_group(collective, stage, tensors, group, root, average, wire, splits=None):
@@ -195,7 +199,8 @@ def _decompress(rows, collective, tensors, group, root, wire, restore):
     # The results back in their dtypes, on their devices.
     if not restore:
         return rows
-    if collective == "reduce":
+    on_root = COLLECTIVE_RULES[collective].on_root
+    if on_root:
         rows, owners = [rows], [group[root]]
     else:
         owners = group
@@ -204,7 +209,7 @@ def _decompress(rows, collective, tensors, group, root, wire, restore):
         with tf.device(tensors.devices[i]):
             out.append([wire.decompress(t, restore[n][group.index(i)])
                         for n, t in zip(tensors.present, row)])
-    return out[0] if collective == "reduce" else out
+    return out[0] if on_root else out
 
 
 def plan_algorithm(collective, reduction, tensors, group, ctx, splits=None):
@@ -251,7 +256,7 @@ def _fastest(collective, topology, specs, ctx, splits):
     # and costed.
     stages = {}
     for name, cls in STAGES.items():
-        if collective in cls.collectives:
+        if builds(cls, collective):
             try:
                 stages[name] = make_stage(name, {}).bind(list(ctx.devices))
             except ValueError:

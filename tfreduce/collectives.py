@@ -60,6 +60,7 @@ import dataclasses
 import tensorflow as tf
 
 from tfreduce.choices import COLLECTIVES
+from tfreduce.collective_rules import COLLECTIVE_RULES
 from tfreduce.cluster import Cluster
 from tfreduce.collective import in_function
 from tfreduce.collective_build import build_wire_group, plan_algorithm, result_dtypes
@@ -265,25 +266,25 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
          cluster=None):
     # Checks the call once, then builds each group's collective with the
     # stage the reduction picks for the group's devices.
-    reduction = as_reduction(*choice)
+    reduction, rule = as_reduction(*choice), COLLECTIVE_RULES[collective]
     num_towers = check_list(all_tensors, collective)
     across = _across_workers(cluster, collective, groups)
     wire, reduction = _wire(collective, reduction, across)
     if across is not None:
         everyone = [list(range(num_towers * across.num_workers))]
-        if collective in ("broadcast", "reduce"):
+        if rule.rooted:
             root = check_root(root, everyone, collective)
         groups, local_root = [list(range(num_towers))], root % num_towers
     else:
         groups = resolve_groups(groups, num_towers, collective)
-        if collective in ("broadcast", "reduce"):
+        if rule.rooted:
             root = check_root(root, groups, collective)
         local_root = root
     tensors = validate_tensors(all_tensors, devices, collective, [g[local_root] for g in groups])
-    if collective == "all_to_all" and splits is not None:
+    if rule.takes_splits and splits is not None:
         splits = check_splits(splits, tensors, groups, None if across is None else
                               num_towers * across.num_workers)
-    if collective in ("reduce_scatter", "reduce"):
+    if rule.sums:
         for n in tensors.present:
             check_average_dtype(values_of(tensors.tensors[0][n]).dtype, n, average,
                                 f"{collective}: tensor {{n}}", "tensors")
@@ -291,7 +292,7 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
         # Full names keep the ops on this worker.
         tensors.devices = across.devices(tensors.devices)
     stages = _stages(collective, reduction, tensors, groups, across, root, average, splits)
-    for n in tensors.present if collective in ("reduce_scatter", "reduce") else ():
+    for n in tensors.present if rule.sums else ():
         for stage in stages:
             _check_sum_dtype(stage, wire.wire_dtype(values_of(tensors.tensors[0][n]).dtype),
                              n, collective)
@@ -306,7 +307,7 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
                 with scope:
                     results.append(build_wire_group(collective, stage, tensors, group, root,
                                                     average, wire, splits))
-            if collective == "reduce":
+            if rule.on_root:
                 # N per group, None where a tensor is None on every tower.
                 return [_spread(row, tensors) for row in results]
             for group, rows in zip(groups, results):
@@ -320,7 +321,7 @@ def _run(collective, all_tensors, devices, choice, groups, root=0, average=False
     out = in_function(build)
     if tf.executing_eagerly():
         # A tf.function hands its results back on the host: copy each back.
-        if collective == "reduce":
+        if rule.on_root:
             return [[copy_to(t, tensors.devices[g[root]]) for t in row]
                     for g, row in zip(groups, out)]
         out = [[copy_to(t, device) for t in row] for row, device in zip(out, tensors.devices)]
@@ -331,7 +332,7 @@ def _wire(collective, reduction, across):
     # (the compression of the sums, the reduction that chooses the stage).
     # Reduce-scatter and reduce compress as the all-reduce does; the other
     # collectives refuse compression when they choose their stage.
-    if collective not in ("reduce_scatter", "reduce") or not reduction.compression.compresses:
+    if not COLLECTIVE_RULES[collective].sums or not reduction.compression.compresses:
         return Compression.none, reduction
     if across is not None:
         raise ValueError(f"{collective}: compression={reduction.compression.name!r} compresses "
@@ -361,7 +362,7 @@ def _stages(collective, reduction, tensors, groups, across, root, average, split
         raise ValueError(f"{collective}: topology={reduction.topology!r} plans for the devices "
                          f"of one process; across workers name the algorithm")
     options, keys = cross_worker_options(across, "auto", None, None)
-    step = _LOCAL_STEP[collective]
+    step = COLLECTIVE_RULES[collective].local_step
     # Checked even where no local stage runs (compression, an algorithm
     # without the collective), so that every worker refuses alike.
     local = reduction.collective_stage(step or collective, tensors.devices)
@@ -375,12 +376,6 @@ def _plan(collective, reduction, tensors, group, root, average, splits):
     ctx = ReduceContext([tensors.devices[i] for i in group], average,
                         result_dtypes(tensors, group[root]), root=root)
     return plan_algorithm(collective, reduction, tensors, group, ctx, splits)
-
-
-# What the local stage builds of each collective across workers (None: the
-# worker's rows are joined on its first device, whatever the algorithm).
-_LOCAL_STEP = {"reduce_scatter": "reduce", "reduce": "reduce", "all_gather": None,
-               "broadcast": "broadcast", "all_to_all": None}
 
 
 def _across_workers(cluster, collective, groups):

@@ -9,6 +9,7 @@ casts back, then copies the result to the worker's other devices.
 
 import tensorflow as tf
 
+from tfreduce.choices import COLLECTIVES
 from tfreduce.collective import CollectiveChain, CollectiveOptions, check_keys
 from tfreduce.compression import Compression
 from tfreduce.contract import nbytes
@@ -184,7 +185,7 @@ class CrossWorkerCollectives(Stage):
 
     name = "cross_worker"
     needs_function = True
-    collectives = ("reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
+    collectives = COLLECTIVES
     # The rows of other workers' towers are not known here: dense.
     gathers_slices = False
 

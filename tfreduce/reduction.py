@@ -25,6 +25,7 @@ import tensorflow as tf
 from tfreduce.choices import ALGORITHMS, DEFAULT_PACK_BYTES
 from tfreduce.cluster import Cluster
 from tfreduce.collective import CollectiveKeys
+from tfreduce.collective_rules import builds
 from tfreduce.compression import Compression, Compressor, as_compressor
 from tfreduce.contract import check_flag, dense_shape, validate_grads, values_of
 from tfreduce.crossworker import CROSS_WORKER_PACK_BYTES, CrossWorkerStage, cross_worker_options
@@ -301,9 +302,9 @@ class Reduction:
         stage = self._stage
         if stage is None:
             name = planned or choose_algorithm(devices)
-            stage = make_stage(name if collective in STAGES[name].collectives else "ring", {})
-        if collective not in stage.collectives:
-            able = [name for name, cls in STAGES.items() if collective in cls.collectives]
+            stage = make_stage(name if builds(STAGES[name], collective) else "ring", {})
+        if not builds(stage, collective):
+            able = [name for name, cls in STAGES.items() if builds(cls, collective)]
             raise ValueError(f"algorithm {stage.name!r} does not build {collective} (TF has no "
                              f"such {stage.name} op); use algorithm= one of {able}")
         return stage.bind(devices)

@@ -10,6 +10,7 @@ of a broadcast or reduce, and says which tower, tensor and values are wrong.
 
 import tensorflow as tf
 
+from tfreduce.collective_rules import COLLECTIVE_RULES
 from tfreduce.contract import (
     as_tensor,
     dense_shape,
@@ -22,14 +23,6 @@ from tfreduce.devices import check_devices_exist, normalize_devices
 
 __all__ = ["Tensors", "check_list", "validate_tensors", "check_splits", "check_root",
            "resolve_groups"]
-
-# What each collective needs of the tensors' shapes: "same" (one shape on
-# every tower), "rows" (the axes after the first agree) or "root" (only the
-# roots' tensors are read), and whether a scalar is refused.
-_SHAPES = {"reduce_scatter": ("same", True), "all_gather": ("rows", True),
-           "broadcast": ("root", False), "reduce": ("same", False),
-           "all_to_all": ("rows", True)}
-
 
 class Tensors:
     """A validated K x N tensor list and its devices.
@@ -60,12 +53,12 @@ def check_list(all_tensors, collective):
 
 
 def _rows(all_tensors, collective, roots):
-    # The K rows as lists; for a broadcast, rows other than the roots' may be None.
-    if collective != "broadcast":
+    # The K rows as lists; where only the roots' are read, the others may be None.
+    if COLLECTIVE_RULES[collective].shapes != "root":
         return all_tensors
     for r in roots:
         if not isinstance(all_tensors[r], (list, tuple)):
-            raise TypeError(f"broadcast: all_tensors[{r}] (a root tower) must be a list of "
+            raise TypeError(f"{collective}: all_tensors[{r}] (a root tower) must be a list of "
                             f"N tensors, got {type(all_tensors[r]).__name__}")
     num_vars = len(all_tensors[roots[0]])
     return [[None] * num_vars if row is None and k not in roots else row
@@ -80,8 +73,8 @@ def validate_tensors(all_tensors, devices, collective, roots=(0,)):
         tower k); for "broadcast" only the roots' rows are read and the
         others may be None.
       devices: list of K device strings, or None for the tensors' devices.
-      collective: str, one of "reduce_scatter", "all_gather", "broadcast",
-        "reduce", "all_to_all".
+      collective: str, a name in ``COLLECTIVE_RULES``, whose row says what
+        it needs of the shapes.
       roots: list of int, the root tower of each group (broadcast).
 
     Returns:
@@ -110,13 +103,14 @@ def validate_tensors(all_tensors, devices, collective, roots=(0,)):
                              f"{num_vars}: every tower lists the same N tensors")
     tensors = [[as_tensor(t, k, n, "tensor {n}", "tensor") for n, t in enumerate(row)]
                for k, row in enumerate(rows)]
-    shapes, refuse_scalar = _SHAPES[collective]
+    rule = COLLECTIVE_RULES[collective]
+    shapes, refuse_scalar = rule.shapes, rule.refuses_scalar
     present = []
     for n in range(num_vars):
-        if collective == "broadcast":
+        if shapes == "root":
             given = [r for r in roots if tensors[r][n] is not None]
             if given and len(given) != len(roots):
-                raise ValueError(f"broadcast: tensor {n} is None on root towers "
+                raise ValueError(f"{collective}: tensor {n} is None on root towers "
                                  f"{sorted(set(roots) - set(given))} but not on {given}")
             if given:
                 present.append(n)
