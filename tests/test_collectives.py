@@ -594,6 +594,16 @@ def test_across_workers_bad_choices_are_refused_before_anything_runs(collective,
             getattr(tfreduce, collective)(tensors, CPU_DEVICES[:2], cluster=cluster, **kwargs)
 
 
+def test_across_workers_a_broadcast_of_a_shape_unknown_when_built_is_refused():
+    cluster = tfreduce.Cluster({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "worker", 1)
+    with tf.Graph().as_default():
+        tensors = [[tf.compat.v1.placeholder(tf.float32, [None, 2])] for _ in range(2)]
+        with pytest.raises(ValueError, match=re.escape(
+                "broadcast: tensor 0's shape (None, 2) is not known when built; across workers "
+                "every worker passes a tensor of the root's static shape at tower 0")):
+            tfreduce.broadcast(tensors, CPU_DEVICES[:2], cluster=cluster)
+
+
 @pytest.mark.slow
 def test_two_workers_of_two_towers_equal_four_towers(tmp_path):
     from test_multiworker import launch_workers
@@ -654,3 +664,17 @@ def test_a_new_collective_is_one_row_and_its_builder(monkeypatch, algorithm):
                 "algorithm= one of ['flat', 'hierarchical', 'ring', 'collective']")):
             collectives._run("all_sum", [[tf.constant(a) for a in row] for row in arrays],
                              devices, ("nccl", None, {}), None)
+
+
+def test_a_collective_broadcast_of_a_shape_unknown_when_built_is_refused():
+    # The receivers' ops are built with the root's static shape.
+    devices = CPU_DEVICES[:2]
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.float32)], autograph=False)
+    def step(x):
+        return tfreduce.broadcast([[x], [None]], devices, algorithm="collective")
+
+    with pytest.raises(ValueError, match=re.escape(
+            "broadcast: tensor 0's shape (None, 2) is not known when built; TF's collective "
+            "broadcast needs it: use algorithm='flat'")):
+        step.get_concrete_function()

@@ -28,7 +28,7 @@ import tensorflow as tf
 
 __all__ = ["COMMUNICATIONS", "CollectiveOptions", "CollectiveKeys", "CollectiveChain",
            "check_timeout", "check_keys", "all_reduce", "all_gather", "broadcast_send",
-           "broadcast_recv", "in_function"]
+           "broadcast_recv", "check_broadcast_shape", "in_function"]
 
 #: TF's communication hints for collective ops.
 COMMUNICATIONS = ("auto", "ring", "nccl")
@@ -223,6 +223,19 @@ def broadcast_send(x, group_size, group_key, instance_key, options, name="send")
         input=x, group_size=group_size, group_key=group_key, instance_key=instance_key,
         communication_hint=options.communication, timeout_seconds=options.timeout_seconds,
         name=name)
+
+
+def check_broadcast_shape(t, m, remedy):
+    """Raises ValueError unless tensor m's shape is known when built (the receivers' ``shape``).
+
+    Args:
+      t: the root's tensor m of a collective broadcast.
+      m: int, its place in the row (for the message).
+      remedy: str, what to do instead, ending the message.
+    """
+    if not t.shape.is_fully_defined():
+        raise ValueError(f"broadcast: tensor {m}'s shape {t.shape} is not known when built; "
+                         f"{remedy}")
 
 
 def broadcast_recv(shape, dtype, group_size, group_key, instance_key, options, name="recv"):

@@ -10,7 +10,8 @@ casts back, then copies the result to the worker's other devices.
 import tensorflow as tf
 
 from tfreduce.choices import COLLECTIVES
-from tfreduce.collective import CollectiveChain, CollectiveOptions, check_keys
+from tfreduce.collective import (CollectiveChain, CollectiveOptions, check_broadcast_shape,
+                                 check_keys)
 from tfreduce.compression import Compression
 from tfreduce.contract import nbytes
 from tfreduce.devices import local_name
@@ -274,10 +275,8 @@ class CrossWorkerCollectives(Stage):
         group_key = self._across(device)
         received = []
         for m, t in enumerate(row):
-            if not t.shape.is_fully_defined():
-                raise ValueError(f"broadcast: tensor {m}'s shape {t.shape} is not known when "
-                                 f"built; across workers every worker passes a tensor of the "
-                                 f"root's static shape at tower {ctx.root}")
+            check_broadcast_shape(t, m, f"across workers every worker passes a tensor of the "
+                                        f"root's static shape at tower {ctx.root}")
             if t.shape.num_elements() == 0:
                 received.append(t)
                 continue

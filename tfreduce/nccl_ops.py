@@ -15,7 +15,8 @@ device; there is no single place where the sum exists.
 import tensorflow as tf
 from tensorflow.python.ops import nccl_ops as _tf_nccl
 
-from tfreduce.collective import CollectiveChain, CollectiveKeys, CollectiveOptions, check_keys
+from tfreduce.collective import (CollectiveChain, CollectiveKeys, CollectiveOptions,
+                                 check_broadcast_shape, check_keys)
 from tfreduce.devices import is_gpu
 from tfreduce.stage import Stage
 from tfreduce.primitives import (accumulation_dtype, concat_rows, scale_by_reciprocal,
@@ -197,10 +198,8 @@ class CollectiveStage(Stage):
         keys, group_key, chain = self._start([row], devices)
         out = [[None] * len(row) for _ in devices]  # K x M
         for m, t in enumerate(row):
-            if not t.shape.is_fully_defined():
-                raise ValueError(f"broadcast: tensor {m}'s shape {t.shape} is not known when "
-                                 f"built; TF's collective broadcast needs it: use "
-                                 f"algorithm='flat'")
+            check_broadcast_shape(t, m, "TF's collective broadcast needs it: use "
+                                        "algorithm='flat'")
             if t.shape.num_elements() == 0:
                 # TF's collective kernels crash on empty tensors: copy.
                 for k, d in enumerate(devices):
