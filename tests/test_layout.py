@@ -34,15 +34,13 @@ LAYERS = {
     "launch": 9, "preload": 9, "bench": 9,
 }
 # Same-layer imports that are part of the design: the stage contract uses the
-# primitives' one scaling; the registry names the algorithms;
+# primitives' one scaling;
 # the planner costs the registry's stages, run in the frame, with the cost
 # model, which calls the host probe, which times the collective algorithm's
 # stage; the cluster uses the failure probes; the watchdog, the straggler rule and
 # this process's progress, which keeps the straggler rule's window of step times.
 SAME_LAYER = {
     ("stage", "primitives"), ("shards", "contract"),
-    ("registry", "replicated"), ("registry", "hierarchical"), ("registry", "ring"),
-    ("registry", "nccl_ops"),
     ("cluster", "failures"), ("costmodel", "hostprobe"),
     ("hostprobe", "frame"), ("hostprobe", "nccl_ops"), ("planner", "hostprobe"),
     ("planner", "costmodel"), ("planner", "registry"), ("planner", "frame"),

@@ -2,6 +2,9 @@
 
 import collections
 import os
+import subprocess
+import sys
+import textwrap
 
 import keras
 import numpy as np
@@ -121,6 +124,37 @@ def test_a_plan_made_again_reuses_the_costed_table(monkeypatch):
     assert len(costed) == 2 * tried
     tfreduce.plan_allreduce(shapes, devices, machine(), compression="bf16", **given)
     assert len(costed) == 3 * tried
+
+@pytest.mark.slow
+def test_a_new_algorithm_is_its_module_and_one_line(tmp_path):
+    # What a user adds: a module with its Stage, and its line in
+    # choices.STAGE_CLASSES (set here before tfreduce's other modules import it).
+    (tmp_path / "toy_algorithm.py").write_text(textwrap.dedent("""
+        from tfreduce.replicated import FlatStage
+
+        class ToyStage(FlatStage):
+            name = "toy"
+    """))
+    code = textwrap.dedent("""
+        import tfreduce.choices as choices
+        choices.STAGE_CLASSES["toy"] = "toy_algorithm:ToyStage"
+        choices.ALGORITHMS += ("toy",)
+        import tensorflow as tf
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0],
+            [tf.config.LogicalDeviceConfiguration()] * 2)
+        import tfreduce
+        from tfreduce import registry
+        grads = [[tf.constant([1.0, 2.0])], [tf.constant([3.0, 4.0])]]
+        out = tfreduce.allreduce_grads(grads, ["/cpu:0", "/cpu:1"], algorithm="toy")
+        print(registry.STAGES["toy"].__name__, out[1][0].numpy().tolist())
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "ToyStage [4.0, 6.0]"
+
 
 
 def test_the_planner_costs_every_registered_algorithm(monkeypatch):

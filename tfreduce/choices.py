@@ -3,7 +3,7 @@
 Standard library only, so that ``--help`` and argument errors of the
 example, ``tfreduce-bench`` and ``tfreduce-launch`` answer at once (importing
 TensorFlow takes seconds). The modules that implement a choice import it
-from here; ``registry`` checks at import that ``ALGORITHMS`` names its stages.
+from here; ``registry`` imports the stage classes ``STAGE_CLASSES`` names.
 """
 
 import re
@@ -11,11 +11,20 @@ import re
 from tfreduce.collective_rules import COLLECTIVE_RULES
 
 __all__ = ["ALGORITHMS", "BENCH_FAMILIES", "COLLECTIVES", "DEFAULT_PACK_BYTES",
-           "GPU_ONLY_ALGORITHMS", "bench_compression"]
+           "GPU_ONLY_ALGORITHMS", "STAGE_CLASSES", "bench_compression"]
 
-#: Names ``allreduce_grads(algorithm=...)`` accepts: "auto" and one per Stage
-#: class (``registry.STAGES``, in the same order).
-ALGORITHMS = ("auto", "flat", "hierarchical", "ring", "nccl", "collective")
+#: The algorithms: each name's ``stage.Stage`` class as "module:Class", which
+#: ``registry.STAGES`` imports. A new algorithm is its module and a line here.
+STAGE_CLASSES = {
+    "flat": "tfreduce.replicated:FlatStage",
+    "hierarchical": "tfreduce.hierarchical:HierarchicalStage",
+    "ring": "tfreduce.ring:RingStage",
+    "nccl": "tfreduce.nccl_ops:NcclStage",
+    "collective": "tfreduce.nccl_ops:CollectiveStage",
+}
+
+#: Names ``allreduce_grads(algorithm=...)`` accepts: "auto" and one per stage.
+ALGORITHMS = ("auto",) + tuple(STAGE_CLASSES)
 
 #: The collectives besides all-reduce (``tfreduce.collectives``; all-reduce
 #: is ``tfreduce.allreduce_grads``): one per row of ``COLLECTIVE_RULES``.

@@ -23,6 +23,7 @@ from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
 from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import values as tf_values
 
+from tfreduce.collective_rules import builds
 from tfreduce.collectives import all_gather
 from tfreduce.reduction import as_reduction
 from tfreduce.registry import STAGES
@@ -132,7 +133,7 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
         rank = per_replica_value.values[0].shape.rank
         algorithm = self.reduction.algorithm
         if (not _on_distinct_devices(per_replica_value) or rank is None
-                or (algorithm != "auto" and "all_gather" not in STAGES[algorithm].collectives)):
+                or (algorithm != "auto" and not builds(STAGES[algorithm], "all_gather"))):
             # Values that share a device, an unknown rank, or NCCL (no
             # all-gather op): gathered on one device, as TF's own ops do.
             return self._one_device._gather_implementation(  # pylint: disable=protected-access

@@ -1,30 +1,33 @@
 """The algorithm registry: name -> Stage class, the options each takes, the default rule.
 
 Every algorithm is a ``stage.Stage``; ``STAGES`` registers each once, by
-name. The options an algorithm takes are its stage's constructor arguments
+name, importing the class ``choices.STAGE_CLASSES`` names (the command
+lines read the names there before TensorFlow is imported). The options an algorithm takes are its stage's constructor arguments
 (``stage_options``), so no table repeats a signature; ``tfreduce.Reduction``
 adds the frame's options, which every algorithm takes.
 """
 
+import importlib
 import inspect
 
-from tfreduce.choices import ALGORITHMS
+from tfreduce.choices import ALGORITHMS, STAGE_CLASSES
 from tfreduce.devices import is_gpu
-from tfreduce.hierarchical import HierarchicalStage
-from tfreduce.nccl_ops import CollectiveStage, NcclStage
-from tfreduce.replicated import FlatStage
-from tfreduce.ring import RingStage
 
 __all__ = ["ALGORITHMS", "STAGES", "choose_algorithm", "make_stage", "stage_options"]
 
-#: Algorithm name -> its Stage class.
-STAGES = {stage.name: stage for stage in (FlatStage, HierarchicalStage, RingStage, NcclStage,
-                                          CollectiveStage)}
 
-# ALGORITHMS, the names ``allreduce_grads(algorithm=...)`` accepts, is
-# spelled out in choices (the command lines need it before TensorFlow).
-if ALGORITHMS != ("auto",) + tuple(STAGES):
-    raise ImportError(f"choices.ALGORITHMS {ALGORITHMS} does not list the stages {tuple(STAGES)}")
+def _stage_class(name, path):
+    """The Stage class "module:Class" names; ImportError unless its ``name`` is `name`."""
+    module, attribute = path.split(":")
+    cls = getattr(importlib.import_module(module), attribute)
+    if cls.name != name:
+        raise ImportError(f"choices.STAGE_CLASSES[{name!r}] is {path}, whose name is "
+                          f"{cls.name!r}")
+    return cls
+
+
+#: Algorithm name -> its Stage class, in the order of ``ALGORITHMS``.
+STAGES = {name: _stage_class(name, path) for name, path in STAGE_CLASSES.items()}
 
 def choose_algorithm(devices):
     """The algorithm ``"auto"`` picks for these (canonical) devices.
