@@ -34,7 +34,7 @@ LAYERS = {
     "launch": 9, "preload": 9, "bench": 9,
 }
 # Same-layer imports that are part of the design: the stage contract uses the
-# primitives' one scaling;
+# primitives' one scaling; the commands' choices name the collectives' rules;
 # the planner costs the registry's stages, run in the frame, with the cost
 # model, which calls the host probe, which times the collective algorithm's
 # stage; the cluster uses the failure probes; the watchdog, the straggler rule and

@@ -8,6 +8,9 @@ import pickle
 import pydoc
 import re
 import signal
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import keras
@@ -443,3 +446,32 @@ def test_the_multi_worker_reduction_takes_a_reduction():
                                             r"options, not both: .* options \['compression'\]"):
             allreduce_grads_multiworker(grads, GPU_DEVICES[:2], cluster=cluster,
                                         reduction=reduction, compression="bf16")
+
+
+@pytest.mark.slow
+def test_the_doors_load_the_cost_model_only_to_plan():
+    # The planner imports the cost model and the host probe: a reduction
+    # that is not planned (no topology=) loads neither.
+    code = textwrap.dedent("""
+        import sys
+        import tensorflow as tf
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0],
+            [tf.config.LogicalDeviceConfiguration()] * 2)
+        import tfreduce
+        devices = ["/cpu:0", "/cpu:1"]
+        grads = [[tf.constant([1.0, 2.0])], [tf.constant([3.0, 4.0])]]
+        tfreduce.allreduce_grads(grads, devices, algorithm="ring")
+        tfreduce.reduce_scatter(grads, devices)
+        planned = tfreduce.Reduction(topology="dgx-a100")  # checked, not yet planned
+        loaded = lambda: sorted(m for m in ("tfreduce.costmodel", "tfreduce.planner",
+                                            "tfreduce.hostprobe") if m in sys.modules)
+        print(loaded())
+        planned.plan([[4]], ["/gpu:0", "/gpu:1"])
+        print(loaded())
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-2:] == [
+        "[]", "['tfreduce.costmodel', 'tfreduce.hostprobe', 'tfreduce.planner']"]

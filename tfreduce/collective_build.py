@@ -11,7 +11,6 @@ import tensorflow as tf
 
 from tfreduce.collective_rules import COLLECTIVE_RULES, builds
 from tfreduce.contract import dense_shape, values_of
-from tfreduce.costmodel import predict
 from tfreduce.primitives import scale_by_reciprocal, split_rows
 from tfreduce.registry import STAGES, make_stage
 from tfreduce.shards import Tensors
@@ -254,6 +253,7 @@ def _fastest(collective, topology, specs, ctx, splits):
     # Every registered algorithm that builds it and binds on these devices
     # (NCCL refuses devices that are not GPUs), built in one scratch graph
     # and costed.
+    from tfreduce.costmodel import predict  # only to plan: the doors need it not
     stages = {}
     for name, cls in STAGES.items():
         if builds(cls, collective):

@@ -33,7 +33,6 @@ from tfreduce.devices import normalize_devices
 from tfreduce.frame import run_stages
 from tfreduce.localcluster import LocalCluster
 from tfreduce.packing import check_pack_bytes
-from tfreduce.planner import plan_for, plan_shapes
 from tfreduce.registry import STAGES, choose_algorithm, make_stage, stage_options
 from tfreduce.topology import Topology, check_topology
 
@@ -352,6 +351,7 @@ class Reduction:
         if not shapes:
             raise ValueError("plan: give the shapes of at least one gradient")
         specs = [(list(s), tf.as_dtype(dtype)) for s in shapes]
+        from tfreduce.planner import plan_shapes  # the cost model, only to plan
         return plan_shapes(specs, normalize_devices(devices), self.topology, average, self)
 
     def _local_stage(self, grads, average):
@@ -374,6 +374,12 @@ class Reduction:
     def _across_workers_message(self):
         return (f"topology={self.topology!r}: a plan is for the devices of one process; across "
                 f"workers pass its choice, tfreduce.plan_allreduce(...).reduction")
+
+
+def plan_for(grads, topology, average, reduction):
+    """``planner.plan_for``, imported at the first plan: a door loads the cost model only then."""
+    from tfreduce.planner import plan_for as plan
+    return plan(grads, topology, average, reduction)
 
 
 def as_reduction(algorithm="auto", reduction=None, options=None):
