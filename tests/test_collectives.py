@@ -594,6 +594,25 @@ def test_across_workers_bad_choices_are_refused_before_anything_runs(collective,
             getattr(tfreduce, collective)(tensors, CPU_DEVICES[:2], cluster=cluster, **kwargs)
 
 
+def test_across_workers_a_new_collective_is_built_from_what_it_needs(monkeypatch):
+    # The toy of the recipe across workers: each worker's stage sums its
+    # towers (the reduce-scatter's local step), the cross-worker ops do the rest.
+    monkeypatch.setitem(COLLECTIVE_RULES, "all_sum", CollectiveRule(
+        "same", True, sums=True, needs=("reduce_scatter", "all_gather")))
+    monkeypatch.setitem(BUILDERS, "all_sum", _build_all_sum)
+    cluster = tfreduce.Cluster({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "worker", 1)
+    with tf.Graph().as_default() as graph:
+        tensors = placeholders(CPU_DEVICES[:2], [(4, 2)])
+        out = collectives._run("all_sum", tensors, CPU_DEVICES[:2], ("ring", None, {}), None,
+                               cluster=cluster)
+        kinds = {op.type for op in graph.get_operations()}
+    # The all-gather's rows come from other workers too: not known when built.
+    assert [[t.shape.as_list() for t in row] for row in out] == [[[None, 2]], [[None, 2]]]
+    assert [row[0].device for row in out] == [f"/job:worker/replica:0/task:1/device:CPU:{k}"
+                                              for k in range(2)]
+    assert {"CollectiveReduceV2", "CollectiveGatherV2"} <= kinds, kinds
+
+
 def test_across_workers_a_broadcast_of_a_shape_unknown_when_built_is_refused():
     cluster = tfreduce.Cluster({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "worker", 1)
     with tf.Graph().as_default():

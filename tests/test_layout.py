@@ -245,3 +245,11 @@ def test_the_architecture_page_gives_every_module_its_layer():
         for name in re.findall(r"`([a-z_]+)(?:\.py|/)`", modules):
             documented[name] = int(layer)
     assert documented == LAYERS
+
+
+def test_the_registered_algorithms_sit_below_the_registry():
+    # registry.STAGES imports the classes choices.STAGE_CLASSES names.
+    from tfreduce.choices import STAGE_CLASSES
+    for name, path in STAGE_CLASSES.items():
+        module = path.split(":")[0].split(".")[1]
+        assert LAYERS[module] <= LAYERS["registry"], (name, path)

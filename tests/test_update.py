@@ -100,6 +100,20 @@ def test_accumulation_state_is_checkpointed_and_restored(tmp_path):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
+def test_a_restore_that_fails_leaves_the_accumulated_gradients(tmp_path):
+    x, y = data(16)
+    trainer = ReplicatedTrainer(mlp, LOSS, sgd, devices=CPU_DEVICES[:2], accumulate_steps=3)
+    trainer.train_step(x[:8], y[:8])  # mid-cycle: one micro-batch summed
+    sums = [[v.numpy() for v in kinds["accumulation"]] for kinds in trainer.state_variables()]
+    assert any(np.any(s) for row in sums for s in row)
+    with pytest.raises(FileNotFoundError):
+        trainer.restore(str(tmp_path / "nothing"))
+    after = [[v.numpy() for v in kinds["accumulation"]] for kinds in trainer.state_variables()]
+    for row, kept in zip(sums, after):
+        for s, k in zip(row, kept):
+            np.testing.assert_array_equal(s, k)
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"accumulate_steps": 0}, ValueError,
      "accumulate_steps must be >= 1 (1: an update every step), got 0"),

@@ -362,11 +362,16 @@ def _stages(collective, reduction, tensors, groups, across, root, average, split
         raise ValueError(f"{collective}: topology={reduction.topology!r} plans for the devices "
                          f"of one process; across workers name the algorithm")
     options, keys = cross_worker_options(across, "auto", None, None)
-    step = COLLECTIVE_RULES[collective].local_step
-    # Checked even where no local stage runs (compression, an algorithm
-    # without the collective), so that every worker refuses alike.
-    local = reduction.collective_stage(step or collective, tensors.devices)
-    return [CrossWorkerCollectives(across, local if step else None, options, keys, root=root)]
+    # What the local stage builds: the collective's own local step, or those
+    # of the collectives it is composed of. Checked even where no local
+    # stage runs (compression, an algorithm without the collective), so
+    # that every worker refuses alike.
+    rule = COLLECTIVE_RULES[collective]
+    steps = sorted({COLLECTIVE_RULES[name].local_step for name in rule.needs or (collective,)}
+                   - {None})
+    for step in steps or [collective]:
+        local = reduction.collective_stage(step, tensors.devices)
+    return [CrossWorkerCollectives(across, local if steps else None, options, keys, root=root)]
 
 
 def _plan(collective, reduction, tensors, group, root, average, splits):

@@ -33,14 +33,11 @@ def cross_worker_options(cluster, communication, timeout, keys):
     """(CollectiveOptions, CollectiveKeys) of cross-worker collectives; None: the cluster's.
 
     A timeout given here is set on each op (a thread per op execution, see
-    ``Cluster.op_timeout``). NCCL's ops keep the cluster's on each op: its
-    kernels and proxy thread spin while they wait, so the process is never
-    idle and the watchdog's long-wait rule could not see the wait."""
+    ``Cluster.op_timeout``); None leaves the bound to the watchdog."""
     options = CollectiveOptions(communication, timeout,
                                 none_means=f"the cluster's {cluster.timeout:g}s")
     check_keys(keys, none_means="the cluster's")
-    bound = cluster.timeout if communication == "nccl" else cluster.op_timeout
-    return options.with_timeout(bound), cluster.keys if keys is None else keys
+    return options.with_timeout(cluster.op_timeout), cluster.keys if keys is None else keys
 
 
 class CrossWorkerStage(Stage):

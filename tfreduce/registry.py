@@ -2,9 +2,10 @@
 
 Every algorithm is a ``stage.Stage``; ``STAGES`` registers each once, by
 name, importing the class ``choices.STAGE_CLASSES`` names (the command
-lines read the names there before TensorFlow is imported). The options an algorithm takes are its stage's constructor arguments
-(``stage_options``), so no table repeats a signature; ``tfreduce.Reduction``
-adds the frame's options, which every algorithm takes.
+lines read the names there before TensorFlow is imported). The options an
+algorithm takes are its stage's constructor arguments (``stage_options``),
+so no table repeats a signature; ``tfreduce.Reduction`` adds the frame's
+options, which every algorithm takes.
 """
 
 import importlib
@@ -28,6 +29,7 @@ def _stage_class(name, path):
 
 #: Algorithm name -> its Stage class, in the order of ``ALGORITHMS``.
 STAGES = {name: _stage_class(name, path) for name, path in STAGE_CLASSES.items()}
+
 
 def choose_algorithm(devices):
     """The algorithm ``"auto"`` picks for these (canonical) devices.

@@ -33,7 +33,7 @@ every peer is: different programs, e.g. other models or collectives in
 another order). A wait is what ``progress`` tells (training steps, fit
 batches, eager collectives, a custom loop's steps in ``progress.timed``),
 or else the main thread's current TensorFlow call (a custom loop's
-``tf.function`` step), but never ``join()``.
+``tf.function`` step, unless every peer has ended), but never ``join()``.
 
 A process that exits cleanly says goodbye first, so a peer that finished
 is never taken for a frozen one; a process that an uncaught exception ends
@@ -279,12 +279,12 @@ class Watchdog(threading.Thread):
     def _end_long_wait(self, now):
         """Ends a wait this worker has spent the cluster's timeout in, idle (DeadlineExceededError).
 
-        One thread bounds every wait, where TF's per-op timeout would hold a
-        thread per op execution (``Cluster.op_timeout``). Only unbroken idle
-        seconds count (``IdleClock``): a first step may trace for minutes.
-        Once every peer has said goodbye, what is left is this worker's own."""
+        One thread bounds every wait, not a thread per op execution (``Cluster.op_timeout``).
+        Only unbroken idle seconds count (``IdleClock``): a first step may trace for minutes.
+        Once every peer has said goodbye, an untold TensorFlow call is this
+        worker's own work; a told step or collective can no longer finish."""
         idle = self._clock.tick(now, time.process_time(), _current_wait())
-        if idle <= self.cluster.timeout or not set(self._peers) - self._gone:
+        if idle <= self.cluster.timeout or not (progress.doing or set(self._peers) - self._gone):
             return
         self._abort(f"{self.cluster.describe(self.cluster.rank)}: waited {idle:.0f} s, "
                     f"idle, in {self._clock.wait[1]}: the collectives' timeout "
@@ -301,7 +301,7 @@ class Watchdog(threading.Thread):
         if behind:
             parts.append(named(behind, "has", "have") + " not come to it (alive, but stuck "
                          "or much slower)")
-        unheard = sorted(set(self._peers) - set(self._heard))
+        unheard = sorted(set(self._peers) - set(self._heard) - self._gone)
         if unheard:
             parts.append(named(unheard, "has", "have") + " sent no heartbeat (not started, "
                          "or UDP between the hosts is blocked)")

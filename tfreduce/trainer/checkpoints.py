@@ -78,6 +78,11 @@ class TrainerCheckpoint:
         self._variables = (list(model.variables) + optimizer_state.variables_held() + pieces
                            + own + [step, epoch_totals])
 
+    def _restart_own_state(self):
+        """The towers' own state from its start; a restore then reads the checkpoint's, if kept."""
+        if self._tower_state is not None:
+            self._tower_state.reset()
+
     def save(self, path):
         """Writes checkpoint `ckpt-<n>` under `path` with a fresh n; returns its prefix.
 
@@ -151,6 +156,7 @@ class TrainerCheckpoint:
             layout and this run shards its optimizer state.
         """
         if not prefix:
+            self._restart_own_state()  # rank 0's alone is in the checkpoint
             return
         reader = tf.train.load_checkpoint(prefix)
         names = reader.get_variable_to_shape_map()
@@ -174,9 +180,10 @@ class TrainerCheckpoint:
         dropped = bool(self._own_parts) and not same_layout
         if dropped:
             _check_cycle_boundary(reader, names, prefix, saved)
-            self._tower_state.reset()
         else:
             parts.update(self._own_parts)
+        # After the checks: a restore that refuses the checkpoint changes nothing.
+        self._restart_own_state()
         try:
             status = tf.train.Checkpoint(**parts).restore(prefix)
             status.assert_existing_objects_matched()

@@ -419,10 +419,6 @@ class ReplicatedTrainer(Inspection):
           ValueError: every checkpoint at path is damaged (each named), or it
             does not match this trainer's model.
         """
-        if self._steps is not None:
-            # The tower state restarts, then takes the checkpoint's (in a
-            # cluster rank 0's alone is in it: the others keep the restart).
-            self._steps.reset_state()
         # The other ranks ("") receive rank 0's values with the broadcast.
         prefix = find_prefix(path) if self.is_chief else ""
         if self._steps is None:

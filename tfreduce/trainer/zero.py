@@ -87,7 +87,7 @@ def check_zero_across(zero_stage, cluster, compression):
 
     The cross-worker reduce-scatter moves the gradients in their own dtype.
     """
-    if zero_stage and cluster.num_workers > 1 and compression.compresses:
+    if zero_stage and not cluster.is_local and compression.compresses:
         raise ValueError(
             f"zero_stage={zero_stage} with compression={compression.name!r} across workers: "
             f"the reduce-scatter across workers moves the gradients in their own dtype; drop "
@@ -279,7 +279,7 @@ class ZeroState:
     def optimizer_state(self, optimizers, trainable, cluster):
         """The checkpoint's OptimizerState: every tower's pieces (across workers: gathered)."""
         return OptimizerState(optimizers, self.pieces, self.layout.pieces, trainable[0],
-                              across=cluster.num_workers > 1)
+                              across=not cluster.is_local)
 
     def whole_optimizer(self, optimizers):
         """None: no checkpoint stored a sharded optimizer whole."""
