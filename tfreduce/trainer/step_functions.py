@@ -86,10 +86,6 @@ class StepFunctions:
         """Bytes of state per tower and kind (towers.state_bytes)."""
         return state_bytes(self._towers, self._state)
 
-    def reset_state(self):
-        """Restarts the per-tower state: no accumulated gradients, PowerSGD from its seed."""
-        self._state.reset()
-
     def train(self, x, y, batch, stop=False):
         """Runs StepGraph.train on this worker's part x, y of a global batch of int size `batch`.
 
