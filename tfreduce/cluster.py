@@ -110,9 +110,7 @@ class Cluster:
         return list(tensors)
 
     def agreed(self, summed, here):
-        """Whether the workers act on a flag: its sum over them in the last collective is > 0.
-
-        A flag raised `here` since then is counted in the next collective."""
+        """True if a flag summed over the workers in the last collective is > 0 (`here`: next)."""
         del here
         return summed > 0
 
@@ -134,11 +132,7 @@ class Cluster:
           timeout: float seconds, see the class.
           stall_seconds: float seconds or None, see the class.
 
-        Returns:
-          Cluster.
-
-        Raises:
-          ValueError, TypeError: see ``parse_tf_config``.
+        Returns Cluster; raises ValueError, TypeError as ``parse_tf_config``.
         """
         spec, task_type, task_index = parse_tf_config(tf_config)
         return cls(spec, task_type, task_index, timeout=timeout, stall_seconds=stall_seconds)
@@ -416,9 +410,14 @@ class Cluster:
         time.sleep(linger)
 
     def unreachable_workers(self, probe_timeout=5.0):
-        """int ranks of the other tasks that do not answer within probe_timeout seconds now.
+        """The other tasks that do not answer now (probed as ``failures.unreachable_workers`` says).
 
-        Probed as ``failures.unreachable_workers`` says."""
+        Args:
+          probe_timeout: float seconds to wait for each peer.
+
+        Returns:
+          list of int ranks.
+        """
         return unreachable_workers(self, probe_timeout, eager=self._mode == "eager")
 
     @contextlib.contextmanager
