@@ -47,7 +47,7 @@ def sharding_for(zero_stage, trainable, devices, total_towers, first_tower):
       first_tower: int, this worker's tower 0 among the T.
     """
     if zero_stage == 0:
-        return ReplicatedState(trainable, devices)
+        return ReplicatedState(trainable)
     return ZeroState(zero_stage, trainable, devices, total_towers, first_tower)
 
 
@@ -60,14 +60,10 @@ class ReplicatedState:
 
     Args:
       trainable: K x N list of the towers' trainable variables.
-      devices: list of K canonical device names.
     """
 
-    stage = 0
-
-    def __init__(self, trainable, devices):
+    def __init__(self, trainable):
         self.trainable = trainable
-        self.devices = devices
 
     def targets(self, k):
         """The variables tower k's optimizer updates: all of its trainable ones."""
