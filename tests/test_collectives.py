@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import tfreduce
 from tfreduce import collectives
-from tfreduce.collective_build import BUILDERS
+from tfreduce.collective_build import BUILDERS, collective_stage
 from tfreduce.collective_rules import COLLECTIVE_RULES, CollectiveRule
 from helpers import CPU_DEVICES, GPU_DEVICES, RUNNERS, covering, placeholders, run_in_function
 
@@ -555,7 +555,7 @@ def consts(*shapes, dtype=tf.float32):
      r"all_gather: compression='fp16' applies to the sums \(all-reduce, reduce_scatter, "
      r"reduce\); all_gather moves the tensors in "
      r"their own dtype"),
-    (lambda: tfreduce.Reduction(topology="dgx-a100").collective_stage("reduce", CPU_DEVICES[:2]),
+    (lambda: collective_stage(tfreduce.Reduction(topology="dgx-a100"), "reduce", CPU_DEVICES[:2]),
      r"reduce: topology= is planned per call on the tensors' shapes"),
 ])
 def test_bad_input_names_the_tower_the_tensor_and_the_values(call_, message):

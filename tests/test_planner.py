@@ -38,8 +38,9 @@ def scopes(graph):
 
 
 def spy_on_plans(monkeypatch):
-    """The plans the dispatcher makes, recorded as it makes them."""
+    """The plans the dispatcher makes, recorded as it makes them, from no kept plan."""
     plans = []
+    planner.forget_plans()
 
     def recording(*args):
         plans.append(planner.plan_for(*args))

@@ -92,7 +92,7 @@ def test_a_copied_or_pickled_reduction_equals_the_original_and_hashes_alike(how)
     # Once, Compressor compared by identity: a deep copy or an unpickled
     # Reduction("ring", compression="fp16") was no longer equal to it.
     used = tfreduce.Reduction(topology=tfreduce.Topology.fully_connected(4, 1e9, 0.0))
-    with tf.Graph().as_default():  # planned once: a plan cached in the value
+    with tf.Graph().as_default():  # planned once: the planner keeps the plan
         used(placeholders(CPU_DEVICES[:4], [(64,)]), CPU_DEVICES[:4])
     keys = tfreduce.CollectiveKeys()
     values = [tfreduce.Reduction("ring", compression="fp16"), tfreduce.Compression.bf16,
@@ -277,6 +277,10 @@ def test_a_topology_plans_once_per_layout_and_the_plan_holds_a_reduction(monkeyp
         with tf.Graph().as_default():
             reduction(placeholders(devices, [shape]), devices)
     assert len(plans) == 2  # the second call with the first shape reuses its plan
+    with tf.Graph().as_default():  # a Reduction is a value: an equal one has the same plans
+        tfreduce.Reduction(topology=bandwidth_bound, compression="bf16")(
+            placeholders(devices, [(2**16,)]), devices)
+    assert len(plans) == 2
     plan = plans[0]
     chosen = plan.reduction
     assert isinstance(chosen, tfreduce.Reduction) and chosen.topology is None

@@ -12,7 +12,7 @@ import tensorflow as tf
 from tfreduce.collective_rules import COLLECTIVE_RULES, builds
 from tfreduce.contract import dense_shape, values_of
 from tfreduce.primitives import scale_by_reciprocal, split_rows
-from tfreduce.registry import STAGES, make_stage
+from tfreduce.registry import STAGES, choose_algorithm, make_stage
 from tfreduce.shards import Tensors
 from tfreduce.stage import ReduceContext
 
@@ -211,6 +211,49 @@ def _decompress(rows, collective, tensors, group, root, wire, restore):
     return out[0] if on_root else out
 
 
+def collective_stage(reduction, collective, devices, planned=None):
+    """The stage that builds one of the other collectives on one group's devices.
+
+    The reduction's named algorithm; for "auto" the registry's rule
+    (``choose_algorithm``), or "ring" where that algorithm lacks the
+    collective (NCCL's reduce-scatter, all-gather and all-to-all); with a
+    topology, the algorithm the door planned (``plan_algorithm``). The
+    collectives move each tensor as it is: ``pack_bytes`` and
+    ``sparse_as_dense`` apply to all-reduce only.
+
+    Args:
+      reduction: the tfreduce.Reduction the door was given or made.
+      collective: str, a name in ``tfreduce.COLLECTIVES``.
+      devices: list of the group's canonical device names.
+      planned: str, the algorithm a plan chose for "auto" with a
+        topology, or None.
+
+    Returns:
+      stage.Stage, bound to the devices.
+
+    Raises:
+      ValueError: compression (the doors of the sums take it off before
+        choosing a stage); a topology without a plan; an algorithm that does not build this collective (naming
+        those that do); devices the algorithm cannot use.
+    """
+    if reduction.compression.compresses:
+        raise ValueError(f"{collective}: compression={reduction.compression.name!r} applies to "
+                         f"the sums (all-reduce, reduce_scatter, reduce); {collective} "
+                         f"moves the tensors in their own dtype")
+    if reduction.topology is not None and planned is None:
+        raise ValueError(f"{collective}: topology= is planned per call on the tensors' "
+                         f"shapes: call tfreduce.{collective}(..., reduction=...)")
+    stage = reduction.stage
+    if stage is None:
+        name = planned or choose_algorithm(devices)
+        stage = make_stage(name if builds(STAGES[name], collective) else "ring", {})
+    if not builds(stage, collective):
+        able = [name for name, cls in STAGES.items() if builds(cls, collective)]
+        raise ValueError(f"algorithm {stage.name!r} does not build {collective} (TF has no "
+                         f"such {stage.name} op); use algorithm= one of {able}")
+    return stage.bind(devices)
+
+
 def plan_algorithm(collective, reduction, tensors, group, ctx, splits=None):
     """The algorithm the cost model predicts fastest for one group's collective.
 
@@ -245,7 +288,8 @@ def plan_algorithm(collective, reduction, tensors, group, ctx, splits=None):
             row.append((tuple(shape.as_list()), values_of(tensors.tensors[i][n]).dtype))
         specs.append(row)
     key = (collective, tuple(ctx.devices), ctx.root, ctx.average, str(specs), str(splits))
-    return reduction.planned(key, lambda: _fastest(collective, reduction.topology, specs, ctx,
+    from tfreduce.planner import planned  # only to plan: the doors need it not
+    return planned(reduction, key, lambda: _fastest(collective, reduction.topology, specs, ctx,
                                                    splits))
 
 

@@ -63,7 +63,8 @@ from tfreduce.choices import COLLECTIVES
 from tfreduce.collective_rules import COLLECTIVE_RULES
 from tfreduce.cluster import Cluster
 from tfreduce.collective import in_function
-from tfreduce.collective_build import build_wire_group, plan_algorithm, result_dtypes
+from tfreduce.collective_build import (build_wire_group, collective_stage, plan_algorithm,
+                                       result_dtypes)
 from tfreduce.compression import Compression
 from tfreduce.contract import check_flag, values_of
 from tfreduce.crossworker import CrossWorkerCollectives, cross_worker_options
@@ -347,8 +348,8 @@ def _stages(collective, reduction, tensors, groups, across, root, average, split
         stages = []
         for g in groups:
             try:
-                stages.append(reduction.collective_stage(
-                    collective, [tensors.devices[i] for i in g],
+                stages.append(collective_stage(
+                    reduction, collective, [tensors.devices[i] for i in g],
                     _plan(collective, reduction, tensors, g, root, average, splits)))
             except (TypeError, ValueError) as error:
                 if reduction.groups is None or len(groups) == 1:
@@ -370,7 +371,7 @@ def _stages(collective, reduction, tensors, groups, across, root, average, split
     steps = sorted({COLLECTIVE_RULES[name].local_step for name in rule.needs or (collective,)}
                    - {None})
     for step in steps or [collective]:
-        local = reduction.collective_stage(step, tensors.devices)
+        local = collective_stage(reduction, step, tensors.devices)
     return [CrossWorkerCollectives(across, local if steps else None, options, keys, root=root)]
 
 

@@ -9,6 +9,7 @@ table, so the choice can be read and checked (``plan_allreduce``,
 with ``plan_for`` on the gradients it is given.
 """
 
+import collections
 import copy
 import dataclasses
 import functools
@@ -21,10 +22,14 @@ from tfreduce.frame import run_stages
 from tfreduce.hostprobe import resolve_topology
 from tfreduce.registry import STAGES, make_stage
 
-__all__ = ["Plan", "plan_for", "plan_shapes", "PACK_SIZES"]
+__all__ = ["Plan", "plan_for", "plan_shapes", "planned", "forget_plans", "PACK_SIZES"]
 
 #: The pack sizes tried: none, 64 KiB (the default), 1 MiB, 4 MiB.
 PACK_SIZES = (None, 64 * 2**10, 2**20, 4 * 2**20)
+
+#: The plans made so far, by (Reduction, layout), the most recent last.
+_PLANS = collections.OrderedDict()
+_PLANS_KEPT = 256
 
 
 class Plan:
@@ -92,6 +97,37 @@ def candidates(devices, pack_sizes=PACK_SIZES):
 
 # Planning is plain Python over a scratch graph: when a reduction is built
 # inside a tf.function, autograph calls it as it is, never converted.
+def planned(reduction, key, make):
+    """A plan made once per reduction and layout: ``make()`` the first time, kept after.
+
+    A ``Reduction`` is a value, so equal Reductions share their plans; the
+    256 most recently used are kept. With ``topology="host"`` this is also
+    what keeps the probe to once per layout.
+
+    Args:
+      reduction: the tfreduce.Reduction planned for (hashable).
+      key: hashable, what the plan depends on besides the reduction
+        (collective, devices, shapes and dtypes, average).
+      make: callable returning the plan.
+
+    Returns:
+      the plan ``make`` returned for this reduction and key.
+    """
+    whole = (reduction, key)
+    if whole in _PLANS:
+        _PLANS.move_to_end(whole)
+    else:
+        _PLANS[whole] = make()
+        if len(_PLANS) > _PLANS_KEPT:
+            _PLANS.popitem(last=False)
+    return _PLANS[whole]
+
+
+def forget_plans():
+    """Drops every kept plan: the next call plans again (and probes a "host" topology again)."""
+    _PLANS.clear()
+
+
 @tf.autograph.experimental.do_not_convert
 def plan_for(grads, topology, average, reduction):
     """The plan for validated gradients: what "auto" with a topology builds.

@@ -13,8 +13,10 @@ Called on K x N gradients it builds the all-reduce (the K x N contract is in
 input once, runs the algorithm's stage (followed, across workers, by the
 cross-worker stage) and unpacks once. "auto" becomes an algorithm when the
 devices are known: the registry's rule, or with a topology the cost model's
-plan for the gradients' shapes, made on first use and kept for later calls
-with the same shapes.
+plan for the gradients' shapes, made on first use and kept by the planner
+(``planner.planned``) for later calls with the same shapes. The stage of the
+other collectives is chosen where they are built
+(``collective_build.collective_stage``).
 """
 
 import dataclasses
@@ -25,7 +27,6 @@ import tensorflow as tf
 from tfreduce.choices import ALGORITHMS, DEFAULT_PACK_BYTES
 from tfreduce.cluster import Cluster
 from tfreduce.collective import CollectiveKeys
-from tfreduce.collective_rules import builds
 from tfreduce.compression import Compression, Compressor, as_compressor
 from tfreduce.contract import check_flag, dense_shape, validate_grads, values_of
 from tfreduce.crossworker import CROSS_WORKER_PACK_BYTES, CrossWorkerStage, cross_worker_options
@@ -33,7 +34,7 @@ from tfreduce.devices import normalize_devices
 from tfreduce.frame import run_stages
 from tfreduce.localcluster import LocalCluster
 from tfreduce.packing import check_pack_bytes
-from tfreduce.registry import STAGES, choose_algorithm, make_stage, stage_options
+from tfreduce.registry import choose_algorithm, make_stage, stage_options
 from tfreduce.topology import Topology, check_topology
 
 __all__ = ["Reduction", "as_reduction", "FRAME_OPTIONS"]
@@ -114,8 +115,6 @@ class Reduction:
     topology: Topology | str | None = None
     # The named algorithm's stage, made (and so its options checked) once.
     _stage: object = dataclasses.field(default=None, init=False, compare=False)
-    # Plans of "auto" with a topology, by devices, gradient layout and average.
-    _plans: dict = dataclasses.field(default_factory=dict, init=False, compare=False)
 
     def __post_init__(self):
         # The one check of the communication choice.
@@ -154,6 +153,11 @@ class Reduction:
 
     def __repr__(self):
         return f"tfreduce.Reduction({self._arguments(repr)})"
+
+    @property
+    def stage(self):
+        """The named algorithm's ``stage.Stage``, unbound, made once; None for "auto"."""
+        return self._stage
 
     def describe(self):
         """The choice as text that is the same in every process that makes it.
@@ -266,62 +270,6 @@ class Reduction:
         stage = self._stage or make_stage(choose_algorithm(devices), {})
         stage.bind(normalize_devices(devices))
 
-    def collective_stage(self, collective, devices, planned=None):
-        """The stage that builds one of the other collectives on one group's devices.
-
-        "auto" takes the registry's rule (``choose_algorithm``), or "ring"
-        where that algorithm lacks the collective (NCCL's reduce-scatter,
-        all-gather and all-to-all); with a topology, the algorithm the
-        door planned (``collective_build.plan_algorithm``). The collectives
-        move each tensor as it is: ``pack_bytes`` and ``sparse_as_dense``
-        apply to all-reduce only.
-
-        Args:
-          collective: str, a name in ``tfreduce.COLLECTIVES``.
-          devices: list of the group's canonical device names.
-          planned: str, the algorithm a plan chose for "auto" with a
-            topology, or None.
-
-        Returns:
-          stage.Stage, bound to the devices.
-
-        Raises:
-          ValueError: compression (the doors of the sums take it off before
-            choosing a stage); a topology without
-            a plan; an algorithm that does not build this collective (naming
-            those that do); devices the algorithm cannot use.
-        """
-        if self.compression.compresses:
-            raise ValueError(f"{collective}: compression={self.compression.name!r} applies to "
-                             f"the sums (all-reduce, reduce_scatter, reduce); {collective} "
-                             f"moves the tensors in their own dtype")
-        if self.topology is not None and planned is None:
-            raise ValueError(f"{collective}: topology= is planned per call on the tensors' "
-                             f"shapes: call tfreduce.{collective}(..., reduction=...)")
-        stage = self._stage
-        if stage is None:
-            name = planned or choose_algorithm(devices)
-            stage = make_stage(name if builds(STAGES[name], collective) else "ring", {})
-        if not builds(stage, collective):
-            able = [name for name, cls in STAGES.items() if builds(cls, collective)]
-            raise ValueError(f"algorithm {stage.name!r} does not build {collective} (TF has no "
-                             f"such {stage.name} op); use algorithm= one of {able}")
-        return stage.bind(devices)
-
-    def planned(self, key, make):
-        """A plan made once per key for this reduction: ``make()`` the first time.
-
-        Args:
-          key: hashable, what the plan depends on (collective, devices, shapes).
-          make: callable returning the plan.
-
-        Returns:
-          the plan.
-        """
-        if key not in self._plans:
-            self._plans[key] = make()
-        return self._plans[key]
-
     def plan(self, shapes, devices, dtype=tf.float32, average=True):
         """The candidate the cost model predicts fastest for these gradients on ``topology``.
 
@@ -364,7 +312,8 @@ class Reduction:
             key = (tuple(grads.devices), average, tuple(
                 (str(dense_shape(grads.grads[0][n])), values_of(grads.grads[0][n]).dtype.name,
                  isinstance(grads.grads[0][n], tf.IndexedSlices)) for n in grads.reduced))
-            plan = self.planned(key, lambda: plan_for(grads, self.topology, average, self))
+            from tfreduce.planner import planned  # the cost model, only to plan
+            plan = planned(self, key, lambda: plan_for(grads, self.topology, average, self))
         if plan is None:
             return make_stage(choose_algorithm(grads.devices), {}), self.pack_bytes
         options = dict(plan.options)
