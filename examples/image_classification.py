@@ -40,8 +40,8 @@ import numpy as np
 
 # Standard library only: TensorFlow is imported after the arguments are
 # parsed, so --help and usage errors answer at once.
-from tfreduce.choices import ALGORITHMS, GPU_ONLY_ALGORITHMS
-from tfreduce.startup import ArgumentParser, import_tensorflow
+from tfreduce.basis.choices import ALGORITHMS, GPU_ONLY_ALGORITHMS
+from tfreduce.basis.startup import ArgumentParser, import_tensorflow
 
 # What image_dataset_from_directory decodes, by the bytes a file starts with.
 IMAGE_SIGNATURES = {
@@ -501,7 +501,7 @@ def train_and_evaluate(parser, args):
     if args.trainer == "horovod":
         return fit_with_horovod(parser, args, found, restarted)
     import tfreduce
-    from tfreduce.devices import is_gpu
+    from tfreduce.basis.devices import is_gpu
 
     try:
         # Every GPU, else K logical CPU devices, made before TensorFlow starts.
@@ -558,7 +558,7 @@ def fit_replicated(parser, args, devices, cluster, restarted, data, towers):
     import keras
 
     import tfreduce
-    from tfreduce.models import image_cnn
+    from tfreduce.trainer.models import image_cnn
     from tfreduce.trainer import ReplicatedTrainer
     from tfreduce.trainer.signals import Terminated
 
@@ -682,7 +682,7 @@ def fit_with_keras(parser, args, devices, data):
     import tensorflow as tf
 
     import tfreduce
-    from tfreduce.models import image_cnn
+    from tfreduce.trainer.models import image_cnn
 
     train, test, num_classes, input_shape, num_train = data
     backup = os.path.join(args.logdir, "backup")
@@ -749,7 +749,7 @@ def fit_with_horovod(parser, args, found, restarted):
     import keras
 
     import tfreduce.tensorflow.keras as hvd  # tfreduce: Horovod's API
-    from tfreduce.models import image_cnn
+    from tfreduce.trainer.models import image_cnn
 
     if args.dataset not in ("digits", "mnist"):
         parser.error("--trainer horovod takes --dataset digits or mnist (arrays)")

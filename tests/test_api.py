@@ -57,7 +57,7 @@ EXPORTS = {
     'PowerSGD.name': 'property',
     'PowerSGD.payload_elements': '(self, shapes)',
     'ReplicatedTrainer': "(model_fn, loss, optimizer_fn, devices=None, algorithm='auto', average=True, *, bcast_period=0, cluster='auto', accumulate_steps=1, on_nonfinite='raise', reduction=None, powersgd=None, zero_stage=0, **allreduce_options)",
-    'Reduction': "(algorithm: str = 'auto', *, groups: collections.abc.Sequence[collections.abc.Sequence[int]] | None = None, communication: str = 'auto', keys: tfreduce.collective.CollectiveKeys | None = None, timeout: float | None = None, pack_bytes: int | str | None = 'auto', sparse_as_dense: bool = False, compression: tfreduce.compression.Compressor | str | None = None, topology: tfreduce.topology.Topology | str | None = None) -> None",
+    'Reduction': "(algorithm: str = 'auto', *, groups: collections.abc.Sequence[collections.abc.Sequence[int]] | None = None, communication: str = 'auto', keys: tfreduce.blocks.collective.CollectiveKeys | None = None, timeout: float | None = None, pack_bytes: int | str | None = 'auto', sparse_as_dense: bool = False, compression: tfreduce.buffers.compression.Compressor | str | None = None, topology: tfreduce.basis.topology.Topology | str | None = None) -> None",
     'Reduction.check_devices': '(self, devices, cluster=None)',
     'Reduction.describe': '(self)',
     'Reduction.plan': '(self, shapes, devices, dtype=tf.float32, average=True)',

@@ -29,7 +29,7 @@ LAYERS = {
     "registry": 5, "costmodel": 5, "profiler": 5, "hostprobe": 5, "planner": 5, "powersgd": 5,
     "failures": 5, "cluster": 5, "localcluster": 5, "crossworker": 5, "consistency": 5,
     "reduction": 6, "collective_build": 6,
-    "allreduce": 7, "multiworker": 7, "models": 7, "collectives": 7, "stepmodel": 7,
+    "allreduce": 7, "multiworker": 7, "collectives": 7, "stepmodel": 7,
     "trainer": 8, "distribute": 8, "tensorflow": 8,
     "launch": 9, "preload": 9, "bench": 9,
 }
@@ -49,25 +49,53 @@ SAME_LAYER = {
 }
 
 
+# The packages named for the layers, from the bottom: each holds the modules
+# of one or a few adjacent layers, and a module imports from its own
+# package or one below. trainer/, tensorflow/ and bench/ are one unit each.
+PACKAGE_ORDER = ["basis", "buffers", "blocks", "algorithms", "analysis", "workers", "choice",
+                 "doors", "trainer", "tensorflow", "bench"]
+LAYER_PACKAGES = PACKAGE_ORDER[:8]
+
+
 def sources():
     return sorted(p for p in PACKAGE.rglob("*.py"))
 
 
-def top_module(path):
-    parts = path.relative_to(PACKAGE).with_suffix("").parts
+def unit(parts):
+    """The module a layer is given to, from a module path's parts after "tfreduce"."""
+    if parts[0] in LAYER_PACKAGES and len(parts) > 1:
+        return parts[1]
     return parts[0]
 
 
-def tfreduce_imports(path):
+def top_module(path):
+    return unit(path.relative_to(PACKAGE).with_suffix("").parts)
+
+
+def package_of(path):
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 else None
+
+
+def imported_paths(path):
+    """The module paths (parts after "tfreduce") a file imports."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
                 "tfreduce."):
-            yield node.module.split(".")[1]
+            parts = tuple(node.module.split(".")[1:])
+            if len(parts) == 1 and parts[0] in LAYER_PACKAGES:  # from tfreduce.basis import x
+                yield from ((parts[0], alias.name) for alias in node.names)
+            else:
+                yield parts
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("tfreduce."):
-                    yield alias.name.split(".")[1]
+                    yield tuple(alias.name.split(".")[1:])
+
+
+def tfreduce_imports(path):
+    return (unit(parts) for parts in imported_paths(path))
 
 
 def test_every_module_has_a_layer():
@@ -84,6 +112,51 @@ def test_imports_go_down_the_layers(path):
             continue  # inside a package (trainer/, bench/)
         assert (LAYERS[imported] < LAYERS[module]
                 or (module, imported) in SAME_LAYER), f"{module} imports {imported}"
+
+
+@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_packages_import_down_their_order(path):
+    here = package_of(path)
+    for parts in imported_paths(path):
+        there = parts[0] if parts[0] in PACKAGE_ORDER else None
+        if here in PACKAGE_ORDER and there is not None:
+            assert PACKAGE_ORDER.index(there) <= PACKAGE_ORDER.index(here), (
+                f"{path.relative_to(PACKAGE)} imports tfreduce.{'.'.join(parts)}")
+
+
+def test_the_top_level_holds_the_packages_and_the_commands():
+    top = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    assert top == sorted(PACKAGE_ORDER + ["__init__.py", "launch.py", "preload.py"])
+    for package in LAYER_PACKAGES:  # a docstring only: importing a package imports no module
+        body = ast.parse((PACKAGE / package / "__init__.py").read_text()).body
+        assert len(body) == 1 and isinstance(body[0].value, ast.Constant), package
+
+
+@pytest.mark.slow
+def test_every_old_module_path_imports_the_moved_module():
+    # Users import tfreduce.hierarchical, tfreduce.replicated, tfreduce.nccl_ops
+    # (tensorpack style): every module path from before the move still works,
+    # as the same module object, without TensorFlow where the module needs none.
+    code = (
+        "import sys, importlib, tfreduce\n"
+        "import tfreduce.tf_config, tfreduce.watchdog\n"
+        "assert 'tensorflow' not in sys.modules\n"
+        "from tfreduce.hierarchical import HierarchicalStage\n"
+        "for old, package in tfreduce.MOVED.items():\n"
+        "    module = importlib.import_module('tfreduce.' + old)\n"
+        "    new = sys.modules[f'tfreduce.{package}.{old}']\n"
+        "    assert module is new is getattr(tfreduce, old), old\n"
+        "    assert module.__name__ == f'tfreduce.{package}.{old}'\n"
+        "assert HierarchicalStage is sys.modules['tfreduce.algorithms.hierarchical']"
+        ".HierarchicalStage\n"
+        "print(len(tfreduce.MOVED))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    moved = {p.stem for p in sources() if package_of(p) in LAYER_PACKAGES} - {"__init__"}
+    assert set(tfreduce.MOVED) == moved | {"models"} and done.stdout.split()[-1] == str(len(moved) + 1)
+    with pytest.raises(ModuleNotFoundError, match="No module named 'tfreduce.nonesuch'"):
+        __import__("tfreduce.nonesuch")
 
 
 def test_tf_config_and_launcher_need_no_tensorflow():
@@ -242,8 +315,12 @@ def test_the_architecture_page_gives_every_module_its_layer():
     page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     documented = {}
     for layer, modules in re.findall(r"^\| (\d+) \| ([^|]+) \|", page, re.MULTILINE):
-        for name in re.findall(r"`([a-z_]+)(?:\.py|/)`", modules):
+        for package, name in re.findall(r"`(?:([a-z]+)/)?([a-z_]+)(?:\.py|/)`", modules):
             documented[name] = int(layer)
+            if package:  # the module is where the page says
+                assert (PACKAGE / package / f"{name}.py").exists(), (package, name)
+            elif name not in PACKAGE_ORDER:
+                assert (PACKAGE / f"{name}.py").exists(), name
     assert documented == LAYERS
 
 
@@ -251,5 +328,5 @@ def test_the_registered_algorithms_sit_below_the_registry():
     # registry.STAGES imports the classes choices.STAGE_CLASSES names.
     from tfreduce.choices import STAGE_CLASSES
     for name, path in STAGE_CLASSES.items():
-        module = path.split(":")[0].split(".")[1]
+        module = unit(tuple(path.split(":")[0].split(".")[1:]))
         assert LAYERS[module] <= LAYERS["registry"], (name, path)

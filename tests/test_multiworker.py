@@ -417,7 +417,7 @@ def test_killed_worker_fails_the_run_fast_and_cleanly(killed):
     assert re.search(r"\[launch\] worker 1 was killed by SIGKILL", err)
     # The survivor names the lost worker and exits by itself, well before
     # its 30 s collective timeout and the launcher's grace period.
-    assert re.search(r"\[worker 0\] tfreduce\.failures\.WorkerLostError: worker 0 "
+    assert re.search(r"\[worker 0\] tfreduce\.workers\.failures\.WorkerLostError: worker 0 "
                      r"\(127\.0\.0\.1:\d+\): lost worker 1 \(127\.0\.0\.1:\d+\): it does not "
                      r"answer", err), err[-3000:]
     assert "stopping worker" not in err  # it ended by itself, within the launcher's grace

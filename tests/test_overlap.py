@@ -516,7 +516,7 @@ def test_a_timeline_predicts_the_model_it_profiled_and_refuses_another():
     (dict(reduction=42), TypeError, "predict_step: reduction must be a tfreduce.Reduction or an "
                                     "algorithm name, got int 42"),
     (dict(compute=42, flops_per_s=None), TypeError,
-     "predict_step: compute must be a tfreduce.timeline.Timeline or the path of its saved file, "
+     "predict_step: compute must be a tfreduce.analysis.timeline.Timeline or the path of its saved file, "
      "got int 42"),
     (dict(model="resnet"), TypeError, "predict_step: model must be a built keras.Model, got str "
                                       "'resnet'"),
@@ -619,9 +619,9 @@ def test_timeline_load_and_save_raise_os_errors_for_paths_that_are_no_file(tmp_p
 
 @pytest.mark.parametrize("args, error, message", [
     (dict(slices=None), TypeError, "Timeline: slices must be an iterable of "
-                                   "tfreduce.timeline.Slice, got NoneType None"),
+                                   "tfreduce.analysis.timeline.Slice, got NoneType None"),
     (dict(slices=[("tower 0", "n")]), TypeError, "Timeline: slice 0 must be a "
-                                                 "tfreduce.timeline.Slice, got tuple"),
+                                                 "tfreduce.analysis.timeline.Slice, got tuple"),
     (dict(slices=[Slice("tower x", "n", "MatMul", "forward", 0, 1)]), ValueError,
      "Timeline: slice 0 is on track 'tower x': a track is a str, \"tower <k>\" with k an int "
      "for a tower"),

@@ -468,8 +468,9 @@ def test_the_doors_load_the_cost_model_only_to_plan():
         tfreduce.allreduce_grads(grads, devices, algorithm="ring")
         tfreduce.reduce_scatter(grads, devices)
         planned = tfreduce.Reduction(topology="dgx-a100")  # checked, not yet planned
-        loaded = lambda: sorted(m for m in ("tfreduce.costmodel", "tfreduce.planner",
-                                            "tfreduce.hostprobe") if m in sys.modules)
+        loaded = lambda: sorted(m for m in ("tfreduce.analysis.costmodel",
+                                            "tfreduce.analysis.planner",
+                                            "tfreduce.analysis.hostprobe") if m in sys.modules)
         print(loaded())
         planned.plan([[4]], ["/gpu:0", "/gpu:1"])
         print(loaded())
@@ -478,4 +479,5 @@ def test_the_doors_load_the_cost_model_only_to_plan():
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[-2:] == [
-        "[]", "['tfreduce.costmodel', 'tfreduce.hostprobe', 'tfreduce.planner']"]
+        "[]", "['tfreduce.analysis.costmodel', 'tfreduce.analysis.hostprobe', "
+              "'tfreduce.analysis.planner']"]

@@ -41,7 +41,7 @@ import threading
 import traceback
 import types
 
-from tfreduce import startup
+from tfreduce.basis import startup
 
 __all__ = ["ForkedWorker", "preload", "program"]
 

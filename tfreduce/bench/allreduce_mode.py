@@ -19,7 +19,7 @@ from tfreduce.bench.prediction import host_check, predict_rows, print_prediction
 from tfreduce.bench.tables import print_table
 from tfreduce.bench.units import format_bytes
 from tfreduce.bench.workloads import gradient_shapes
-from tfreduce.choices import ALGORITHMS
+from tfreduce.basis.choices import ALGORITHMS
 
 __all__ = ["run", "print_result", "plot"]
 

@@ -12,10 +12,10 @@ import sys
 
 from tfreduce.bench.units import format_bytes, parse_bytes
 from tfreduce.bench.workloads import keras_application
-from tfreduce.choices import (ALGORITHMS, BENCH_FAMILIES, COLLECTIVES, DEFAULT_PACK_BYTES,
+from tfreduce.basis.choices import (ALGORITHMS, BENCH_FAMILIES, COLLECTIVES, DEFAULT_PACK_BYTES,
                               bench_compression)
-from tfreduce.startup import ArgumentParser, import_tensorflow
-from tfreduce.topology import PRESETS
+from tfreduce.basis.startup import ArgumentParser, import_tensorflow
+from tfreduce.basis.topology import PRESETS
 
 __all__ = ["MODES", "main", "parse_args"]
 
@@ -246,7 +246,7 @@ def main(argv=None):
 def _run(parser, args):
     """main's work once the arguments are parsed."""
     tf = import_tensorflow(args.verbose)
-    from tfreduce.devices import logical_devices
+    from tfreduce.basis.devices import logical_devices
 
     if args.device_type == "gpu":
         found = len(tf.config.list_physical_devices("GPU"))

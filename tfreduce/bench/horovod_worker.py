@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from tfreduce.startup import import_tensorflow
+from tfreduce.basis.startup import import_tensorflow
 
 
 def parse_args(argv):
@@ -38,8 +38,8 @@ def main(argv=None):
     import keras
 
     import tfreduce.tensorflow.keras as hvd
-    from tfreduce.contract import shard_sizes
-    from tfreduce.models import image_cnn
+    from tfreduce.basis.contract import shard_sizes
+    from tfreduce.trainer.models import image_cnn
 
     hvd.init()
     batch, side, num_classes, num_batches = args.batch_size, args.image_size, 10, 8

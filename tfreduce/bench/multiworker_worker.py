@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from tfreduce.startup import import_tensorflow
+from tfreduce.basis.startup import import_tensorflow
 
 # Bytes a worker puts into its cross-worker collectives are read from the
 # graph: the inputs of its CollectiveReduceV2 ops.
@@ -51,8 +51,8 @@ def main(argv=None):
     args = parse_args(argv)
     tf = import_tensorflow(args.verbose)
     from tfreduce.bench.workloads import gradient_shapes
-    from tfreduce.cluster import Cluster
-    from tfreduce.devices import logical_devices
+    from tfreduce.workers.cluster import Cluster
+    from tfreduce.basis.devices import logical_devices
 
     cluster = Cluster.from_tf_config()
     local = logical_devices(args.devices)
@@ -111,8 +111,8 @@ def _expected(shapes, workers, towers, average):
 
 def _contenders(tf, cluster, local, devices, grads, average, rank):
     import tfreduce
-    from tfreduce.collective import CollectiveChain, CollectiveOptions
-    from tfreduce.powersgd import PowerSGD, PowerSGDState, powersgd_allreduce
+    from tfreduce.blocks.collective import CollectiveChain, CollectiveOptions
+    from tfreduce.algorithms.powersgd import PowerSGD, PowerSGDState, powersgd_allreduce
 
     total = cluster.num_workers * len(devices)
 

@@ -11,9 +11,9 @@ either are near-ties, not counted).
 import itertools
 
 from tfreduce.bench.tables import print_table
-from tfreduce.costmodel import predict
-from tfreduce.hostprobe import host_topology
-from tfreduce.topology import Topology
+from tfreduce.analysis.costmodel import predict
+from tfreduce.analysis.hostprobe import host_topology
+from tfreduce.basis.topology import Topology
 
 __all__ = ["host_check", "predict_rows", "print_predictions"]
 

@@ -1,6 +1,6 @@
 """The soak mode: thousands of steps of the example's CNN, watching retracing and memory.
 
-``ReplicatedTrainer.fit`` trains ``tfreduce.models.image_cnn`` on random
+``ReplicatedTrainer.fit`` trains ``tfreduce.trainer.models.image_cnn`` on random
 images for ``--soak-steps`` steps on ``--devices`` K devices of this process.
 Each epoch has 8 full global batches and a smaller last one of B/2 + 1
 images, so shard sizes change between steps (uneven when K does not divide
@@ -18,7 +18,7 @@ import numpy as np
 
 from tfreduce.bench.harness import environment
 from tfreduce.bench.tables import print_table
-from tfreduce.devices import logical_devices
+from tfreduce.basis.devices import logical_devices
 
 __all__ = ["run", "print_result"]
 
@@ -47,7 +47,7 @@ def run(args, log):
     """
     import keras
 
-    from tfreduce.models import image_cnn
+    from tfreduce.trainer.models import image_cnn
     from tfreduce.trainer import ReplicatedTrainer
 
     devices = logical_devices(args.devices, args.device_type)

@@ -1,7 +1,7 @@
 """The train mode: ReplicatedTrainer.train_step against MirroredStrategy + model.fit.
 
 Three contenders train the CNN of examples/image_classification.py
-(``tfreduce.models``) on the same random images and K devices:
+(``tfreduce.trainer.models``) on the same random images and K devices:
 ReplicatedTrainer, Keras ``model.fit`` under MirroredStrategy with its
 default reduction, and the same ``model.fit`` with ``tfreduce.CrossDeviceOps``
 (the --algorithms algorithm). Each K runs in its own process when several
@@ -26,7 +26,7 @@ import tensorflow as tf
 import tfreduce
 from tfreduce.bench.harness import environment
 from tfreduce.bench.tables import print_table
-from tfreduce.devices import logical_devices
+from tfreduce.basis.devices import logical_devices
 
 __all__ = ["run", "print_result"]
 
@@ -189,8 +189,8 @@ def _loss():
 
 
 def cnn_builder(input_shape, num_classes):
-    """() -> the example's CNN (tfreduce.models.image_cnn) for these images."""
-    from tfreduce.models import image_cnn
+    """() -> the example's CNN (tfreduce.trainer.models.image_cnn) for these images."""
+    from tfreduce.trainer.models import image_cnn
     return lambda: image_cnn(input_shape, num_classes)
 
 

@@ -18,7 +18,7 @@ from tfreduce.bench.harness import environment
 from tfreduce.bench.tables import print_table
 from tfreduce.bench.train_mode import (alternate_rounds, fit_rounds, image_side, image_workload,
                                        row_in_child, trainer_rounds)
-from tfreduce.devices import logical_devices
+from tfreduce.basis.devices import logical_devices
 
 __all__ = ["run", "print_result"]
 

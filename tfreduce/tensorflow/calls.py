@@ -20,10 +20,10 @@ import threading
 
 import tensorflow as tf
 
-from tfreduce.collective import CollectiveKeys
-from tfreduce.consistency import check_same_call, join_round
+from tfreduce.blocks.collective import CollectiveKeys
+from tfreduce.workers.consistency import check_same_call, join_round
 from tfreduce.tensorflow.process import cluster, eager_functions
-from tfreduce.progress import IN_JOIN, progress
+from tfreduce.workers.progress import IN_JOIN, progress
 
 __all__ = ["agree", "differentiable", "in_session", "result_spec", "run_cached",
            "session_graph", "tensor_or_slices", "wait_in_join"]
@@ -122,7 +122,7 @@ def agree(key, tensors, rows_vary=False, name=None, values=None, recipe=None):
     if _JOINED_CALL:  # made by join() for the others: already agreed
         every = None
     else:
-        # A collective too: the cluster's timeout bounds its wait (tfreduce.watchdog).
+        # A collective too: the cluster's timeout bounds its wait (tfreduce.workers.watchdog).
         with progress.within(description):
             every = check_same_call(cluster(), description, functions, values, recipe)
     functions[_LAST_CALL] = description
@@ -189,7 +189,7 @@ def run_cached(key, build, tensors, rows_vary=False, name=None, check=True, reci
     functions = eager_functions()  # by what they do and their input signature
     if full not in functions:
         functions[full] = tf.function(build, input_signature=[specs], autograph=False)
-    # What this process's heartbeats tell the others (tfreduce.watchdog).
+    # What this process's heartbeats tell the others (tfreduce.workers.watchdog).
     with _keys_of_call(cluster(), functions.get(_CALL_KEYS)), \
             progress.within(functions.get(_LAST_CALL, key[0])):
         return functions[full](tensors)

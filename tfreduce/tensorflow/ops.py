@@ -5,7 +5,7 @@ collective spans every process, so a process's tensor is one row of a
 size x 1 K x N list, and the reductions are tfreduce's multi-worker ones:
 gradients packed into 4 MiB buffers, compressed on the wire if asked, summed
 with TensorFlow's ``CollectiveReduceV2`` over gRPC; allgather and broadcast
-are ``tfreduce.collectives``' (with ``cluster=``), as reducescatter and
+are ``tfreduce.doors.collectives``' (with ``cluster=``), as reducescatter and
 alltoall are (scatter.py); Min, Max and Product, which tfreduce's
 all-reduce does not offer, are TF's collective all-reduce of those ops.
 They run eagerly or inside a ``tf.function`` (``model.fit``'s train step);
@@ -21,13 +21,13 @@ import pickle
 
 import tensorflow as tf
 
-from tfreduce.collective import CollectiveChain, CollectiveOptions
-from tfreduce.collectives import all_gather
-from tfreduce.collectives import broadcast as tfreduce_broadcast
-from tfreduce.compression import Compression, as_compressor
-from tfreduce.contract import check_root_rank, tf_variables
-from tfreduce.devices import local_name
-from tfreduce.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
+from tfreduce.blocks.collective import CollectiveChain, CollectiveOptions
+from tfreduce.doors.collectives import all_gather
+from tfreduce.doors.collectives import broadcast as tfreduce_broadcast
+from tfreduce.buffers.compression import Compression, as_compressor
+from tfreduce.basis.contract import check_root_rank, tf_variables
+from tfreduce.basis.devices import local_name
+from tfreduce.doors.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
 from tfreduce.tensorflow.calls import (agree, differentiable, in_session, result_spec, run_cached,
                                       session_graph, tensor_or_slices)
 from tfreduce.tensorflow.process import cluster, device

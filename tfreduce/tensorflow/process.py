@@ -24,11 +24,11 @@ import os
 
 import tensorflow as tf
 
-from tfreduce.cluster import DEFAULT_TIMEOUT, Cluster
-from tfreduce.collective import check_timeout
-from tfreduce.localcluster import LocalCluster
-from tfreduce.tf_config import SLURM_PORT_BASE, parse_address, slurm_tf_config
-from tfreduce.watchdog import stall_seconds_from
+from tfreduce.workers.cluster import DEFAULT_TIMEOUT, Cluster
+from tfreduce.blocks.collective import check_timeout
+from tfreduce.workers.localcluster import LocalCluster
+from tfreduce.basis.tf_config import SLURM_PORT_BASE, parse_address, slurm_tf_config
+from tfreduce.workers.watchdog import stall_seconds_from
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "cluster", "device", "eager_functions", "is_homogeneous",
@@ -76,7 +76,7 @@ def init(comm=None, process_sets=None, *, stall_seconds=None, timeout_seconds=No
       comm: Horovod's MPI communicator; tfreduce has no MPI: must be None.
       process_sets: Horovod's process sets; not supported: must be None.
       stall_seconds: float seconds (tfreduce's own): a peer silent this long
-        is named and the run ends (``tfreduce.watchdog``); 0 turns the
+        is named and the run ends (``tfreduce.workers.watchdog``); 0 turns the
         watchdog off; None: $TFREDUCE_STALL_SECONDS, else 20.
       timeout_seconds: float seconds > 0 (tfreduce's own): the longest a
         collective waits, idle, for its peers (``Cluster``'s timeout: the

@@ -16,10 +16,10 @@ uneven splits and the received splits).
 import numpy as np
 import tensorflow as tf
 
-from tfreduce.collectives import all_gather, all_to_all, reduce_scatter
-from tfreduce.compression import Compression, as_compressor
-from tfreduce.consistency import MessageError
-from tfreduce.primitives import scale_by_reciprocal
+from tfreduce.doors.collectives import all_gather, all_to_all, reduce_scatter
+from tfreduce.buffers.compression import Compression, as_compressor
+from tfreduce.workers.consistency import MessageError
+from tfreduce.blocks.primitives import scale_by_reciprocal
 from tfreduce.tensorflow.calls import (agree, differentiable, in_session, result_spec, run_cached,
                                       session_graph)
 from tfreduce.tensorflow.ops import (Average, check_op, check_process_set,

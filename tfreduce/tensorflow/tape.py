@@ -9,7 +9,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from tfreduce.compression import Compression, as_compressor
+from tfreduce.buffers.compression import Compression, as_compressor
 from tfreduce.tensorflow.ops import (Average, check_op, check_process_set, global_process_set,
                                      grouped_allreduce)
 from tfreduce.tensorflow.process import cluster

@@ -9,13 +9,13 @@ of tensorflow/benchmarks' `variable_update=replicated` and of tensorpack's
 SyncMultiGPUTrainerReplicated, written for TF2 `tf.function` and Keras 3.
 
 Several workers (processes, usually one per machine, each with its own
-K devices; see `tfreduce.cluster`): under TF_CONFIG, or with
+K devices; see `tfreduce.workers.cluster`): under TF_CONFIG, or with
 `cluster=`, every worker runs the same program on the same global
 batches. Each step then takes this worker's part of the global batch
 (`Cluster.batch_slice`), so the T = W * K towers of all W workers get
 the shards one process with T devices would give them, and every
 all-reduce is the reduction followed by the cross-worker hop (one process
-is a `tfreduce.localcluster.LocalCluster`: the same code, no hop). The
+is a `tfreduce.workers.localcluster.LocalCluster`: the same code, no hop). The
 broadcasts copy rank 0's tower 0, step counter included, to every tower
 of every worker. Only rank 0 (`is_chief`) writes checkpoints and summaries and
 shows progress; `restore` reads the checkpoint on rank 0 only. Every

@@ -4,7 +4,7 @@ A global batch is what one step trains on, split over the T = W * K towers
 of all W workers. Arrays are cut into global batches here; a tf.data.Dataset
 must yield them. In a cluster every worker is given the same global batch
 and keeps its own part (tfreduce.Cluster.batch_slice), which its K towers
-split again by the same rule (tfreduce.contract.shard_sizes).
+split again by the same rule (tfreduce.basis.contract.shard_sizes).
 """
 
 import os

@@ -23,7 +23,7 @@ import sys
 
 import tensorflow as tf
 
-from tfreduce.multiworker import broadcast_variables_multiworker
+from tfreduce.doors.multiworker import broadcast_variables_multiworker
 
 _CHECKPOINT_NAME = "ckpt"
 _CHECKPOINTS_KEPT = 3

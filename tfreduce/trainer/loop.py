@@ -50,7 +50,7 @@ class FitHooks:
       tower_medians: fn() -> dict tower -> median ms from the split to its
         gradients over the last steps, or None before they are known
         (towertimes.TowerTimes.medians).
-      watchdog: this worker's tfreduce.watchdog.Watchdog, or None (one
+      watchdog: this worker's tfreduce.workers.watchdog.Watchdog, or None (one
         process, or stall_seconds=0).
     """
 
@@ -379,7 +379,7 @@ def _straggler_summaries(watchdog, tower_medians):
     ``workers/ms_inside_step/worker_<r>``: each worker's median ms inside its
     last steps, as the chief's watchdog hears them; the worker the others
     wait for is the one whose steps take least
-    (``tfreduce.stragglers``).
+    (``tfreduce.workers.stragglers``).
     ``towers/ms_to_gradients/tower_<k>``: each of this worker's towers'
     median ms from the split to its gradients; the tower the others wait for
     takes most (``tfreduce.trainer.towertimes``).

@@ -29,7 +29,7 @@ slot's own name ("momentum").
 import tensorflow as tf
 from tensorflow.python.training.saving.saveable_object import SaveSpec
 
-from tfreduce.collectives import all_gather, broadcast
+from tfreduce.doors.collectives import all_gather, broadcast
 
 
 class OptimizerState(tf.__internal__.tracking.Trackable):

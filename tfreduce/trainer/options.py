@@ -5,8 +5,8 @@ import functools
 import warnings
 from collections.abc import Callable
 
-from tfreduce.powersgd import PowerSGD
-from tfreduce.reduction import as_reduction
+from tfreduce.algorithms.powersgd import PowerSGD
+from tfreduce.choice.reduction import as_reduction
 from tfreduce.trainer.update import check_update_options
 from tfreduce.trainer.zero import check_zero_across, check_zero_stage
 

@@ -8,7 +8,7 @@ A window after the run's last step (or before its first) profiles
 nothing: fit warns before its first step.
 The profiler's own files stay in ``logdir`` (TensorBoard's profile tab
 reads them; worker w > 0 of a cluster profiles under ``logdir/worker<w>``);
-tfreduce reads them into a ``tfreduce.timeline.Timeline`` and writes it as
+tfreduce reads them into a ``tfreduce.analysis.timeline.Timeline`` and writes it as
 ``logdir/timeline.json.gz`` (Chrome trace format, gzipped) and
 ``timeline.png``; worker w > 0 writes ``timeline-worker<w>.json.gz`` and
 ``.png``.
@@ -17,7 +17,7 @@ tfreduce reads them into a ``tfreduce.timeline.Timeline`` and writes it as
 import os
 import warnings
 
-from tfreduce.profiler import StepProfiler
+from tfreduce.analysis.profiler import StepProfiler
 
 __all__ = ["ProfiledSteps", "check_profile_steps"]
 

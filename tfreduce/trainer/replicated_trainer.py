@@ -1,6 +1,6 @@
 """The public ReplicatedTrainer: checks, replicas, and one delegating method per action."""
 
-from tfreduce.devices import tower_devices
+from tfreduce.basis.devices import tower_devices
 from tfreduce.trainer.batching import eval_batches, input_batches, worker_batch
 from tfreduce.trainer.checkpoints import find_prefix, read_counters
 from tfreduce.trainer.inspection import Inspection
@@ -297,7 +297,7 @@ class ReplicatedTrainer(Inspection):
             batches, evaluated after every epoch.
           logdir: directory for TensorBoard summaries: per step loss,
             accuracy, learning rate, step time and who the others wait for
-            (each tower's and worker's ms: towertimes, tfreduce.stragglers);
+            (each tower's and worker's ms: towertimes, tfreduce.workers.stragglers);
             per epoch the epoch means, validation results and images/s.
             None: no summaries.
           checkpoint_dir: directory where a checkpoint is written after every

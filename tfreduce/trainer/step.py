@@ -11,14 +11,14 @@ accuracy is not defined for the model's outputs. StepFunctions
 (step_functions.py) holds the tf.functions made from them.
 
 The global batch is split on the host into K contiguous shards, the first
-B % K one example larger (tfreduce.contract.shard_sizes), one per tower.
+B % K one example larger (tfreduce.basis.contract.shard_sizes), one per tower.
 """
 
 import tensorflow as tf
 
-from tfreduce.contract import shard_sizes
+from tfreduce.basis.contract import shard_sizes
 from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
-from tfreduce.multiworker import sum_over_workers
+from tfreduce.doors.multiworker import sum_over_workers
 from tfreduce.trainer.statistics import sync_moving
 from tfreduce.trainer.towertimes import split_stamp, stamp_towers
 from tfreduce.trainer.update import scales_loss

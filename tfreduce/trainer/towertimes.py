@@ -9,7 +9,7 @@ take consistently longer than the others' (a GPU that throttles, a device
 that shares its host or its link with other work) costs every step its
 lag. `TowerTimes` keeps each tower's time over the last STRAGGLER_STEPS
 steps and names a tower whose median lags by the rule the watchdog
-applies to workers (``tfreduce.stragglers.lagging``: more than
+applies to workers (``tfreduce.workers.stragglers.lagging``: more than
 STRAGGLER_MS ms and more than half the other towers' median). The report
 goes to stderr, at most once every REPORT_EVERY steps; ``fit(logdir=)``
 writes each of rank 0's towers' medians as the TensorBoard scalar
@@ -21,7 +21,7 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-from tfreduce.stragglers import REPORT_EVERY, STRAGGLER_STEPS, lagging
+from tfreduce.workers.stragglers import REPORT_EVERY, STRAGGLER_STEPS, lagging
 
 __all__ = ["TowerTimes", "split_stamp", "stamp_towers"]
 

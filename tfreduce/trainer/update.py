@@ -8,7 +8,7 @@ One update of a step, in order:
    gradient; the M-th adds its own, divides by the examples of the M
    micro-batches and goes on;
 2. the all-reduce: the trainer's (any algorithm, one process or a cluster),
-   or PowerSGD around it (tfreduce.powersgd);
+   or PowerSGD around it (tfreduce.algorithms.powersgd);
 3. one finiteness check on tower 0's reduced gradients (a NaN or Inf on any
    tower reaches every tower's sum, so one check sees it) that decides for
    every tower at once: apply the update, or skip it. What was non-finite
@@ -27,9 +27,9 @@ tower.
 import keras
 import tensorflow as tf
 
-from tfreduce.compression import Compression
-from tfreduce.contract import check_flag, values_of
-from tfreduce.powersgd import PowerSGDState, powersgd_reduce
+from tfreduce.buffers.compression import Compression
+from tfreduce.basis.contract import check_flag, values_of
+from tfreduce.algorithms.powersgd import PowerSGDState, powersgd_reduce
 
 ON_NONFINITE = ("raise", "skip")
 

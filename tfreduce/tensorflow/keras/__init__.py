@@ -11,7 +11,7 @@ rate up. See docs/horovod.md.
 
 import tensorflow as tf
 
-from tfreduce.compression import Compression
+from tfreduce.buffers.compression import Compression
 from tfreduce.tensorflow import ops
 from tfreduce.tensorflow.keras import callbacks
 from tfreduce.tensorflow.keras.data import DistributedBatches

@@ -15,13 +15,13 @@ import warnings
 import keras
 import tensorflow as tf
 
-from tfreduce.consistency import check_workers_agree, describe_variables
+from tfreduce.workers.consistency import check_workers_agree, describe_variables
 from tfreduce.tensorflow.keras.data import follow_fit_epoch
 from tfreduce.tensorflow.keras.optimizer import describe_optimizer, own_sums
 from tfreduce.tensorflow.ops import (allgather, broadcast, broadcast_variables,
                                      grouped_allreduce)
 from tfreduce.tensorflow.process import cluster, rank, size
-from tfreduce.progress import progress
+from tfreduce.workers.progress import progress
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback", "WorkerTimesCallback"]
@@ -77,7 +77,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
-        # What this process's heartbeats tell the others (tfreduce.watchdog).
+        # What this process's heartbeats tell the others (tfreduce.workers.watchdog).
         progress.doing = f"fit, epoch {self._epoch + 1}, batch {batch + 1}"
         self._batch_start = time.monotonic()
 
@@ -99,7 +99,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         # The batch's time from this callback's begin to its end: the
-        # straggler report compares it (tfreduce.watchdog.progress.timed).
+        # straggler report compares it (tfreduce.workers.watchdog.progress.timed).
         progress.durations.append(time.monotonic() - self._batch_start)
         progress.advance()
         progress.doing = None
@@ -172,14 +172,14 @@ class WorkerTimesCallback(keras.callbacks.Callback):
     The worker the others wait for (a straggler: slow input, a busy host)
     spends the least time inside its batches, because the others wait for
     it inside theirs; the chief's watchdog names it in its log
-    (``tfreduce.stragglers``), and this callback draws every
+    (``tfreduce.workers.stragglers``), and this callback draws every
     worker's curve: ``workers/ms_inside_step/worker_<r>``, the tag
     ``ReplicatedTrainer.fit(logdir=)`` writes, in ``log_dir/train`` (where
     ``keras.callbacks.TensorBoard(log_dir)`` writes fit's curves), against
     the batches done. The batches are timed by
     BroadcastGlobalVariablesCallback, which must be among the callbacks,
     before this one; each worker's median (over the last
-    ``tfreduce.stragglers.STRAGGLER_STEPS`` batches) comes with its
+    ``tfreduce.workers.stragglers.STRAGGLER_STEPS`` batches) comes with its
     heartbeat, once a second. Other ranks, a single process and a run
     without the watchdog (``stall_seconds=0``) write nothing.
 

@@ -36,7 +36,7 @@ Source: PyTorch's torch.utils.data.distributed.DistributedSampler.
 import keras
 import numpy as np
 
-from tfreduce.contract import shard_sizes
+from tfreduce.basis.contract import shard_sizes
 
 __all__ = ["DistributedBatches", "follow_fit_epoch"]
 

@@ -9,7 +9,7 @@ user's optimizer class.
 import keras
 import tensorflow as tf
 
-from tfreduce.compression import Compression
+from tfreduce.buffers.compression import Compression
 from tfreduce.tensorflow.ops import Average, global_process_set
 from tfreduce.tensorflow.tape import GradientReduction, local_layers_of
 

@@ -1,0 +1,272 @@
+"""Before the first step: do all workers run the same thing?
+
+Workers with different device counts, variables or all-reduce settings
+would build collectives that never meet: one worker fails on a shape
+mismatch while another waits out the whole cluster timeout and then blames
+a "lost" worker that is alive. DDP verifies the model across ranks before
+its first step (``_verify_model_across_ranks``) for the same reason.
+
+``check_workers_agree`` all-gathers a fingerprint of each worker's facts
+over one device per worker: the numbers themselves (towers, variables) and
+a 63-bit hash of each fact. When the rows differ, the first differing
+variable (or the differing settings) is gathered in full as text, so every
+worker raises the same ValueError naming the workers and the difference,
+within seconds.
+"""
+
+import hashlib
+
+import numpy as np
+import tensorflow as tf
+
+from tfreduce.blocks.collective import CollectiveOptions, all_gather, in_function
+
+__all__ = ["CallMismatchError", "MessageError", "check_workers_agree", "check_same_call",
+           "join_round"]
+
+# Bytes of one fact's text sent when it differs (longer texts are cut).
+_TEXT_BYTES = 240
+_DEVICE = "/device:CPU:0"
+
+
+def _hash(text):
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
+def _gather(cluster, values):
+    """Every worker's int64 vector `values` (one length on all), as a W x L array."""
+    values = np.asarray(values, np.int64)
+    group_key = cluster.group_key([_DEVICE])
+    options = CollectiveOptions(timeout=cluster.op_timeout)
+    instance_key = cluster.keys.instance_key()
+
+    def build():
+        with tf.name_scope("workers_agree"), tf.device(cluster.task_name() + _DEVICE):
+            return all_gather(tf.constant(values), cluster.num_workers, group_key,
+                              instance_key, options, name="gather")
+
+    with cluster.detect_lost_workers():
+        gathered = in_function(build)
+    return np.asarray(gathered).reshape(cluster.num_workers, len(values))
+
+
+def _gather_text(cluster, text):
+    """Every worker's `text` (cut to _TEXT_BYTES bytes), in rank order."""
+    data = text.encode()[:_TEXT_BYTES]
+    rows = _gather(cluster, list(data) + [0] * (_TEXT_BYTES - len(data)))
+    return [bytes(int(b) for b in row if b).decode(errors="replace") for row in rows]
+
+
+def describe_variables(variables):
+    """(name, "shape dtype") of each variable: what the workers of a cluster compare."""
+    return [(v.path, f"{tuple(v.shape)} {tf.as_dtype(v.dtype).name}") for v in variables]
+
+
+def check_workers_agree(cluster, towers, settings, variables):
+    """Raises on every worker unless all workers have the same towers, settings, variables.
+
+    Every worker of the cluster must call it at the same point (it runs
+    collectives), before the first collective of training.
+
+    Args:
+      cluster: tfreduce.Cluster, started; or a LocalCluster (one worker:
+        nothing to compare).
+      towers: int K, this worker's towers.
+      settings: str, everything else that shapes the collectives (the
+        algorithm and its options, average), the same text on every worker
+        that runs the same program.
+      variables: list of (name, description) pairs, one per variable in
+        order; the descriptions (shape and dtype) are compared, the names
+        (which Keras numbers per process) only shown.
+
+    Raises:
+      ValueError: the workers differ; the message names the workers and the
+        first difference (tower counts, variable counts, the settings, or
+        the first variable that differs, with each worker's version).
+      WorkerLostError: a worker is lost or does not arrive in time.
+    """
+    if cluster.is_local:
+        return  # one process agrees with itself
+    described = [description for _, description in variables]
+    row = [towers, len(variables), _hash(settings), _hash("\n".join(described))]
+    rows = _gather(cluster, row)
+    if (rows == rows[0]).all():
+        return
+    names = [cluster.describe(r) for r in range(cluster.num_workers)]
+    here = f"{names[cluster.rank]}: the workers do not run the same training"
+    for column, what in ((0, "towers (devices)"), (1, "variables")):
+        if len(set(rows[:, column])) > 1:
+            counts = ", ".join(f"{names[r]} has {rows[r, column]}" for r in range(len(rows)))
+            raise ValueError(f"{here}: their numbers of {what} differ: {counts}")
+    if len(set(rows[:, 2])) > 1:
+        texts = _gather_text(cluster, settings)
+        raise ValueError(f"{here}: their all-reduce settings differ: " + "; ".join(
+            f"{name}: {text}" for name, text in zip(names, texts)))
+    hashes = _gather(cluster, [_hash(d) for d in described])
+    first = int(np.argmax((hashes != hashes[0]).any(axis=0)))
+    texts = _gather_text(cluster, " ".join(variables[first]))
+    raise ValueError(f"{here}: variable {first} differs: " + "; ".join(
+        f"{name} has {text}" for name, text in zip(names, texts)))
+
+
+class MessageError:
+    """Base (first) of an error that is also a ``tf.errors.OpError``: raised with a message alone.
+
+    TF re-raises an OpError as ``type(e)(node_def, op, message)``; both forms work.
+    """
+
+    def __init__(self, *args):
+        node_def, op, message = (None, None) + args if len(args) == 1 else args[:3]
+        super().__init__(node_def, op, message)
+
+
+class CallMismatchError(MessageError, tf.errors.FailedPreconditionError, ValueError):
+    """The processes made different collective calls; raised on every process.
+
+    A ``tf.errors.FailedPreconditionError``, the class Horovod raises for a
+    mismatch between ranks, and a ValueError.
+    """
+
+
+# What a process waiting in join() says in place of a call's description.
+_JOINED = "join"
+
+
+def check_same_call(cluster, description, functions, values=None, recipe=None):
+    """Raises on every worker, before any data moves, unless all make the same collective call.
+
+    Horovod negotiates every collective by name before it runs; TF's
+    runtime matches collectives by instance key alone, so processes that
+    call different collectives (or the same with other shapes, dtypes, root
+    ranks or ops) would pair the wrong tensors, wait forever, or abort the
+    runtime for good ("Collective ops is aborted ... Restart your program").
+    One small all-gather of a hash of the call's description comes first;
+    when the hashes differ every worker raises the same ValueError naming
+    each worker's call, and the runtime stays usable for the next call.
+
+    When the calls agree, `values` (what each worker may choose for itself:
+    its row counts, its all-to-all splits) are all-gathered next, so that
+    every worker builds the data's collectives from the same numbers.
+
+    Workers waiting in Horovod's ``join()`` (``join_round``) take part:
+    the others' call goes on with them when it has a `recipe` (the bytes
+    from which a joined worker makes the same call, with zeros); otherwise
+    every worker raises.
+
+    Args:
+      cluster: tfreduce.Cluster, started; or a LocalCluster (nothing to compare).
+      description: str, what the call does: the collective, its name, the
+        shapes and dtypes, the root rank or op. Its text fixes the length
+        of `values`.
+      functions: dict where the traced all-gathers are kept between calls
+        (the run's ``process.eager_functions()``).
+      values: None, or a sequence of L ints (int64).
+      recipe: None, or a function () -> bytes: how a joined worker makes
+        this call (called only when one waits).
+
+    Returns:
+      None without `values`; else an int64 array [workers, L]: row r is
+      worker r's values (on a LocalCluster, [1, L]: this worker's).
+
+    Raises:
+      CallMismatchError: the workers' calls differ (each worker's description
+        named), or some wait in join() and this call cannot go on without them.
+      WorkerLostError: a worker is lost or does not arrive in time.
+    """
+    if cluster.is_local:
+        return None if values is None else np.asarray([values], np.int64).reshape(1, -1)
+    hashes = _gather_cached(cluster, functions, [_hash(description)])[:, 0]
+    joined = hashes == _hash(_JOINED)
+    if joined.any():
+        _recipe_for_joined(cluster, functions, description, hashes, recipe)
+    elif len(set(hashes.tolist())) > 1:
+        _raise_mismatch(cluster, description)
+    if values is None:
+        return None
+    if len(values) == 0:  # TF's all-gather fails on an empty tensor
+        return np.zeros([cluster.num_workers, 0], np.int64)
+    return _gather_cached(cluster, functions, values)
+
+
+def join_round(cluster, functions, joined_at):
+    """One round of a worker waiting in join(): the next call to make with zeros, or the end.
+
+    Every worker waiting in join() calls it in a loop; each round pairs with
+    one ``check_same_call`` of the workers still working.
+
+    Args:
+      cluster: tfreduce.Cluster, started (several workers).
+      functions: as in check_same_call.
+      joined_at: int, how many calls this worker had made when it joined.
+
+    Returns:
+      (recipe, None): bytes, the call the working workers make (to make
+      with zeros); or (None, last): every worker has joined, `last` the
+      rank that joined last (the highest such rank on a tie).
+
+    Raises:
+      CallMismatchError: the working workers' call cannot go on without
+        this one (no recipe), or their calls differ.
+    """
+    hashes = _gather_cached(cluster, functions, [_hash(_JOINED)])[:, 0]
+    if (hashes == _hash(_JOINED)).all():
+        at = _gather_cached(cluster, functions, [joined_at])[:, 0]
+        return None, int(np.flatnonzero(at == at.max())[-1])
+    return _recipe_for_joined(cluster, functions, _JOINED, hashes, None), None
+
+
+def _recipe_for_joined(cluster, functions, description, hashes, recipe):
+    """The first working worker's recipe, on every worker, once the working ones agree."""
+    joined = hashes == _hash(_JOINED)
+    working = np.flatnonzero(~joined)
+    if len(set(hashes[working].tolist())) > 1:
+        _raise_mismatch(cluster, description)
+    recipe = recipe() if recipe else b""
+    lengths = _gather_cached(cluster, functions, [len(recipe)])[:, 0]
+    first = int(working[0])
+    if lengths[working].min() == 0:
+        texts = _gather_text(cluster, description)
+        waiting = ", ".join(cluster.describe(int(r)) for r in np.flatnonzero(joined))
+        raise CallMismatchError(
+            f"{cluster.describe(cluster.rank)}: the call of the workers still working, "
+            f"{texts[first]}, cannot go on while these wait in join() (their data ended): "
+            f"{waiting}. After a join(), the others may only all-reduce dense tensors with op "
+            "Sum or Average, eagerly (as in Horovod); call join() after the last other call")
+    words = -(-int(lengths.max()) // 8)
+    mine = np.frombuffer(recipe.ljust(8 * words, b"\0"), np.int64)
+    rows = _gather_cached(cluster, functions, mine)
+    return rows[first].tobytes()[:int(lengths[first])]
+
+
+def _raise_mismatch(cluster, description):
+    texts = _gather_text(cluster, description)
+    calls = "; ".join(f"{cluster.describe(r)}: {text}" for r, text in enumerate(texts))
+    raise CallMismatchError(f"{cluster.describe(cluster.rank)}: the processes made "
+                            f"different collective calls, which must be the same, in the "
+                            f"same order, on every process: {calls} (when a process's data "
+                            "ends before the others', it calls join(), which lets them finish)")
+
+
+def _gather_cached(cluster, functions, values):
+    """_gather(cluster, values) through one traced all-gather per length, kept in `functions`.
+
+    Every worker must call it with the same length at the same point: the
+    first call of a length draws its instance key then."""
+    values = np.asarray(values, np.int64).reshape(-1)
+    key = ("check_same_call", len(values))
+    gather = functions.get(key)
+    if gather is None:
+        group_key = cluster.group_key([_DEVICE])
+        options = CollectiveOptions(timeout=cluster.op_timeout)
+        instance_key = cluster.keys.instance_key()
+
+        def build(value):
+            with tf.name_scope("same_call"), tf.device(cluster.task_name() + _DEVICE):
+                return all_gather(value, cluster.num_workers, group_key, instance_key, options,
+                                  name="gather")
+
+        gather = functions[key] = tf.function(
+            build, input_signature=[tf.TensorSpec([len(values)], tf.int64)], autograph=False)
+    with cluster.detect_lost_workers():
+        gathered = gather(tf.constant(values)).numpy()
+    return gathered.reshape(cluster.num_workers, len(values))
