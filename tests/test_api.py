@@ -121,10 +121,10 @@ EXPORTS = {
 
 # Documented names of submodules: "module.name" -> signature or repr.
 MODULE_NAMES = {
-    'tfreduce.cluster.parse_tf_config': '(tf_config=None)',
-    'tfreduce.cluster.DEFAULT_TIMEOUT': '300.0',
-    'tfreduce.multiworker.CROSS_WORKER_PACK_BYTES': '4194304',
-    'tfreduce.packing.DEFAULT_PACK_BYTES': '65536',
+    'tfreduce.workers.cluster.parse_tf_config': '(tf_config=None)',
+    'tfreduce.workers.cluster.DEFAULT_TIMEOUT': '300.0',
+    'tfreduce.doors.multiworker.CROSS_WORKER_PACK_BYTES': '4194304',
+    'tfreduce.buffers.packing.DEFAULT_PACK_BYTES': '65536',
     'tfreduce.bench.main': '(argv=None)',
     'tfreduce.bench.parse_bytes': '(text)',
     'tfreduce.bench.format_bytes': '(num)',

@@ -12,7 +12,7 @@ import socket
 import pytest
 import tensorflow as tf
 
-from tfreduce.cluster import DEFAULT_TIMEOUT, Cluster, WorkerLostError, parse_tf_config
+from tfreduce.workers.cluster import DEFAULT_TIMEOUT, Cluster, WorkerLostError, parse_tf_config
 
 TWO = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
 

@@ -9,9 +9,9 @@ import tensorflow as tf
 from hypothesis import given, settings, strategies as st
 
 import tfreduce
-from tfreduce import collectives
-from tfreduce.collective_build import BUILDERS, collective_stage
-from tfreduce.collective_rules import COLLECTIVE_RULES, CollectiveRule
+from tfreduce.doors import collectives
+from tfreduce.choice.collective_build import BUILDERS, collective_stage
+from tfreduce.basis.collective_rules import COLLECTIVE_RULES, CollectiveRule
 from helpers import CPU_DEVICES, GPU_DEVICES, RUNNERS, covering, placeholders, run_in_function
 
 ALGORITHMS = ["flat", "hierarchical", "ring", "collective"]

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import tfreduce
 from helpers import EXAMPLE, load_script
-from tfreduce.startup import filter_stream, is_startup_noise
+from tfreduce.basis.startup import filter_stream, is_startup_noise
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 PROG = "image_classification.py"
@@ -77,7 +77,7 @@ def test_the_stderr_filter_drops_the_noise_for_the_whole_run_and_loses_no_last_w
     # start-up. A line written just before an abort still gets through, and
     # a partial line (a progress bar's \r) is not held back.
     payload = ("\n".join(NOISE + KEPT[:1]) + "\n").encode()
-    code = ("import os, sys\nfrom tfreduce.startup import import_tensorflow\n"
+    code = ("import os, sys\nfrom tfreduce.basis.startup import import_tensorflow\n"
             "tf = import_tensorflow()\n"
             "print(float(tf.function(lambda x: x * x)(tf.constant(2.0, tf.float16))), flush=True)\n"
             f"os.write(2, {payload!r})\n"

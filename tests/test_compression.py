@@ -143,7 +143,7 @@ def test_replicated_trainer_trains_with_compression():
 
 
 def test_the_multi_worker_reduction_takes_compression_itself():
-    from tfreduce.multiworker import check_local_options
+    from tfreduce.doors.multiworker import check_local_options
 
     with pytest.raises(ValueError, match=r"^local_options compression='fp16': pass compression= "
                                          r"to allreduce_grads_multiworker itself, which "
@@ -156,7 +156,7 @@ def test_the_multi_worker_reduction_takes_compression_itself():
 # ------------------------------------------------------------------ the one type
 
 def test_the_named_compressors_and_their_aliases():
-    from tfreduce.compression import as_compressor
+    from tfreduce.buffers.compression import as_compressor
 
     C = tfreduce.Compression
     assert [as_compressor(a) for a in (None, "none", "fp16", "bf16")] == [C.none, C.none,

@@ -8,9 +8,9 @@ import tensorflow as tf
 
 import tfreduce
 from helpers import GPU_DEVICES
-from tfreduce.costmodel import predict
-from tfreduce.hostprobe import host_topology
-from tfreduce.topology import PRESETS, Topology
+from tfreduce.analysis.costmodel import predict
+from tfreduce.analysis.hostprobe import host_topology
+from tfreduce.basis.topology import PRESETS, Topology
 
 GB = 1e9
 

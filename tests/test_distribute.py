@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-import tfreduce.distribute
+import tfreduce.doors.distribute
 import zygote
 from helpers import CPU_DEVICES, load_script
 
@@ -144,7 +144,7 @@ def test_reduce_and_batch_reduce_to_against_numpy():
 @pytest.mark.parametrize("algorithm", CPU_ALGORITHMS)
 def test_all_gather_and_gather_go_through_tfreduce(monkeypatch, algorithm):
     calls = []
-    original = tfreduce.distribute.all_gather
+    original = tfreduce.doors.distribute.all_gather
 
     def spy(tensors, devices, **kwargs):
         out = original(tensors, devices, **kwargs)
@@ -152,7 +152,7 @@ def test_all_gather_and_gather_go_through_tfreduce(monkeypatch, algorithm):
                       [row[0].device.split("device:")[-1] for row in out]))
         return out
 
-    monkeypatch.setattr(tfreduce.distribute, "all_gather", spy)
+    monkeypatch.setattr(tfreduce.doors.distribute, "all_gather", spy)
     strategy = tf.distribute.MirroredStrategy(
         CPU_DEVICES[:4], cross_device_ops=tfreduce.CrossDeviceOps(algorithm,
                                                                   compression="fp16"))

@@ -18,8 +18,8 @@ import tfreduce
 import tfreduce.tensorflow as hvd
 import tfreduce.tensorflow.keras as hvdk
 import zygote
-from tfreduce.contract import shard_sizes
-from tfreduce.tf_config import expand_hostlist, expand_tasks_per_node, slurm_tf_config
+from tfreduce.basis.contract import shard_sizes
+from tfreduce.basis.tf_config import expand_hostlist, expand_tasks_per_node, slurm_tf_config
 
 # Horovod's signatures (horovod.tensorflow and horovod.tensorflow.keras,
 # version 0.28), parameter names, order and defaults, as recorded from its source.
@@ -490,8 +490,8 @@ def test_each_local_rank_sees_its_own_gpu():
         "chosen = []",
         "tf.config.list_physical_devices = lambda kind=None: gpus if kind == 'GPU' else []",
         "tf.config.set_visible_devices = lambda devices, kind=None: chosen.append(devices.name)",
-        "import tfreduce.cluster",
-        "tfreduce.cluster.Cluster.start = lambda self: self  # no server: nothing to reach",
+        "import tfreduce.workers.cluster",
+        "tfreduce.workers.cluster.Cluster.start = lambda self: self  # no server: nothing to reach",
         "import tfreduce.tensorflow as hvd",
         "hvd.init()",
         "print(json.dumps([hvd.local_rank(), chosen]))",

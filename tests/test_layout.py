@@ -11,8 +11,8 @@ import tensorflow as tf
 
 import tfreduce
 from helpers import GPU_DEVICES, placeholders
-from tfreduce import contract
-from tfreduce.cluster import Cluster
+from tfreduce.basis import contract
+from tfreduce.workers.cluster import Cluster
 
 PACKAGE = pathlib.Path(tfreduce.__file__).parent
 
@@ -160,7 +160,7 @@ def test_every_old_module_path_imports_the_moved_module():
 
 
 def test_tf_config_and_launcher_need_no_tensorflow():
-    code = ("import sys, tfreduce.tf_config, tfreduce.launch; "
+    code = ("import sys, tfreduce.basis.tf_config, tfreduce.launch; "
             "assert 'tensorflow' not in sys.modules, 'tensorflow imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     help_run = subprocess.run(
@@ -326,7 +326,7 @@ def test_the_architecture_page_gives_every_module_its_layer():
 
 def test_the_registered_algorithms_sit_below_the_registry():
     # registry.STAGES imports the classes choices.STAGE_CLASSES names.
-    from tfreduce.choices import STAGE_CLASSES
+    from tfreduce.basis.choices import STAGE_CLASSES
     for name, path in STAGE_CLASSES.items():
         module = unit(tuple(path.split(":")[0].split(".")[1:]))
         assert LAYERS[module] <= LAYERS["registry"], (name, path)

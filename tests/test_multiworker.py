@@ -39,11 +39,11 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-from tfreduce.cluster import Cluster
+from tfreduce.workers.cluster import Cluster
 from tfreduce.launch import free_ports
-from tfreduce.multiworker import (CROSS_WORKER_PACK_BYTES, allreduce_grads_multiworker,
+from tfreduce.doors.multiworker import (CROSS_WORKER_PACK_BYTES, allreduce_grads_multiworker,
                                   broadcast_variables_multiworker)
-from tfreduce.watchdog import Watchdog
+from tfreduce.workers.watchdog import Watchdog
 
 import zygote
 from helpers import CPU_DEVICES, alive

@@ -20,9 +20,9 @@ import tfreduce
 from helpers import CPU_DEVICES, GPU_DEVICES, placeholders
 from test_trainer import LOSS, sgd
 from tfreduce.bench.overlap_mode import _AfterEveryGradient
-from tfreduce.profiler import architecture
-from tfreduce.stepmodel import layer_flops, layer_seconds
-from tfreduce.timeline import COMMUNICATION, STAGES, Slice, Timeline, stage_of
+from tfreduce.analysis.profiler import architecture
+from tfreduce.doors.stepmodel import layer_flops, layer_seconds
+from tfreduce.analysis.timeline import COMMUNICATION, STAGES, Slice, Timeline, stage_of
 from tfreduce.trainer import ReplicatedTrainer
 
 
@@ -546,7 +546,7 @@ def test_predict_step_asks_for_a_model_built_on_its_first_batch_to_be_built():
     assert built.compute_seconds == pytest.approx(tfreduce.predict_step(
         two_layers(), 32, "dgx1-v100", num_towers=4).compute_seconds)
     assert built.compute_seconds == pytest.approx(
-        3 * 2 * (64 * 128 + 128 * 10) * 32 / tfreduce.stepmodel.SUSTAINED_FLOPS["dgx1-v100"])
+        3 * 2 * (64 * 128 + 128 * 10) * 32 / tfreduce.doors.stepmodel.SUSTAINED_FLOPS["dgx1-v100"])
 
 
 def saved_trace(tmp_path, change=None, raw=None):

@@ -12,8 +12,8 @@ import tensorflow as tf
 
 import tfreduce
 from helpers import GPU_DEVICES, placeholders
-from tfreduce.graphwalk import walk_back
-from tfreduce.packing import DEFAULT_PACK_BYTES, hands_out_slices
+from tfreduce.analysis.graphwalk import walk_back
+from tfreduce.buffers.packing import DEFAULT_PACK_BYTES, hands_out_slices
 
 ALGORITHMS = ["flat", "hierarchical", "ring", "collective", "nccl"]
 

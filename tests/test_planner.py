@@ -12,12 +12,13 @@ import pytest
 import tensorflow as tf
 
 import tfreduce
-import tfreduce.allreduce
+import tfreduce.doors.allreduce
 from helpers import CPU_DEVICES, GPU_DEVICES, check, load_script, place
-from tfreduce import planner, registry
-from tfreduce.cluster import Cluster
-from tfreduce.costmodel import predict
-from tfreduce.replicated import FlatStage
+from tfreduce.analysis import planner
+from tfreduce.algorithms import registry
+from tfreduce.workers.cluster import Cluster
+from tfreduce.analysis.costmodel import predict
+from tfreduce.algorithms.replicated import FlatStage
 from tfreduce.trainer import ReplicatedTrainer
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "keras_fit_worker.py")
@@ -46,7 +47,7 @@ def spy_on_plans(monkeypatch):
         plans.append(planner.plan_for(*args))
         return plans[-1]
 
-    monkeypatch.setattr(tfreduce.reduction, "plan_for", recording)
+    monkeypatch.setattr(tfreduce.choice.reduction, "plan_for", recording)
     return plans
 
 
@@ -131,13 +132,13 @@ def test_a_new_algorithm_is_its_module_and_one_line(tmp_path):
     # What a user adds: a module with its Stage, and its line in
     # choices.STAGE_CLASSES (set here before tfreduce's other modules import it).
     (tmp_path / "toy_algorithm.py").write_text(textwrap.dedent("""
-        from tfreduce.replicated import FlatStage
+        from tfreduce.algorithms.replicated import FlatStage
 
         class ToyStage(FlatStage):
             name = "toy"
     """))
     code = textwrap.dedent("""
-        import tfreduce.choices as choices
+        import tfreduce.basis.choices as choices
         choices.STAGE_CLASSES["toy"] = "toy_algorithm:ToyStage"
         choices.ALGORITHMS += ("toy",)
         import tensorflow as tf
@@ -145,7 +146,7 @@ def test_a_new_algorithm_is_its_module_and_one_line(tmp_path):
             tf.config.list_physical_devices("CPU")[0],
             [tf.config.LogicalDeviceConfiguration()] * 2)
         import tfreduce
-        from tfreduce import registry
+        from tfreduce.algorithms import registry
         grads = [[tf.constant([1.0, 2.0])], [tf.constant([3.0, 4.0])]]
         out = tfreduce.allreduce_grads(grads, ["/cpu:0", "/cpu:1"], algorithm="toy")
         print(registry.STAGES["toy"].__name__, out[1][0].numpy().tolist())

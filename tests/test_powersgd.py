@@ -1,4 +1,4 @@
-"""PowerSGD (tfreduce.powersgd): the reduction against NumPy, its state, its bytes, its errors."""
+"""PowerSGD (tfreduce.algorithms.powersgd): the reduction against NumPy, its state, its bytes, its errors."""
 
 import re
 
@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import tfreduce
 from helpers import CPU_DEVICES, GPU_DEVICES
-from tfreduce.powersgd import PowerSGD, PowerSGDState, powersgd_allreduce
+from tfreduce.algorithms.powersgd import PowerSGD, PowerSGDState, powersgd_allreduce
 
 # A [2, 3, 4] kernel (a 6 x 4 matrix), a vector, a [5, 6] matrix.
 SHAPES = [[2, 3, 4], [4], [5, 6]]

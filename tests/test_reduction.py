@@ -21,9 +21,9 @@ import tensorflow as tf
 import tfreduce
 from helpers import CPU_DEVICES, GPU_DEVICES, check, place, placeholders, run_in_function
 from test_planner import spy_on_plans
-from tfreduce.cluster import Cluster
-from tfreduce.localcluster import LocalCluster
-from tfreduce.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
+from tfreduce.workers.cluster import Cluster
+from tfreduce.workers.localcluster import LocalCluster
+from tfreduce.doors.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
 from tfreduce.trainer import ReplicatedTrainer
 
 OPTIONS = ["algorithm", "groups", "communication", "keys", "timeout", "pack_bytes",

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import tfreduce
 from helpers import CPU_DEVICES, build_graph, check, v1_session_config
-from tfreduce.contract import shard_sizes as chunk_sizes
+from tfreduce.basis.contract import shard_sizes as chunk_sizes
 
 SCOPE = "allreduce_ring"
 

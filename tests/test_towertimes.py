@@ -18,7 +18,7 @@ import tensorflow as tf
 from helpers import scalars
 from tfreduce.trainer import ReplicatedTrainer
 from tfreduce.trainer.towertimes import TowerTimes
-from tfreduce.stragglers import lagging, median_ms
+from tfreduce.workers.stragglers import lagging, median_ms
 
 DEVICES = [f"/device:CPU:{k}" for k in range(4)]
 

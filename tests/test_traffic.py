@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import tfreduce
 from helpers import CPU_DEVICES, GPU_DEVICES, placeholders
-from tfreduce.contract import shard_sizes as chunk_sizes
+from tfreduce.basis.contract import shard_sizes as chunk_sizes
 
 
 def build(num_towers, shapes, algorithm, dtype=tf.float32, pack_bytes=None, **options):

@@ -9,7 +9,7 @@ import pytest
 import tfreduce
 from helpers import CPU_DEVICES
 from test_trainer import LOSS, bn_mlp, data, mlp, sgd, single_device_run, values
-from tfreduce.localcluster import LocalCluster
+from tfreduce.workers.localcluster import LocalCluster
 from tfreduce.trainer import ReplicatedTrainer
 from tfreduce.trainer.update import nonfinite_error
 

@@ -17,12 +17,12 @@ import time
 
 import pytest
 
-from tfreduce import watchdog
-from tfreduce.cluster import Cluster
+from tfreduce.workers import watchdog
+from tfreduce.workers.cluster import Cluster
 from tfreduce.launch import free_ports, parse_args
-from tfreduce.progress import IdleClock
-from tfreduce.stragglers import STRAGGLER_MS, stragglers
-from tfreduce.watchdog import Watchdog, progress, stall_seconds_from
+from tfreduce.workers.progress import IdleClock
+from tfreduce.workers.stragglers import STRAGGLER_MS, stragglers
+from tfreduce.workers.watchdog import Watchdog, progress, stall_seconds_from
 
 from helpers import scalars
 from test_multiworker import launch_workers

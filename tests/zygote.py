@@ -39,7 +39,7 @@ import time
 # Imported once by the server: what the forked programs import first. (Not a
 # module the tests run with -m, such as tfreduce.launch: runpy warns when the
 # module it runs as __main__ was imported already.)
-PRELOAD = ["tensorflow", "tfreduce.trainer", "tfreduce.tensorflow", "tfreduce.multiworker"]
+PRELOAD = ["tensorflow", "tfreduce.trainer", "tfreduce.tensorflow", "tfreduce.doors.multiworker"]
 _START_SECONDS = 180
 _KILL_SECONDS = 20
 

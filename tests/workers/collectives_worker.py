@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfreduce  # noqa: E402
-from tfreduce.cluster import Cluster  # noqa: E402
+from tfreduce.workers.cluster import Cluster  # noqa: E402
 
 TOWERS = 2  # per worker
 # name -> (collective, local algorithm, dtype, same rows on every tower, root, average);

@@ -85,7 +85,7 @@ def tape(args):
             hvd.broadcast_variables(optimizer.variables, root_rank=0)
         return loss
 
-    from tfreduce.watchdog import progress
+    from tfreduce.workers.watchdog import progress
     for s in range(args.steps):
         freeze(r, s, args)
         if r == 1 and args.lag_ms and s >= args.lag_from:
@@ -117,15 +117,15 @@ def fit(args):
 
 
 def trainer(args):
-    from tfreduce.cluster import Cluster
+    from tfreduce.workers.cluster import Cluster
     from tfreduce.trainer import ReplicatedTrainer
     r = Cluster.from_tf_config().rank
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     x, y = data(r, rows=16 * args.steps)
 
-    def watch():  # the trainer's steps are counted in tfreduce.watchdog.progress
-        from tfreduce.watchdog import progress
+    def watch():  # the trainer's steps are counted in tfreduce.workers.watchdog.progress
+        from tfreduce.workers.watchdog import progress
         while progress.step < args.freeze_at or args.freeze_at < 0:
             time.sleep(0.01)
         freeze(r, args.freeze_at, args)

@@ -26,8 +26,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfreduce.cluster import Cluster  # noqa: E402
-from tfreduce.multiworker import (allreduce_grads_multiworker,  # noqa: E402
+from tfreduce.workers.cluster import Cluster  # noqa: E402
+from tfreduce.doors.multiworker import (allreduce_grads_multiworker,  # noqa: E402
                                   broadcast_variables_multiworker)
 
 FEATURES, HIDDEN, CLASSES = 8, 16, 3

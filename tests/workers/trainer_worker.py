@@ -124,7 +124,7 @@ def update_options(accumulate_steps=1, powersgd_rank=0, on_nonfinite="raise",
                    compression="none"):
     """The trainer options of --accumulate-steps, --powersgd-rank (0: none), --on-nonfinite
     and --compression."""
-    from tfreduce.powersgd import PowerSGD
+    from tfreduce.algorithms.powersgd import PowerSGD
 
     options = {"accumulate_steps": accumulate_steps, "on_nonfinite": on_nonfinite,
                "compression": compression}
@@ -198,7 +198,7 @@ def fit_on_cluster(args, cluster, devices, name=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from tfreduce.cluster import Cluster
+    from tfreduce.workers.cluster import Cluster
 
     # One cluster for every run: its collective keys go on from run to run.
     cluster = Cluster.from_tf_config()
