@@ -43,8 +43,8 @@ import time
 
 from tfreduce import preload
 from tfreduce.basis.startup import VERBOSE_ENV, ArgumentParser
-from tfreduce.workers.watchdog import DEFAULT_STALL_SECONDS, STALL_ENV
 from tfreduce.basis.tf_config import worker_tf_config as tf_config
+from tfreduce.workers.watchdog import DEFAULT_STALL_SECONDS, STALL_ENV
 
 __all__ = ["main", "free_ports", "tf_config"]
 

@@ -18,15 +18,15 @@ once and casts back once.
 
 import tensorflow as tf
 
-from tfreduce.blocks.collective import in_function
-from tfreduce.buffers.compression import Compression
 from tfreduce.basis.contract import nbytes, values_of
 from tfreduce.basis.devices import host_device
-from tfreduce.buffers.packing import PackPlan
+from tfreduce.blocks.collective import in_function
 from tfreduce.blocks.primitives import (RootBalancer, accumulation_dtype, broadcast_slices,
-                                 check_average_dtype, copy_to, gather_slices,
-                                 scale_by_reciprocal, sum_order)
+                                        check_average_dtype, copy_to, gather_slices,
+                                        scale_by_reciprocal, sum_order)
 from tfreduce.blocks.stage import ReduceContext
+from tfreduce.buffers.compression import Compression
+from tfreduce.buffers.packing import PackPlan
 
 __all__ = ["run_stages"]
 

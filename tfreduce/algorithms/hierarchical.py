@@ -22,9 +22,9 @@ ResNet50's mean went from 1.65x to 1.42x the time of one 8-way sum).
 import tensorflow as tf
 
 from tfreduce.basis.contract import nbytes, validate_groups
+from tfreduce.blocks.primitives import (RootBalancer, broadcast, concat_rows, finish_sum,
+                                        reduce_to, split_rows, sum_order)
 from tfreduce.blocks.stage import Stage
-from tfreduce.blocks.primitives import (RootBalancer, broadcast, concat_rows, finish_sum, reduce_to,
-                                 split_rows, sum_order)
 
 __all__ = ["HierarchicalStage", "default_groups"]
 

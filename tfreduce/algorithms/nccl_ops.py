@@ -15,12 +15,12 @@ device; there is no single place where the sum exists.
 import tensorflow as tf
 from tensorflow.python.ops import nccl_ops as _tf_nccl
 
-from tfreduce.blocks.collective import (CollectiveChain, CollectiveKeys, CollectiveOptions,
-                                 check_broadcast_shape, check_keys)
 from tfreduce.basis.devices import is_gpu
-from tfreduce.blocks.stage import Stage
+from tfreduce.blocks.collective import (CollectiveChain, CollectiveKeys, CollectiveOptions,
+                                        check_broadcast_shape, check_keys)
 from tfreduce.blocks.primitives import (accumulation_dtype, concat_rows, scale_by_reciprocal,
-                                 split_rows, widen_half)
+                                        split_rows, widen_half)
+from tfreduce.blocks.stage import Stage
 
 __all__ = ["NcclStage", "CollectiveStage"]
 

@@ -17,9 +17,9 @@ the copies have drifted apart.
 import tensorflow as tf
 
 from tfreduce.basis.contract import check_variables, nbytes, tf_variables
+from tfreduce.blocks.primitives import (RootBalancer, broadcast, concat_rows, reduce_to,
+                                        split_rows, sum_order)
 from tfreduce.blocks.stage import Stage
-from tfreduce.blocks.primitives import (RootBalancer, broadcast, concat_rows, reduce_to, split_rows,
-                                 sum_order)
 
 __all__ = ["FlatStage", "broadcast_variables", "max_replica_difference"]
 

@@ -23,8 +23,9 @@ links between devices are the bottleneck.
 import tensorflow as tf
 
 from tfreduce.basis.contract import shard_sizes
+from tfreduce.blocks.primitives import (concat_rows, ring_all_gather, ring_reduce_scatter,
+                                        split_rows)
 from tfreduce.blocks.stage import Stage
-from tfreduce.blocks.primitives import concat_rows, ring_all_gather, ring_reduce_scatter, split_rows
 
 __all__ = ["RingStage"]
 

@@ -38,12 +38,12 @@ import math
 
 import tensorflow as tf
 
-from tfreduce.basis.devices import canonical_or_empty, topology_index
 from tfreduce.analysis.graphwalk import as_graph, static_bytes, tensors, walk_back
 from tfreduce.analysis.hostprobe import resolve_topology
-from tfreduce.buffers.packing import SLICING_OPS, hands_out_slices
 from tfreduce.analysis.timeline import Slice, Timeline, stage_of
+from tfreduce.basis.devices import canonical_or_empty, topology_index
 from tfreduce.basis.topology import best_ring, ring_time
+from tfreduce.buffers.packing import SLICING_OPS, hands_out_slices
 
 __all__ = ["Prediction", "predict"]
 

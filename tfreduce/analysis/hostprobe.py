@@ -11,9 +11,9 @@ import time
 
 import tensorflow as tf
 
-from tfreduce.basis.contract import validate_grads
 from tfreduce.algorithms.frame import run_stages
 from tfreduce.algorithms.nccl_ops import CollectiveStage
+from tfreduce.basis.contract import validate_grads
 from tfreduce.basis.topology import Topology, check_topology
 
 __all__ = ["host_topology", "resolve_topology"]

@@ -16,11 +16,11 @@ import functools
 
 import tensorflow as tf
 
-from tfreduce.basis.contract import dense_shape, validate_grads, values_of
-from tfreduce.analysis.costmodel import predict
 from tfreduce.algorithms.frame import run_stages
-from tfreduce.analysis.hostprobe import resolve_topology
 from tfreduce.algorithms.registry import STAGES, make_stage
+from tfreduce.analysis.costmodel import predict
+from tfreduce.analysis.hostprobe import resolve_topology
+from tfreduce.basis.contract import dense_shape, validate_grads, values_of
 
 __all__ = ["Plan", "plan_for", "plan_shapes", "planned", "forget_plans", "PACK_SIZES"]
 

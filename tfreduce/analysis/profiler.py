@@ -16,8 +16,8 @@ import time
 
 import tensorflow as tf
 
-from tfreduce.basis.devices import canonical_or_empty
 from tfreduce.analysis.timeline import Slice, Timeline, stage_of
+from tfreduce.basis.devices import canonical_or_empty
 
 __all__ = ["StepProfiler", "architecture", "from_ops", "layer_scopes", "placement", "read_xspace",
            "track_names"]

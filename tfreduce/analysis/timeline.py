@@ -127,8 +127,8 @@ class Timeline:
     def __init__(self, slices, source, process="worker 0", origin=None, layers=None,
                  architecture=None):
         if isinstance(slices, (str, bytes)) or not isinstance(slices, collections.abc.Iterable):
-            raise TypeError(f"Timeline: slices must be an iterable of tfreduce.analysis.timeline.Slice, "
-                            f"got {type(slices).__name__} {slices!r:.80}")
+            raise TypeError(f"Timeline: slices must be an iterable of "
+                            f"tfreduce.analysis.timeline.Slice, got {type(slices).__name__} {slices!r:.80}")
         slices = list(slices)
         for i, s in enumerate(slices):
             _check_slice(s, i)

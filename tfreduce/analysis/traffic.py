@@ -25,8 +25,8 @@ turns a time into nccl-tests' bus bandwidth.
 
 import collections
 
-from tfreduce.basis.devices import canonical_or_empty
 from tfreduce.analysis.graphwalk import as_graph, static_bytes, tensors, walk_back
+from tfreduce.basis.devices import canonical_or_empty
 
 __all__ = ["Traffic", "analyze_traffic", "BUS_FACTORS", "bus_bandwidth"]
 

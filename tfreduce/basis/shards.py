@@ -11,14 +11,8 @@ of a broadcast or reduce, and says which tower, tensor and values are wrong.
 import tensorflow as tf
 
 from tfreduce.basis.collective_rules import COLLECTIVE_RULES
-from tfreduce.basis.contract import (
-    as_tensor,
-    dense_shape,
-    device_of,
-    is_int,
-    validate_groups,
-    values_of,
-)
+from tfreduce.basis.contract import (as_tensor, dense_shape, device_of, is_int, validate_groups,
+                                     values_of)
 from tfreduce.basis.devices import check_devices_exist, normalize_devices
 
 __all__ = ["Tensors", "check_list", "validate_tensors", "check_splits", "check_root",

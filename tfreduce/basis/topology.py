@@ -250,7 +250,8 @@ class Topology:
         """
         if name not in PRESETS:
             raise ValueError(f"unknown topology preset {name!r}; choose one of "
-                             f"{sorted(PRESETS)} or 'host' (tfreduce.analysis.costmodel.host_topology)")
+                             f"{sorted(PRESETS)} or 'host' "
+                             f"(tfreduce.analysis.costmodel.host_topology)")
         return PRESETS[name]()
 
     @classmethod

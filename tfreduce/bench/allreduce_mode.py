@@ -11,15 +11,15 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from tfreduce.basis.choices import ALGORITHMS
 from tfreduce.bench.contenders import contenders
-from tfreduce.bench.harness import (build_contender, check, consume, device_names,
-                                    environment, graph_session_config, make_floor,
-                                    make_inputs, time_rounds, warm_up)
+from tfreduce.bench.harness import (build_contender, check, consume, device_names, environment,
+                                    graph_session_config, make_floor, make_inputs, time_rounds,
+                                    warm_up)
 from tfreduce.bench.prediction import host_check, predict_rows, print_predictions
 from tfreduce.bench.tables import print_table
 from tfreduce.bench.units import format_bytes
 from tfreduce.bench.workloads import gradient_shapes
-from tfreduce.basis.choices import ALGORITHMS
 
 __all__ = ["run", "print_result", "plot"]
 

@@ -10,12 +10,12 @@ import importlib
 import json
 import sys
 
-from tfreduce.bench.units import format_bytes, parse_bytes
-from tfreduce.bench.workloads import keras_application
 from tfreduce.basis.choices import (ALGORITHMS, BENCH_FAMILIES, COLLECTIVES, DEFAULT_PACK_BYTES,
-                              bench_compression)
+                                    bench_compression)
 from tfreduce.basis.startup import ArgumentParser, import_tensorflow
 from tfreduce.basis.topology import PRESETS
+from tfreduce.bench.units import format_bytes, parse_bytes
+from tfreduce.bench.workloads import keras_application
 
 __all__ = ["MODES", "main", "parse_args"]
 

@@ -21,14 +21,14 @@ import numpy as np
 import tensorflow as tf
 
 import tfreduce
+from tfreduce.analysis.costmodel import predict
+from tfreduce.analysis.traffic import analyze_traffic, bus_bandwidth
+from tfreduce.basis.contract import shard_sizes
+from tfreduce.basis.topology import Topology
 from tfreduce.bench.harness import (consume, device_names, environment, graph_session_config,
                                     make_inputs, time_rounds)
 from tfreduce.bench.tables import print_table
 from tfreduce.bench.units import format_bytes
-from tfreduce.basis.contract import shard_sizes
-from tfreduce.analysis.costmodel import predict
-from tfreduce.basis.topology import Topology
-from tfreduce.analysis.traffic import analyze_traffic, bus_bandwidth
 
 __all__ = ["run", "print_result"]
 

@@ -8,10 +8,10 @@ tf.distribute's cross-device ops, each behind one
 
 import tensorflow as tf
 
-from tfreduce.bench.units import format_bytes
-from tfreduce.basis.choices import bench_compression
-from tfreduce.buffers.compression import Compression, as_compressor
 from tfreduce.algorithms.powersgd import PowerSGD, PowerSGDState, powersgd_allreduce
+from tfreduce.basis.choices import bench_compression
+from tfreduce.bench.units import format_bytes
+from tfreduce.buffers.compression import Compression, as_compressor
 from tfreduce.choice.reduction import Reduction
 
 __all__ = ["COMPRESSION_ROUNDOFF", "Contender", "contenders", "parse_compression",

@@ -15,8 +15,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tfreduce.basis.devices import canonical_or_empty
 from tfreduce.analysis.traffic import analyze_traffic
+from tfreduce.basis.devices import canonical_or_empty
 
 __all__ = ["device_names", "graph_session_config", "consume", "input_values", "make_inputs",
            "make_floor", "time_rounds", "warm_up", "build_contender", "check", "environment"]

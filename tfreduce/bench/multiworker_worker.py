@@ -50,9 +50,9 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(argv)
     tf = import_tensorflow(args.verbose)
+    from tfreduce.basis.devices import logical_devices
     from tfreduce.bench.workloads import gradient_shapes
     from tfreduce.workers.cluster import Cluster
-    from tfreduce.basis.devices import logical_devices
 
     cluster = Cluster.from_tf_config()
     local = logical_devices(args.devices)
@@ -111,8 +111,8 @@ def _expected(shapes, workers, towers, average):
 
 def _contenders(tf, cluster, local, devices, grads, average, rank):
     import tfreduce
-    from tfreduce.blocks.collective import CollectiveChain, CollectiveOptions
     from tfreduce.algorithms.powersgd import PowerSGD, PowerSGDState, powersgd_allreduce
+    from tfreduce.blocks.collective import CollectiveChain, CollectiveOptions
 
     total = cluster.num_workers * len(devices)
 

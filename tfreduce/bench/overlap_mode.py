@@ -30,12 +30,13 @@ import statistics
 import tensorflow as tf
 
 import tfreduce
+from tfreduce.analysis.profiler import StepProfiler
+from tfreduce.analysis.timeline import COMMUNICATION, COMPUTE
+from tfreduce.basis.devices import logical_devices
 from tfreduce.bench.harness import environment
 from tfreduce.bench.tables import print_table
-from tfreduce.bench.train_mode import (alternate_rounds, image_side, image_workload,
-                                       row_in_child, trainer_rounds)
-from tfreduce.basis.devices import logical_devices
-from tfreduce.analysis.profiler import StepProfiler
+from tfreduce.bench.train_mode import (alternate_rounds, image_side, image_workload, row_in_child,
+                                       trainer_rounds)
 
 __all__ = ["run", "print_result"]
 
@@ -151,8 +152,8 @@ def _one(args, num_devices, log):
             # Under the profiler: its cost is this over the rounds' step_ms.
             "step_ms": statistics.median(profiled) * 1e3,
             "exposed_ms": timeline.exposed_communication() / steps * 1e3,
-            "communication_ms": timeline.busy(tfreduce.analysis.timeline.COMMUNICATION) / steps * 1e3,
-            "compute_ms": timeline.busy(tfreduce.analysis.timeline.COMPUTE) / steps * 1e3}
+            "communication_ms": timeline.busy(COMMUNICATION) / steps * 1e3,
+            "compute_ms": timeline.busy(COMPUTE) / steps * 1e3}
         if name == "overlap" and args.trace:
             log(f"K={num_devices}: wrote {timeline.save(args.trace)}")
         if name == "overlap" and args.device_type == "cpu":

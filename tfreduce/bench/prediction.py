@@ -10,10 +10,10 @@ either are near-ties, not counted).
 
 import itertools
 
-from tfreduce.bench.tables import print_table
 from tfreduce.analysis.costmodel import predict
 from tfreduce.analysis.hostprobe import host_topology
 from tfreduce.basis.topology import Topology
+from tfreduce.bench.tables import print_table
 
 __all__ = ["host_check", "predict_rows", "print_predictions"]
 

@@ -16,9 +16,9 @@ import time
 
 import numpy as np
 
+from tfreduce.basis.devices import logical_devices
 from tfreduce.bench.harness import environment
 from tfreduce.bench.tables import print_table
-from tfreduce.basis.devices import logical_devices
 
 __all__ = ["run", "print_result"]
 
@@ -47,8 +47,8 @@ def run(args, log):
     """
     import keras
 
-    from tfreduce.trainer.models import image_cnn
     from tfreduce.trainer import ReplicatedTrainer
+    from tfreduce.trainer.models import image_cnn
 
     devices = logical_devices(args.devices, args.device_type)
     batch, side = args.batch_size, args.image_size

@@ -24,9 +24,9 @@ import numpy as np
 import tensorflow as tf
 
 import tfreduce
+from tfreduce.basis.devices import logical_devices
 from tfreduce.bench.harness import environment
 from tfreduce.bench.tables import print_table
-from tfreduce.basis.devices import logical_devices
 
 __all__ = ["run", "print_result"]
 

@@ -14,11 +14,11 @@ Without accumulation stage 2 is stage 1.
 
 import statistics
 
+from tfreduce.basis.devices import logical_devices
 from tfreduce.bench.harness import environment
 from tfreduce.bench.tables import print_table
 from tfreduce.bench.train_mode import (alternate_rounds, fit_rounds, image_side, image_workload,
                                        row_in_child, trainer_rounds)
-from tfreduce.basis.devices import logical_devices
 
 __all__ = ["run", "print_result"]
 

@@ -9,11 +9,11 @@ for "auto" with a topology, costs every algorithm's build of it.
 
 import tensorflow as tf
 
+from tfreduce.algorithms.registry import STAGES, choose_algorithm, make_stage
 from tfreduce.basis.collective_rules import COLLECTIVE_RULES, builds
 from tfreduce.basis.contract import dense_shape, values_of
-from tfreduce.blocks.primitives import scale_by_reciprocal, split_rows
-from tfreduce.algorithms.registry import STAGES, choose_algorithm, make_stage
 from tfreduce.basis.shards import Tensors
+from tfreduce.blocks.primitives import scale_by_reciprocal, split_rows
 from tfreduce.blocks.stage import ReduceContext
 
 __all__ = ["BUILDERS", "build_group", "build_wire_group", "plan_algorithm", "result_dtypes"]
@@ -233,8 +233,9 @@ def collective_stage(reduction, collective, devices, planned=None):
 
     Raises:
       ValueError: compression (the doors of the sums take it off before
-        choosing a stage); a topology without a plan; an algorithm that does not build this collective (naming
-        those that do); devices the algorithm cannot use.
+        choosing a stage); a topology without a plan; an algorithm that
+        does not build this collective (naming those that do); devices the
+        algorithm cannot use.
     """
     if reduction.compression.compresses:
         raise ValueError(f"{collective}: compression={reduction.compression.name!r} applies to "

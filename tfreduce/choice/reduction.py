@@ -24,18 +24,19 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from tfreduce.algorithms.frame import run_stages
+from tfreduce.algorithms.registry import choose_algorithm, make_stage, stage_options
 from tfreduce.basis.choices import ALGORITHMS, DEFAULT_PACK_BYTES
-from tfreduce.workers.cluster import Cluster
+from tfreduce.basis.contract import check_flag, dense_shape, validate_grads, values_of
+from tfreduce.basis.devices import normalize_devices
+from tfreduce.basis.topology import Topology, check_topology
 from tfreduce.blocks.collective import CollectiveKeys
 from tfreduce.buffers.compression import Compression, Compressor, as_compressor
-from tfreduce.basis.contract import check_flag, dense_shape, validate_grads, values_of
-from tfreduce.workers.crossworker import CROSS_WORKER_PACK_BYTES, CrossWorkerStage, cross_worker_options
-from tfreduce.basis.devices import normalize_devices
-from tfreduce.algorithms.frame import run_stages
-from tfreduce.workers.localcluster import LocalCluster
 from tfreduce.buffers.packing import check_pack_bytes
-from tfreduce.algorithms.registry import choose_algorithm, make_stage, stage_options
-from tfreduce.basis.topology import Topology, check_topology
+from tfreduce.workers.cluster import Cluster
+from tfreduce.workers.crossworker import (CROSS_WORKER_PACK_BYTES, CrossWorkerStage,
+                                          cross_worker_options)
+from tfreduce.workers.localcluster import LocalCluster
 
 __all__ = ["Reduction", "as_reduction", "FRAME_OPTIONS"]
 

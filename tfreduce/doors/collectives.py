@@ -61,19 +61,19 @@ import tensorflow as tf
 
 from tfreduce.basis.choices import COLLECTIVES
 from tfreduce.basis.collective_rules import COLLECTIVE_RULES
-from tfreduce.workers.cluster import Cluster
-from tfreduce.blocks.collective import in_function
-from tfreduce.choice.collective_build import (build_wire_group, collective_stage, plan_algorithm,
-                                       result_dtypes)
-from tfreduce.buffers.compression import Compression
 from tfreduce.basis.contract import check_flag, values_of
+from tfreduce.basis.shards import (check_list, check_root, check_splits, resolve_groups,
+                                   validate_tensors)
+from tfreduce.blocks.collective import in_function
+from tfreduce.blocks.primitives import check_average_dtype, copy_to
+from tfreduce.blocks.stage import ReduceContext
+from tfreduce.buffers.compression import Compression
+from tfreduce.choice.collective_build import (build_wire_group, collective_stage, plan_algorithm,
+                                              result_dtypes)
+from tfreduce.choice.reduction import as_reduction
+from tfreduce.workers.cluster import Cluster
 from tfreduce.workers.crossworker import CrossWorkerCollectives, cross_worker_options
 from tfreduce.workers.localcluster import LocalCluster
-from tfreduce.blocks.primitives import check_average_dtype, copy_to
-from tfreduce.choice.reduction import as_reduction
-from tfreduce.basis.shards import (check_list, check_root, check_splits, resolve_groups,
-                             validate_tensors)
-from tfreduce.blocks.stage import ReduceContext
 
 __all__ = ["COLLECTIVES", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all"]
 

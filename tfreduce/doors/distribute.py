@@ -19,14 +19,13 @@ which have no public names; so do TF's own implementations.
 import dataclasses
 
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
-from tensorflow.python.distribute import distribute_utils
-from tensorflow.python.distribute import values as tf_values
+from tensorflow.python.distribute import (cross_device_ops as tf_cross_device_ops,
+                                          distribute_utils, values as tf_values)
 
-from tfreduce.basis.collective_rules import builds
-from tfreduce.doors.collectives import all_gather
-from tfreduce.choice.reduction import as_reduction
 from tfreduce.algorithms.registry import STAGES
+from tfreduce.basis.collective_rules import builds
+from tfreduce.choice.reduction import as_reduction
+from tfreduce.doors.collectives import all_gather
 
 __all__ = ["CrossDeviceOps"]
 

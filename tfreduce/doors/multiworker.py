@@ -28,15 +28,16 @@ ring over gRPC on CPUs), as under MultiWorkerMirroredStrategy.
 
 import tensorflow as tf
 
-from tfreduce.workers.cluster import Cluster
-from tfreduce.blocks.collective import (CollectiveOptions, broadcast_recv, broadcast_send, check_keys,
-                                 in_function)
-from tfreduce.basis.contract import check_flag, check_root_rank, check_variables, validate_grads
-from tfreduce.workers.crossworker import CROSS_WORKER_PACK_BYTES, CrossWorkerStage, cross_worker_options
-from tfreduce.basis.devices import local_name, normalize_devices
-from tfreduce.workers.localcluster import LocalCluster
-from tfreduce.choice.reduction import as_reduction
 from tfreduce.algorithms.replicated import broadcast_variables
+from tfreduce.basis.contract import check_flag, check_root_rank, check_variables, validate_grads
+from tfreduce.basis.devices import local_name, normalize_devices
+from tfreduce.blocks.collective import (CollectiveOptions, broadcast_recv, broadcast_send,
+                                        check_keys, in_function)
+from tfreduce.choice.reduction import as_reduction
+from tfreduce.workers.cluster import Cluster
+from tfreduce.workers.crossworker import (CROSS_WORKER_PACK_BYTES, CrossWorkerStage,
+                                          cross_worker_options)
+from tfreduce.workers.localcluster import LocalCluster
 
 __all__ = ["allreduce_grads_multiworker", "broadcast_variables_multiworker",
            "check_local_options", "CROSS_WORKER_PACK_BYTES", "CrossWorkerStage"]

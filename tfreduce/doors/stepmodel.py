@@ -43,12 +43,12 @@ import os
 
 import tensorflow as tf
 
-from tfreduce.basis.contract import is_int
 from tfreduce.analysis.costmodel import predict
 from tfreduce.analysis.profiler import architecture
-from tfreduce.choice.reduction import Reduction
 from tfreduce.analysis.timeline import Slice, Timeline
+from tfreduce.basis.contract import is_int
 from tfreduce.basis.topology import check_topology
+from tfreduce.choice.reduction import Reduction
 
 __all__ = ["SUSTAINED_FLOPS", "StepPrediction", "layer_flops", "layer_seconds", "predict_step"]
 
@@ -193,8 +193,8 @@ def _as_timeline(value, argument):
         return value
     if isinstance(value, (str, os.PathLike)):
         return Timeline.load(value)
-    raise TypeError(f"{argument} must be a tfreduce.analysis.timeline.Timeline or the path of its saved "
-                    f"file, got {type(value).__name__} {value!r:.80}")
+    raise TypeError(f"{argument} must be a tfreduce.analysis.timeline.Timeline or the path of "
+                    f"its saved file, got {type(value).__name__} {value!r:.80}")
 
 
 def _check_same_model(timeline, model):

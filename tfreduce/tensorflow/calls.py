@@ -21,8 +21,8 @@ import threading
 import tensorflow as tf
 
 from tfreduce.blocks.collective import CollectiveKeys
-from tfreduce.workers.consistency import check_same_call, join_round
 from tfreduce.tensorflow.process import cluster, eager_functions
+from tfreduce.workers.consistency import check_same_call, join_round
 from tfreduce.workers.progress import IN_JOIN, progress
 
 __all__ = ["agree", "differentiable", "in_session", "result_spec", "run_cached",

@@ -21,18 +21,17 @@ import pickle
 
 import tensorflow as tf
 
-from tfreduce.blocks.collective import CollectiveChain, CollectiveOptions
-from tfreduce.doors.collectives import all_gather
-from tfreduce.doors.collectives import broadcast as tfreduce_broadcast
-from tfreduce.buffers.compression import Compression, as_compressor
 from tfreduce.basis.contract import check_root_rank, tf_variables
 from tfreduce.basis.devices import local_name
+from tfreduce.blocks.collective import CollectiveChain, CollectiveOptions
+from tfreduce.buffers.compression import Compression, as_compressor
+from tfreduce.doors.collectives import all_gather, broadcast as tfreduce_broadcast
 from tfreduce.doors.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
 from tfreduce.tensorflow.calls import (agree, differentiable, in_session, result_spec, run_cached,
-                                      session_graph, tensor_or_slices)
+                                       session_graph, tensor_or_slices)
 from tfreduce.tensorflow.process import cluster, device
 from tfreduce.tensorflow.wire import (finish_mean, integer_mean, mean_dtype, narrow, off_wire,
-                                     on_wire, scale, widen, wire_dtype)
+                                      on_wire, scale, widen, wire_dtype)
 
 __all__ = ["Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression", "ProcessSet", "global_process_set", "allreduce",
            "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",

@@ -24,10 +24,10 @@ import os
 
 import tensorflow as tf
 
-from tfreduce.workers.cluster import DEFAULT_TIMEOUT, Cluster
-from tfreduce.blocks.collective import check_timeout
-from tfreduce.workers.localcluster import LocalCluster
 from tfreduce.basis.tf_config import SLURM_PORT_BASE, parse_address, slurm_tf_config
+from tfreduce.blocks.collective import check_timeout
+from tfreduce.workers.cluster import DEFAULT_TIMEOUT, Cluster
+from tfreduce.workers.localcluster import LocalCluster
 from tfreduce.workers.watchdog import stall_seconds_from
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",

@@ -16,16 +16,16 @@ uneven splits and the received splits).
 import numpy as np
 import tensorflow as tf
 
-from tfreduce.doors.collectives import all_gather, all_to_all, reduce_scatter
-from tfreduce.buffers.compression import Compression, as_compressor
-from tfreduce.workers.consistency import MessageError
 from tfreduce.blocks.primitives import scale_by_reciprocal
+from tfreduce.buffers.compression import Compression, as_compressor
+from tfreduce.doors.collectives import all_gather, all_to_all, reduce_scatter
 from tfreduce.tensorflow.calls import (agree, differentiable, in_session, result_spec, run_cached,
-                                      session_graph)
-from tfreduce.tensorflow.ops import (Average, check_op, check_process_set,
-                                     global_process_set, grouped_allgather)
+                                       session_graph)
+from tfreduce.tensorflow.ops import (Average, check_op, check_process_set, global_process_set,
+                                     grouped_allgather)
 from tfreduce.tensorflow.process import cluster, device
 from tfreduce.tensorflow.wire import narrow, scale, widen
+from tfreduce.workers.consistency import MessageError
 
 __all__ = ["reducescatter", "grouped_reducescatter", "alltoall", "SplitsError"]
 

@@ -16,13 +16,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfreduce.trainer.batching import (
-    check_batch,
-    check_fit_arguments,
-    fit_data,
-    is_dataset,
-    numpy_batches,
-)
+from tfreduce.trainer.batching import (check_batch, check_fit_arguments, fit_data, is_dataset,
+                                       numpy_batches)
 from tfreduce.trainer.losses import regularization
 from tfreduce.trainer.profiling import ProfiledSteps, check_profile_steps
 from tfreduce.trainer.signals import Terminated

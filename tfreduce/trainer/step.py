@@ -17,8 +17,8 @@ B % K one example larger (tfreduce.basis.contract.shard_sizes), one per tower.
 import tensorflow as tf
 
 from tfreduce.basis.contract import shard_sizes
-from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
 from tfreduce.doors.multiworker import sum_over_workers
+from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
 from tfreduce.trainer.statistics import sync_moving
 from tfreduce.trainer.towertimes import split_stamp, stamp_towers
 from tfreduce.trainer.update import scales_loss

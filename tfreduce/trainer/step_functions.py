@@ -8,12 +8,12 @@ import math
 
 import tensorflow as tf
 
-from tfreduce.workers.consistency import check_workers_agree, describe_variables
 from tfreduce.trainer.checkpoints import TrainerCheckpoint
 from tfreduce.trainer.step import HOST, StepGraph
 from tfreduce.trainer.towers import build_towers, state_bytes, state_variables, sync_functions
 from tfreduce.trainer.towertimes import TowerTimes
 from tfreduce.trainer.update import TowerState, nonfinite_error, scales_loss
+from tfreduce.workers.consistency import check_workers_agree, describe_variables
 from tfreduce.workers.progress import progress
 
 

@@ -13,14 +13,14 @@ import os
 import keras
 import tensorflow as tf
 
-from tfreduce.workers.cluster import Cluster
-from tfreduce.basis.contract import tf_variables
-from tfreduce.workers.localcluster import LocalCluster
-from tfreduce.doors.multiworker import broadcast_variables_multiworker
 from tfreduce.algorithms.replicated import max_replica_difference
-from tfreduce.trainer.update import scales_loss
+from tfreduce.basis.contract import tf_variables
+from tfreduce.doors.multiworker import broadcast_variables_multiworker
 from tfreduce.trainer.sharding import sharding_for
+from tfreduce.trainer.update import scales_loss
 from tfreduce.trainer.zero import check_optimizer
+from tfreduce.workers.cluster import Cluster
+from tfreduce.workers.localcluster import LocalCluster
 
 
 @dataclasses.dataclass(frozen=True)

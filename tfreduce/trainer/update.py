@@ -27,9 +27,9 @@ tower.
 import keras
 import tensorflow as tf
 
-from tfreduce.buffers.compression import Compression
-from tfreduce.basis.contract import check_flag, values_of
 from tfreduce.algorithms.powersgd import PowerSGDState, powersgd_reduce
+from tfreduce.basis.contract import check_flag, values_of
+from tfreduce.buffers.compression import Compression
 
 ON_NONFINITE = ("raise", "skip")
 

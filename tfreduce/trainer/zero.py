@@ -44,9 +44,9 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from tfreduce.doors.collectives import all_gather, reduce_scatter
 from tfreduce.basis.contract import shard_sizes
 from tfreduce.buffers.packing import buffer_order
+from tfreduce.doors.collectives import all_gather, reduce_scatter
 from tfreduce.trainer.optimizer_state import OptimizerState
 from tfreduce.trainer.update import locate_nonfinite, scales_loss
 

@@ -28,13 +28,13 @@ import tensorflow as tf
 # there is no public way to give the eager context a server.
 from tensorflow.python.eager import context
 
-from tfreduce.blocks.collective import (CollectiveKeys, CollectiveOptions, all_reduce,
-                                 check_timeout, in_function)
 from tfreduce.basis.contract import shard_sizes
 from tfreduce.basis.devices import local_name, normalize_device
-from tfreduce.workers.failures import (COLLECTIVE_FAILURES, WorkerLostError, lost_worker_message,
-                               unreachable_workers)
 from tfreduce.basis.tf_config import JOBS, check_port, parse_tf_config
+from tfreduce.blocks.collective import (CollectiveKeys, CollectiveOptions, all_reduce,
+                                        check_timeout, in_function)
+from tfreduce.workers.failures import (COLLECTIVE_FAILURES, WorkerLostError, lost_worker_message,
+                                       unreachable_workers)
 from tfreduce.workers.watchdog import stall_seconds_from, start_watchdog
 
 __all__ = ["Cluster", "WorkerLostError", "parse_tf_config", "DEFAULT_TIMEOUT"]

@@ -10,15 +10,15 @@ casts back, then copies the result to the worker's other devices.
 import tensorflow as tf
 
 from tfreduce.basis.choices import COLLECTIVES
-from tfreduce.blocks.collective import (CollectiveChain, CollectiveOptions, check_broadcast_shape,
-                                 check_keys)
-from tfreduce.buffers.compression import Compression
 from tfreduce.basis.contract import nbytes
 from tfreduce.basis.devices import local_name
-from tfreduce.blocks.stage import ReduceContext, Stage
+from tfreduce.blocks.collective import (CollectiveChain, CollectiveOptions, check_broadcast_shape,
+                                        check_keys)
 from tfreduce.blocks.primitives import (RootBalancer, accumulation_dtype, broadcast, concat_rows,
-                                 finish_sum, mean_of_sum, scale_by_reciprocal, split_rows,
-                                 sum_order, widen_half)
+                                        finish_sum, mean_of_sum, scale_by_reciprocal, split_rows,
+                                        sum_order, widen_half)
+from tfreduce.blocks.stage import ReduceContext, Stage
+from tfreduce.buffers.compression import Compression
 
 __all__ = ["CrossWorkerStage", "CrossWorkerCollectives", "cross_worker_options",
            "CROSS_WORKER_PACK_BYTES"]

@@ -16,11 +16,10 @@ from tfreduce.tensorflow import ops
 from tfreduce.tensorflow.keras import callbacks
 from tfreduce.tensorflow.keras.data import DistributedBatches
 from tfreduce.tensorflow.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
-from tfreduce.tensorflow.ops import (Average, Max, Min, ProcessSet, Product, Sum,
-                                     global_process_set)
+from tfreduce.tensorflow.ops import Average, Max, Min, ProcessSet, Product, Sum, global_process_set
+from tfreduce.tensorflow.process import (cross_rank, cross_size, init, is_initialized, local_rank,
+                                         local_size, rank, shutdown, size)
 from tfreduce.tensorflow.sync_batch_norm import SyncBatchNormalization
-from tfreduce.tensorflow.process import (cross_rank, cross_size, init, is_initialized,
-                                         local_rank, local_size, rank, shutdown, size)
 
 __all__ = ["Average", "Compression", "DistributedBatches", "DistributedOptimizer", "Max", "Min",
            "PartialDistributedOptimizer", "ProcessSet", "Product", "Sum",

@@ -15,12 +15,11 @@ import warnings
 import keras
 import tensorflow as tf
 
-from tfreduce.workers.consistency import check_workers_agree, describe_variables
 from tfreduce.tensorflow.keras.data import follow_fit_epoch
 from tfreduce.tensorflow.keras.optimizer import describe_optimizer, own_sums
-from tfreduce.tensorflow.ops import (allgather, broadcast, broadcast_variables,
-                                     grouped_allreduce)
+from tfreduce.tensorflow.ops import allgather, broadcast, broadcast_variables, grouped_allreduce
 from tfreduce.tensorflow.process import cluster, rank, size
+from tfreduce.workers.consistency import check_workers_agree, describe_variables
 from tfreduce.workers.progress import progress
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
