@@ -25,7 +25,7 @@ LAYERS = {
     "contract": 2, "shards": 2,
     "packing": 3, "compression": 3, "graphwalk": 3,
     "primitives": 4, "collective": 4, "traffic": 4, "stage": 4, "timeline": 4,
-    "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5,
+    "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5, "tree": 5,
     "registry": 5, "costmodel": 5, "profiler": 5, "hostprobe": 5, "planner": 5, "powersgd": 5,
     "failures": 5, "cluster": 5, "localcluster": 5, "crossworker": 5, "consistency": 5,
     "reduction": 6, "collective_build": 6,

@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from tfreduce.algorithms.frame import run_stages
 from tfreduce.algorithms.registry import choose_algorithm, make_stage, stage_options
+from tfreduce.algorithms.tree import TreeStage, fix_summation_order
 from tfreduce.basis.choices import ALGORITHMS, DEFAULT_PACK_BYTES
 from tfreduce.basis.contract import check_flag, dense_shape, validate_grads, values_of
 from tfreduce.basis.devices import normalize_devices
@@ -41,7 +42,7 @@ from tfreduce.workers.localcluster import LocalCluster
 __all__ = ["Reduction", "as_reduction", "FRAME_OPTIONS"]
 
 #: The options every algorithm takes: the frame's.
-FRAME_OPTIONS = ("pack_bytes", "sparse_as_dense", "compression")
+FRAME_OPTIONS = ("pack_bytes", "sparse_as_dense", "compression", "deterministic")
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -94,6 +95,12 @@ class Reduction:
         machine, probed): the algorithm, groups and pack size (unless
         ``pack_bytes`` is given) are the fastest that ``tfreduce.predict``
         finds for the gradients' shapes there (``plan``).
+      deterministic: bool, every element summed in one fixed tree over the
+        towers (``tfreduce.algorithms.tree``), from copies and two-input
+        ``tf.add`` ops: the same bits for every algorithm, pack size and
+        order of the buffers, and with ``ReplicatedTrainer(...,
+        deterministic=True)`` for any number of towers (docs/determinism.md).
+        Not with "nccl", compression, a topology, or across workers.
 
     Raises:
       ValueError: an unknown algorithm; a topology with a named algorithm,
@@ -114,6 +121,7 @@ class Reduction:
     sparse_as_dense: bool = False
     compression: Compressor | str | None = None
     topology: Topology | str | None = None
+    deterministic: bool = False
     # The named algorithm's stage, made (and so its options checked) once.
     _stage: object = dataclasses.field(default=None, init=False, compare=False)
 
@@ -145,12 +153,29 @@ class Reduction:
             check_pack_bytes(self.pack_bytes)
         check_flag(self.sparse_as_dense, "sparse_as_dense")
         object.__setattr__(self, "compression", as_compressor(self.compression))
+        check_flag(self.deterministic, "deterministic")
+        if self.deterministic:
+            self._check_deterministic()
         if self.algorithm != "auto":
             # The stage's constructor checks its options' values.
             stage = make_stage(self.algorithm, {name: getattr(self, name) for name in takes})
             object.__setattr__(self, "_stage", stage)
         if self.groups is not None:
             object.__setattr__(self, "groups", tuple(tuple(g) for g in self.groups))
+
+    def _check_deterministic(self):
+        if self.algorithm == "nccl":
+            raise ValueError("deterministic=True sums in a fixed tree of tf.add ops; NCCL's "
+                             "all-reduce is one op that sums in its own order: use algorithm= "
+                             "'flat', 'hierarchical', 'ring' or 'collective'")
+        if self.compression.compresses:
+            raise ValueError(f"deterministic=True with compression={self.compression.name!r}: "
+                             f"each tower's partial sum would be rounded at a level of the tree "
+                             f"that depends on the number of towers; pass compression=None")
+        if self.topology is not None:
+            raise ValueError("deterministic=True with topology=: a plan picks the algorithm "
+                             "by its predicted time; name the algorithm (every one gives the "
+                             "same bits)")
 
     def __repr__(self):
         return f"tfreduce.Reduction({self._arguments(repr)})"
@@ -241,6 +266,9 @@ class Reduction:
         """
         if later and self.topology is not None:
             raise ValueError(self._across_workers_message())
+        if later and self.deterministic:
+            raise ValueError("deterministic=True is built for the towers of one process; across "
+                             "workers each cross-worker sum would add in TF's order")
         stage, pack_bytes = self._local_stage(grads, average)
         if pack_bytes == "auto":
             pack_bytes = CROSS_WORKER_PACK_BYTES if later else DEFAULT_PACK_BYTES
@@ -306,6 +334,12 @@ class Reduction:
     def _local_stage(self, grads, average):
         # (this process's stage, its pack size): the named one, the rule's
         # for "auto", or the plan's with a topology (made once per layout).
+        if self.deterministic:
+            # The algorithm moves the data; the fixed tree sums it.
+            fix_summation_order()
+            name = self._stage.name if self._stage is not None else choose_algorithm(grads.devices)
+            stage = self._stage or make_stage("ring" if name == "nccl" else name, {})
+            return TreeStage(stage), self.pack_bytes
         if self._stage is not None:
             return self._stage, self.pack_bytes
         plan = None

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from tfreduce.algorithms.powersgd import PowerSGD
 from tfreduce.choice.reduction import as_reduction
+from tfreduce.trainer.determinism import DEFAULT_MICRO_BATCHES, check_deterministic, fix_order
 from tfreduce.trainer.update import check_update_options
 from tfreduce.trainer.zero import check_zero_across, check_zero_stage
 
@@ -41,6 +42,29 @@ def trainer_reduction(algorithm, reduction, powersgd, options):
     else:
         powersgd = _check_powersgd(powersgd, "powersgd")
     return as_reduction(algorithm, reduction, options), powersgd
+
+
+def deterministic_options(options, micro_batches):
+    """The step's options with ``micro_batches`` M set when the reduction is deterministic.
+
+    A deterministic step scales each micro-batch's gradient itself, so its
+    reduction sums (``average`` False: the same mean either way). It fixes
+    the order of the sums for the whole process: TF's op determinism on,
+    and the Grappler passes that regroup sums off (``algorithms.tree``).
+
+    Raises:
+      TypeError: micro_batches given without deterministic=True, or not an int.
+      ValueError: as ``determinism.check_deterministic``.
+    """
+    if not options.reduction.deterministic:
+        if micro_batches is not None:
+            raise TypeError(f"micro_batches={micro_batches!r} splits the batch of a "
+                            f"deterministic step: pass deterministic=True too")
+        return options
+    count = DEFAULT_MICRO_BATCHES if micro_batches is None else micro_batches
+    check_deterministic(count, options.total_towers, options.accumulate_steps, options.powersgd)
+    fix_order()
+    return dataclasses.replace(options, micro_batches=count, average=False)
 
 
 def _check_powersgd(powersgd, keyword):
@@ -87,6 +111,8 @@ class StepOptions:
       zero_stage: int, 0 (every tower holds all optimizer state), 1 (the
         optimizer state is sharded) or 2 (the accumulation buffers too);
         see trainer.zero.
+      micro_batches: int M, the micro-batches of a deterministic step
+        (trainer.determinism), or 0: the reduction is not deterministic.
     """
 
     loss_fn: Callable
@@ -100,12 +126,14 @@ class StepOptions:
     on_nonfinite: str = "raise"
     powersgd: object = None
     zero_stage: int = 0
+    micro_batches: int = 0
 
     def describe(self):
         """The settings that shape the collectives, as text the workers compare."""
         return (f"reduction=({self.reduction.describe()}), average={self.average}, "
                 f"accumulate_steps={self.accumulate_steps}, on_nonfinite={self.on_nonfinite}, "
-                f"powersgd={self.powersgd!r}, zero_stage={self.zero_stage}")
+                f"powersgd={self.powersgd!r}, zero_stage={self.zero_stage}, "
+                f"micro_batches={self.micro_batches}")
 
     def check(self):
         """Checks the reduction against the devices now, as the first step would build it.
@@ -116,7 +144,7 @@ class StepOptions:
             ZeRO with compression across workers (the cross-worker
             reduce-scatter moves the gradients in their own dtype).
         """
-        check_zero_across(self.zero_stage, self.cluster, self.reduction.compression)
+        check_zero_across(self.zero_stage, self.cluster, self.reduction)
         self.reduction.check_devices(self.devices, self.cluster)
 
     def allreduce(self, all_grads, average):

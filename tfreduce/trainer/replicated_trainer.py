@@ -6,7 +6,9 @@ from tfreduce.trainer.checkpoints import find_prefix, read_counters
 from tfreduce.trainer.inspection import Inspection
 from tfreduce.trainer.loop import FitHooks, evaluate_loop, fit_loop, predict_loop
 from tfreduce.trainer.losses import per_example_loss_fn, takes_class_indices
-from tfreduce.trainer.options import StepOptions, check_trainer_options, trainer_reduction
+from tfreduce.trainer.determinism import check_batch_for_micro_batches
+from tfreduce.trainer.options import (StepOptions, check_trainer_options, deterministic_options,
+                                      trainer_reduction)
 from tfreduce.trainer.signals import StopRequest
 from tfreduce.trainer.step import make_counters
 from tfreduce.trainer.step_functions import build_run
@@ -67,7 +69,8 @@ class ReplicatedTrainer(Inspection):
 
     def __init__(self, model_fn, loss, optimizer_fn, devices=None, algorithm="auto", average=True,
                  *, bcast_period=0, cluster="auto", accumulate_steps=1, on_nonfinite="raise",
-                 reduction=None, powersgd=None, zero_stage=0, **allreduce_options):
+                 reduction=None, powersgd=None, zero_stage=0, micro_batches=None,
+                 **allreduce_options):
         """Builds one model replica and one optimizer per device.
 
         Args:
@@ -115,6 +118,10 @@ class ReplicatedTrainer(Inspection):
             1/T of the weights: a reduce-scatter, its own update and an
             all-gather replace the all-reduce; ZeRO, Rajbhandari et al.
             2020) or 2 (the accumulation buffers too). docs/zero.md.
+          micro_batches: with ``deterministic=True`` (a Reduction option),
+            int M (default 8): each global batch is M micro-batches summed
+            in one fixed tree, the same bits for T = M, M/2, M/4, ...
+            towers (docs/determinism.md).
           **allreduce_options: the options of ``tfreduce.Reduction``, such
             as groups=[[0, 1], [2, 3]] for "hierarchical", pack_bytes=,
             compression="fp16", or topology="dgx-a100" (with algorithm
@@ -151,6 +158,7 @@ class ReplicatedTrainer(Inspection):
             accumulate_steps=accumulate_steps, on_nonfinite=on_nonfinite, powersgd=powersgd,
             zero_stage=zero_stage)
         self._options.check()  # devices it cannot use fail here, not at the first step
+        self._options = deterministic_options(self._options, micro_batches)
         self._bcast_period = bcast_period
         self.models, self.optimizers = create_replicas(model_fn, optimizer_fn, self.devices,
                                                        zero_stage)
@@ -215,6 +223,7 @@ class ReplicatedTrainer(Inspection):
             self._fault_hook(self.step, "start")
         x, y, batch = worker_batch(x, y, self._cluster, len(self.devices),
                                    self._options.total_towers, self._options.class_indices)
+        check_batch_for_micro_batches(int(batch), self._options.micro_batches)
         loss, correct, stops, skipped = self._built_steps(x).train(
             x, y, batch, self._stop_request.requested)
         self.skipped_steps += int(skipped)

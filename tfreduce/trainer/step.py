@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tfreduce.basis.contract import shard_sizes
 from tfreduce.doors.multiworker import sum_over_workers
+from tfreduce.trainer.determinism import DeterministicStep
 from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
 from tfreduce.trainer.statistics import sync_moving
 from tfreduce.trainer.towertimes import split_stamp, stamp_towers
@@ -129,6 +130,28 @@ class StepGraph:
             corrects.append(correct_count(y_k, y_pred))
         return all_grads, loss_sums, corrects, regs
 
+    def _forward(self, x, y, batch):
+        """The towers' forward and backward passes on their shards of the global batch.
+
+        Returns:
+          (all_grads K x N, loss_sums [K], corrects [K] or None, regs [K],
+          float64 [K] each tower's seconds to its gradients, sync: fn(after)
+          that builds the sync of the BatchNorm moving statistics).
+        """
+        towers, options = self.towers, self.options
+        if options.micro_batches:
+            return DeterministicStep(towers, options, self.counter).forward(x, y, batch, HOST)
+        sizes, (x_shards, y_shards) = _split([x, y], len(towers.devices))
+        start = split_stamp(x_shards, HOST)  # the towers start from here
+        all_grads, loss_sums, corrects, regs = self._tower_gradients(
+            x_shards, y_shards, batch, self.state.accumulate_steps > 1)
+        seconds = stamp_towers(start, towers.devices, all_grads, loss_sums, HOST)
+
+        def sync(after):
+            sync_moving(towers, sizes, batch, after, options.allreduce_exact)
+
+        return all_grads, loss_sums, corrects, regs, seconds, sync
+
     def train(self, x, y, batch, stop, update=True):
         """One synchronous step; traced once by tf.function (once more without update).
 
@@ -148,18 +171,15 @@ class StepGraph:
           the gradients are not finite (update.locate_nonfinite); float64 [K],
           each tower's loss sum; bool, every loss of the update cycle on every
           tower of every worker is finite; float64 [K], each tower's seconds
-          from the split to its gradients (towertimes.stamp_towers)). Unshaped
+          from the split to its gradients (towertimes.stamp_towers), zeros when
+          deterministic). Unshaped
           ones are scalars.
         """
         towers, options, state = self.towers, self.options, self.state
-        sizes, (x_shards, y_shards) = _split([x, y], len(towers.devices))
-        start = split_stamp(x_shards, HOST)  # the towers start from here
         # A step is a transaction: what its forward pass changes is kept first,
         # to be put back if the update cycle does not commit.
         state.save_forward()
-        all_grads, loss_sums, corrects, regs = self._tower_gradients(
-            x_shards, y_shards, batch, state.accumulate_steps > 1)
-        tower_seconds = stamp_towers(start, towers.devices, all_grads, loss_sums, HOST)
+        all_grads, loss_sums, corrects, regs, tower_seconds, sync = self._forward(x, y, batch)
         with tf.device(HOST):
             tower_losses = tf.stack([tf.cast(loss, tf.float64) for loss in loss_sums])
         has_accuracy = corrects[0] is not None
@@ -186,7 +206,7 @@ class StepGraph:
                 report = tf.zeros([len(all_grads) + 1, len(all_grads[0])], tf.int32)
         # Every step, between updates too: each forward pass moved every tower's
         # BatchNorm statistics, and the replicas must stay equal.
-        sync_moving(towers, sizes, batch, after, options.allreduce_exact)
+        sync(after)
         if pending is not None:
             state.commit(finite, pending)
         with tf.device(HOST):

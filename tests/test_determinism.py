@@ -1,0 +1,138 @@
+"""deterministic=True: the same bits for any number of towers, algorithm and pack size.
+
+The runs that turn determinism on (a process-wide TF setting) happen in
+tests/workers/determinism_worker.py, in a process of their own.
+"""
+
+import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfreduce
+from helpers import CPU_DEVICES
+from tfreduce.algorithms.tree import tree_sum, tree_tower_counts
+
+WORKER = Path(__file__).parent / "workers" / "determinism_worker.py"
+
+
+def run_worker(*args, timeout=600):
+    done = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_the_tree_adds_adjacent_pairs_and_carries_an_odd_one_up():
+    # Values whose sum's bits depend on the order: 1e8 + 1 - 1e8 is 0 or 1 in float32.
+    values = [np.float32(v) for v in (1e8, 1.0, -1e8, 1.0, 3.0)]
+    got = tree_sum([tf.constant(v) for v in values]).numpy()
+    want = ((values[0] + values[1]) + (values[2] + values[3])) + values[4]
+    assert got.tobytes() == np.float32(want).tobytes() and got == 3.0
+    assert functools.reduce(np.add, values) == 4.0  # left to right: other bits
+    only = tf.constant([2.5])
+    assert tree_sum([only]) is only
+
+
+@pytest.mark.parametrize("leaves, counts", [(8, [1, 2, 4, 8]), (12, [3, 6, 12]), (1, [1]),
+                                            (6, [3, 6]), (5, [5])])
+def test_towers_hold_whole_subtrees_for_these_counts(leaves, counts):
+    assert tree_tower_counts(leaves) == counts
+
+
+@pytest.mark.slow
+def test_every_algorithm_and_pack_size_sums_in_the_tree_for_any_k():
+    # The worker checks each result against the tree summed in NumPy, bit for bit.
+    hashes = run_worker("--reductions")["reductions"]
+    assert len(hashes) == 45 and len(set(hashes.values())) == 4  # one per K: K copies
+    for k in (1, 2, 4, 8):
+        mine = {h for case, h in hashes.items() if case.startswith(f"K={k} ")}
+        assert len(mine) == 1, (k, mine)
+
+
+def train_hashes(cases, steps=30, micro_batches=8):
+    """The worker's (hash, drift) of each [K, algorithm, pack_bytes] case after the steps."""
+    runs = run_worker("--train", json.dumps([case + [steps, micro_batches] for case in cases]))
+    return [(run["hash"], run["drift"]) for run in runs["train"]]
+
+
+# A small CNN with BatchNormalization and Dropout, 30 steps of Adam; each
+# test's cases together hold every K, every algorithm and every pack size.
+@pytest.mark.slow
+@pytest.mark.parametrize("cases, other_tree", [
+    ([[1, "flat", None], [2, "ring", 65536], [4, "hierarchical", 4 * 2**20],
+      [8, "collective", None]], True),
+    ([[1, "flat", None], [4, "flat", None], [8, "ring", 4 * 2**20], [2, "collective", 65536],
+      [8, "hierarchical", 65536]], False),
+], ids=["each-k", "each-algorithm"])
+def test_a_cnn_with_batchnorm_and_dropout_trains_to_the_same_bits_for_any_k(cases, other_tree):
+    runs = train_hashes(cases)
+    assert len({h for h, _ in runs}) == 1, list(zip(cases, runs))
+    assert all(drift == 0.0 for _, drift in runs)  # the replicas are equal too
+    if other_tree:
+        # 4 micro-batches are another tree: another order of the sums, other bits.
+        assert train_hashes(cases[:1], micro_batches=4)[0][0] != runs[0][0]
+
+
+@pytest.mark.slow
+def test_ten_runs_give_the_same_bits():
+    runs = train_hashes([[4, "ring", None]] * 10)
+    assert len({h for h, _ in runs}) == 1
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(algorithm="nccl"), ValueError,
+     "deterministic=True sums in a fixed tree of tf.add ops; NCCL's all-reduce is one op"),
+    (dict(algorithm="ring", compression="fp16"), ValueError,
+     "deterministic=True with compression='fp16': each tower's partial sum would be rounded"),
+    (dict(topology="dgx1-v100"), ValueError,
+     "deterministic=True with topology=: a plan picks the algorithm"),
+    (dict(algorithm="ring", deterministic=1), TypeError, "deterministic must be True or False, got int 1"),
+])
+def test_a_deterministic_reduction_refuses_what_breaks_the_order(kwargs, error, message):
+    kwargs.setdefault("deterministic", True)
+    with pytest.raises(error, match=message):
+        tfreduce.Reduction(**kwargs)
+
+
+def model():
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+
+
+def make(devices, **kwargs):
+    return tfreduce.ReplicatedTrainer(model, "mse", lambda: keras.optimizers.SGD(0.1),
+                                      devices=devices, algorithm="flat", **kwargs)
+
+
+@pytest.mark.parametrize("devices, kwargs, error, message", [
+    (CPU_DEVICES[:3], dict(deterministic=True), ValueError,
+     r"deterministic=True with 3 towers and micro_batches=8: each tower must hold a power of "
+     r"two of the micro-batches \(a whole subtree of the sum\), so the towers can be "
+     r"\[1, 2, 4, 8\]"),
+    (CPU_DEVICES[:4], dict(deterministic=True, micro_batches=6), ValueError,
+     r"towers can be \[3, 6\]"),
+    (CPU_DEVICES[:2], dict(micro_batches=8), TypeError,
+     "micro_batches=8 splits the batch of a deterministic step: pass deterministic=True too"),
+    (CPU_DEVICES[:2], dict(deterministic=True, micro_batches=2.0), TypeError,
+     "micro_batches must be an int, got float 2.0"),
+    (CPU_DEVICES[:2], dict(deterministic=True, micro_batches=0), ValueError,
+     "micro_batches must be >= 1, got 0"),
+    (CPU_DEVICES[:2], dict(deterministic=True, accumulate_steps=2), ValueError,
+     "deterministic=True with accumulate_steps=2: those sums are not in the fixed tree yet"),
+    (CPU_DEVICES[:2], dict(deterministic=True, zero_stage=1), ValueError,
+     "deterministic=True with zero_stage=1: the reduce-scatter's sums are not in the fixed "
+     "tree yet"),
+    (CPU_DEVICES[:2], dict(deterministic=True, powersgd=tfreduce.PowerSGD()), ValueError,
+     r"deterministic=True with powersgd=.*PowerSGD"),
+])
+def test_a_deterministic_trainer_refuses_what_it_cannot_keep_in_the_tree(devices, kwargs, error,
+                                                                          message):
+    # Refused before any process-wide setting changes.
+    with pytest.raises(error, match=message):
+        make(devices, **kwargs)

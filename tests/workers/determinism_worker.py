@@ -1,0 +1,124 @@
+"""Deterministic reductions and trainings, in a process of their own.
+
+``deterministic=True`` turns TF's op determinism on and three Grappler
+passes off for the whole process, so tests/test_determinism.py runs it here
+rather than in the test process. Prints one JSON line:
+
+- ``--reductions``: {case: sha256 of every device's result} for
+  ``Reduction(deterministic=True)`` on 8 leaves summed by towers of 1, 2, 4
+  and 8; each result is also checked here against the tree summed in NumPy,
+  bit for bit, and its device;
+- ``--train JSON``: for each case [K, algorithm, pack_bytes, steps, micro_batches]
+  the sha256 of tower 0's weights and optimizer slots after that many steps
+  of a small CNN with BatchNormalization and Dropout, and the replicas'
+  largest difference.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfreduce  # noqa: E402
+
+DEVICES = tfreduce.logical_devices(8)
+LEAVES = 8
+
+
+def numpy_tree(values):
+    """The fixed tree in NumPy: adjacent pairs per level, an odd last one carried up."""
+    level = list(values)
+    while len(level) > 1:
+        pairs = [level[i] + level[i + 1] for i in range(0, len(level) - 1, 2)]
+        level = pairs + level[len(pairs) * 2:]
+    return level[0]
+
+
+def reductions():
+    rng = np.random.default_rng(0)
+    # Magnitudes 1e-3 .. 1e3: every order of the sum gives other bits.
+    leaves = [[(rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 4, shape)).astype(np.float32)
+               for shape in ((1000,), (3, 5), ())] for _ in range(LEAVES)]
+    want = [numpy_tree([leaf[n] for leaf in leaves]) for n in range(3)]
+    hashes = {}
+    for num_towers in (1, 2, 4, 8):
+        per_tower = LEAVES // num_towers
+        devices = DEVICES[:num_towers]
+        for algorithm in ("flat", "hierarchical", "ring", "collective"):
+            if algorithm == "hierarchical" and num_towers == 1:
+                continue
+            for pack_bytes in (None, 64 * 1024, 4 * 2**20):
+                reduction = tfreduce.Reduction(algorithm, pack_bytes=pack_bytes,
+                                               deterministic=True)
+                placed = []  # each result's device, as traced
+
+                @tf.function
+                def run():
+                    grads = []
+                    for k, device in enumerate(devices):
+                        with tf.device(device):
+                            mine = leaves[k * per_tower:(k + 1) * per_tower]
+                            grads.append([numpy_tree([tf.constant(leaf[n]) for leaf in mine])
+                                          for n in range(3)])
+                    out = reduction(grads, devices)
+                    placed.extend([t.device for t in row] for row in out)
+                    return out
+
+                out = run()
+                case = f"K={num_towers} {algorithm} pack_bytes={pack_bytes}"
+                for k, row in enumerate(out):
+                    for n, t in enumerate(row):
+                        assert placed[k][n].endswith(f"CPU:{k}"), (case, placed[k][n])
+                        assert t.numpy().tobytes() == want[n].tobytes(), (case, k, n)
+                hashes[case] = hashlib.sha256(b"".join(
+                    t.numpy().tobytes() for row in out for t in row)).hexdigest()
+    return hashes
+
+
+def make_model():
+    return keras.Sequential([
+        keras.layers.Conv2D(4, 3, padding="same", use_bias=False),
+        keras.layers.BatchNormalization(),
+        keras.layers.ReLU(),
+        keras.layers.Flatten(),
+        keras.layers.Dropout(0.3, seed=7),
+        keras.layers.Dense(10)])
+
+
+def train(num_towers, algorithm, pack_bytes, steps, micro_batches):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 8, 8, 1)).astype(np.float32)
+    y = rng.integers(0, 10, len(x))
+    keras.utils.set_random_seed(1)
+    trainer = tfreduce.ReplicatedTrainer(
+        make_model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        lambda: keras.optimizers.Adam(1e-2), devices=DEVICES[:num_towers],
+        algorithm=algorithm, pack_bytes=pack_bytes, deterministic=True,
+        micro_batches=micro_batches)
+    for step in range(steps):
+        first = (step * 64) % len(x)
+        trainer.train_step(x[first:first + 64], y[first:first + 64])
+    digest = hashlib.sha256()
+    for v in trainer.models[0].variables + trainer.optimizers[0].variables:
+        digest.update(np.asarray(v.numpy()).tobytes())
+    return {"hash": digest.hexdigest(), "drift": float(trainer.check_replicas())}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reductions", action="store_true")
+    parser.add_argument("--train", type=json.loads, default=[])
+    args = parser.parse_args()
+    result = {"reductions": reductions() if args.reductions else {}}
+    result["train"] = [train(*case) for case in args.train]
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
