@@ -217,7 +217,7 @@ def test_bytes_per_pack_of_communication_options_is_honoured(monkeypatch):
     (("flat",), {"groups": [[0, 1]]}, TypeError, "algorithm 'flat' takes no option ['groups']"),
     (("auto",), {"groups": [[0, 1]]}, TypeError,
      "CrossDeviceOps: algorithm 'auto' takes no option ['groups']; it takes ['compression', "
-     "'pack_bytes', 'sparse_as_dense']: 'auto' picks the algorithm from the devices"),
+     "'deterministic', 'pack_bytes', 'sparse_as_dense']: 'auto' picks the algorithm from the devices"),
     (("flat",), {"pack_bytes": -1}, ValueError, "pack_bytes"),
 ])
 def test_bad_options_raise_at_construction(args, kwargs, error, message):

@@ -27,7 +27,7 @@ from tfreduce.doors.multiworker import allreduce_grads_multiworker, broadcast_va
 from tfreduce.trainer import ReplicatedTrainer
 
 OPTIONS = ["algorithm", "groups", "communication", "keys", "timeout", "pack_bytes",
-           "sparse_as_dense", "compression", "topology"]
+           "sparse_as_dense", "compression", "topology", "deterministic"]
 SPEC = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
 
 
@@ -127,13 +127,13 @@ def test_collective_keys_are_shared_by_copies_and_new_once_pickled():
      "unknown all-reduce algorithm 'butterfly'; choose one of ('auto', 'flat', 'hierarchical', "
      "'ring', 'nccl', 'collective')"),
     ({"algorithm": "flat", "groups": [[0], [1]]}, TypeError,
-     "algorithm 'flat' takes no option ['groups']; it takes ['compression', 'pack_bytes', "
-     "'sparse_as_dense']"),
+     "algorithm 'flat' takes no option ['groups']; it takes ['compression', 'deterministic', "
+     "'pack_bytes', 'sparse_as_dense']"),
     ({"algorithm": "ring", "timeout": 3}, TypeError,
      "algorithm 'ring' takes no option ['timeout']"),
     ({"groups": [[0, 1]]}, TypeError,
-     "algorithm 'auto' takes no option ['groups']; it takes ['compression', 'pack_bytes', "
-     "'sparse_as_dense']: 'auto' picks the algorithm from the devices; name the algorithm to "
+     "algorithm 'auto' takes no option ['groups']; it takes ['compression', 'deterministic', "
+     "'pack_bytes', 'sparse_as_dense']: 'auto' picks the algorithm from the devices; name the algorithm to "
      "give its own options"),
     ({"algorithm": "ring", "topology": "dgx-a100"}, ValueError,
      "topology= chooses the algorithm (algorithm='auto'), but algorithm='ring' was named"),

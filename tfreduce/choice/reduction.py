@@ -137,8 +137,8 @@ class Reduction:
             if self.algorithm != "auto":
                 raise ValueError(f"topology= chooses the algorithm (algorithm='auto'), but "
                                  f"algorithm={self.algorithm!r} was named: pass one of them")
-            if given:
-                raise TypeError(f"planning takes only the frame's options {list(FRAME_OPTIONS)}, "
+            if given:  # (and not deterministic, refused below)
+                raise TypeError(f"planning takes only the frame's options {list(FRAME_OPTIONS[:3])}, "
                                 f"got {given}: the plan picks the algorithm and its groups")
             check_topology(self.topology)
         takes = stage_options(self.algorithm)
