@@ -11,9 +11,12 @@ Python blocks of the README and docs/ run through pytest-markdown-docs. A
 block marked ``python runner:TwoWorkers`` is a multi-worker program: it
 runs as two worker processes under ``tfreduce.launch --preload tensorflow``
 on 127.0.0.1 (the launcher forked from tests/zygote.py's warm Python), and
-fails the test with their output unless both exit with 0. Every other block
-runs in the test process, on the logical CPU devices tests/conftest.py makes;
-one marked ``python runner:Slow`` is marked ``slow`` (a whole fit, over 2 s).
+fails the test with their output unless both exit with 0. A block marked
+``python runner:OwnProcess`` runs in a Python process of its own (it changes
+process-wide TensorFlow settings, as ``deterministic=True`` does) and is
+marked ``slow``. Every other block runs in the test process, on the logical
+CPU devices tests/conftest.py makes; one marked ``python runner:Slow`` is
+marked ``slow`` (a whole fit, over 2 s).
 """
 
 import importlib.util
@@ -68,7 +71,7 @@ def pytest_collection_modifyitems(items):
     """A block that starts two worker processes, or is marked Slow, is slow: the quick
     tier leaves it out."""
     for item in items:
-        if getattr(item, "runner_name", None) in ("TwoWorkers", "Slow"):
+        if getattr(item, "runner_name", None) in ("TwoWorkers", "Slow", "OwnProcess"):
             item.add_marker(pytest.mark.slow)
 
 
@@ -87,18 +90,30 @@ def _zygote():
     return sys.modules["zygote"]
 
 
+def _run_block(test, command_before, timeout):
+    """Writes a block to a file and runs it under ``command_before``; raises unless it exits 0."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "block.py")
+        with open(path, "w") as f:
+            f.write(test.source)
+        done = _zygote().run([*command_before, sys.executable, path], timeout=timeout)
+    if done.returncode != 0:
+        raise AssertionError(f"the block exited with {done.returncode}:\n"
+                             f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+
+
+@register_runner()
+class OwnProcess(DefaultRunner):
+    """Runs a block in a Python process of its own, bounded in time."""
+
+    def runtest(self, test, args, **kwargs):
+        _run_block(test, [], timeout=300)
+
+
 @register_runner()
 class TwoWorkers(DefaultRunner):
     """Runs a README block as a program of two workers under the launcher, bounded in time."""
 
     def runtest(self, test, args, **kwargs):
-        with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "readme_block.py")
-            with open(path, "w") as f:
-                f.write(test.source)
-            command = [sys.executable, "-m", "tfreduce.launch", "--workers", "2",
-                       "--timeout", "150", "--preload", "tensorflow", "--", sys.executable, path]
-            done = _zygote().run(command, timeout=200)
-        if done.returncode != 0:
-            raise AssertionError(f"the two workers exited with {done.returncode}:\n"
-                                 f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        _run_block(test, [sys.executable, "-m", "tfreduce.launch", "--workers", "2", "--timeout",
+                          "150", "--preload", "tensorflow", "--"], timeout=200)

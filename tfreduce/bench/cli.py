@@ -138,6 +138,11 @@ def parse_args(argv):
                         default=None, metavar="S[,S]",
                         help="train mode: ReplicatedTrainer at these ZeRO stages (0, 1, 2) "
                              "beside MirroredStrategy.fit, with state bytes per device")
+    parser.add_argument("--deterministic", nargs="?", const="compare",
+                        choices=("compare", "on", "off"), default=None,
+                        help="train mode: ReplicatedTrainer with deterministic=True against the "
+                        "default, each in its own process, per K (default K 4 and 8); on/off: "
+                        "one variant in this process")
     parser.add_argument("--overlap", action="store_true",
                         help="train mode: ReplicatedTrainer with its reduction overlapping the "
                         "backward pass, behind a barrier, and without one (compute only): "
@@ -187,6 +192,8 @@ def parse_args(argv):
         args.overlap = True
     if args.overlap and (args.mode != "train" or args.zero_stage):
         parser.error("--overlap runs the train mode, without --zero-stage")
+    if args.deterministic and (args.mode != "train" or args.zero_stage or args.overlap):
+        parser.error("--deterministic runs the train mode, without --zero-stage or --overlap")
     if args.devices is None:
         args.devices = 2 if args.mode == "multiworker" else 8
     if args.warmup < 0:
@@ -267,15 +274,16 @@ def _run(parser, args):
         except ValueError as error:
             parser.error(str(error))
     for model in ([args.model] if args.mode == "allreduce" and args.model != "synthetic"
-                  else []) + ([args.train_model] if (args.zero_stage or args.overlap) and
+                  else []) + ([args.train_model] if (args.zero_stage or args.overlap
+                                                     or args.deterministic) and
                               args.train_model not in ("cnn", "mlp") else []):
         try:
             keras_application(model)
         except ValueError as error:
             parser.error(str(error))
     name = args.mode
-    if args.mode == "train" and (args.zero_stage or args.overlap):
-        name = "zero" if args.zero_stage else "overlap"
+    if args.mode == "train" and (args.zero_stage or args.overlap or args.deterministic):
+        name = ("zero" if args.zero_stage else "overlap" if args.overlap else "determinism")
     mode = importlib.import_module(f"tfreduce.bench.{name}_mode")
     result = mode.run(args, log)
     mode.print_result(result)
