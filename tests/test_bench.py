@@ -274,6 +274,20 @@ def test_train_mode_at_zero_stages_reports_rates_and_state_bytes(tmp_path, capsy
 
 
 @pytest.mark.slow
+def test_train_mode_times_the_deterministic_trainer_against_the_default(tmp_path, capsys):
+    # Each variant in a child process: deterministic=True's settings are process-wide.
+    result = run(tmp_path, "--mode", "train", "--deterministic", "--grid-devices", "2",
+                 "--steps", "2", "--rounds", "1", "--warmup", "1", "--batch-size", "16",
+                 "--image-size", "8")
+    (row,) = result["results"]
+    assert result["mode"] == "determinism" and row["devices"] == 2
+    rates = row["images_per_s"]
+    assert set(rates) == {"default", "deterministic"} and all(r > 0 for r in rates.values())
+    assert row["step_time_ratio"] == pytest.approx(rates["default"] / rates["deterministic"])
+    assert "deterministic img/s" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_model_shapes_without_downloading():
     shapes = bench.gradient_shapes("resnet50")
     assert len(shapes) == 214
@@ -316,6 +330,9 @@ def test_format_bytes():
     (["--trace", "t.json"], "--trace records the train mode (--mode train), not --mode allreduce"),
     (["--mode", "train", "--overlap", "--zero-stage", "1"],
      "--overlap runs the train mode, without --zero-stage"),
+    (["--deterministic"], "--deterministic runs the train mode, without --zero-stage or "
+                          "--overlap"),
+    (["--mode", "train", "--deterministic", "maybe"], "argument --deterministic: invalid choice"),
 ])
 def test_bad_arguments_exit_with_a_usage_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
