@@ -13,10 +13,9 @@ import statistics
 
 import tfreduce
 from tfreduce.basis.devices import logical_devices
-from tfreduce.bench.harness import environment
 from tfreduce.bench.tables import print_table
-from tfreduce.bench.train_mode import (alternate_rounds, image_side, image_workload, row_in_child,
-                                       trainer_rounds)
+from tfreduce.bench.train_mode import (alternate_rounds, image_workload, model_result,
+                                       row_in_child, trainer_rounds)
 
 __all__ = ["run", "print_result"]
 
@@ -43,15 +42,7 @@ def run(args, log):
         rows = [_one(args, args.grid_devices[0], args.deterministic == "on", log)]
     else:
         rows = [_pair(args, num_devices, log) for num_devices in args.grid_devices or [4, 8]]
-    return {
-        "mode": "determinism",
-        "config": {"model": args.train_model, "image_size": image_side(args),
-                   "batch_size": args.batch_size, "steps_per_round": args.steps,
-                   "rounds": args.rounds, "algorithm": (args.algorithms or ["auto"])[0],
-                   "device_type": args.device_type},
-        "results": rows,
-        "environment": environment(),
-    }
+    return model_result("determinism", args, rows)
 
 
 def _one(args, num_devices, deterministic, log):

@@ -33,10 +33,9 @@ import tfreduce
 from tfreduce.analysis.profiler import StepProfiler
 from tfreduce.analysis.timeline import COMMUNICATION, COMPUTE
 from tfreduce.basis.devices import logical_devices
-from tfreduce.bench.harness import environment
 from tfreduce.bench.tables import print_table
-from tfreduce.bench.train_mode import (alternate_rounds, image_side, image_workload, row_in_child,
-                                       trainer_rounds)
+from tfreduce.bench.train_mode import (alternate_rounds, image_workload, model_result,
+                                       row_in_child, trainer_rounds)
 
 __all__ = ["run", "print_result"]
 
@@ -83,15 +82,7 @@ def run(args, log):
         rows = [_one(args, counts[0], log)]
     else:
         rows = [_in_child(args, num_devices, log) for num_devices in counts]
-    return {
-        "mode": "overlap",
-        "config": {"model": args.train_model, "image_size": image_side(args),
-                   "batch_size": args.batch_size, "steps_per_round": args.steps,
-                   "rounds": args.rounds, "algorithm": (args.algorithms or ["auto"])[0],
-                   "device_type": args.device_type},
-        "results": rows,
-        "environment": environment(),
-    }
+    return model_result("overlap", args, rows)
 
 
 def trace_path(path, num_devices, several):

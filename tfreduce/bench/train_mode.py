@@ -194,6 +194,26 @@ def cnn_builder(input_shape, num_classes):
     return lambda: image_cnn(input_shape, num_classes)
 
 
+def model_result(mode, args, rows, **config):
+    """The result of a mode that trains --train-model: its settings, the rows per K, the machine.
+
+    Args:
+      mode: str, the result's mode.
+      args: argparse.Namespace from ``cli.parse_args``.
+      rows: list of dicts, one per K.
+      **config: the mode's own settings, added to the config.
+    """
+    return {
+        "mode": mode,
+        "config": {"model": args.train_model, "image_size": image_side(args),
+                   "batch_size": args.batch_size, "steps_per_round": args.steps,
+                   "rounds": args.rounds, "algorithm": (args.algorithms or ["auto"])[0],
+                   "device_type": args.device_type, **config},
+        "results": rows,
+        "environment": environment(),
+    }
+
+
 def image_side(args):
     """The side of --train-model's square images (keras.applications take at least 32)."""
     return args.image_size if args.train_model in ("cnn", "mlp") else max(args.image_size, 32)

@@ -15,9 +15,8 @@ Without accumulation stage 2 is stage 1.
 import statistics
 
 from tfreduce.basis.devices import logical_devices
-from tfreduce.bench.harness import environment
 from tfreduce.bench.tables import print_table
-from tfreduce.bench.train_mode import (alternate_rounds, fit_rounds, image_side, image_workload,
+from tfreduce.bench.train_mode import (alternate_rounds, fit_rounds, image_workload, model_result,
                                        row_in_child, trainer_rounds)
 
 __all__ = ["run", "print_result"]
@@ -44,15 +43,7 @@ def run(args, log):
         rows = [_one(args, counts[0], log)]
     else:
         rows = [_in_child(args, num_devices, log) for num_devices in counts]
-    return {
-        "mode": "zero",
-        "config": {"model": args.train_model, "image_size": image_side(args),
-                   "batch_size": args.batch_size, "steps_per_round": args.steps,
-                   "rounds": args.rounds, "algorithm": (args.algorithms or ["auto"])[0],
-                   "zero_stages": args.zero_stage, "device_type": args.device_type},
-        "results": rows,
-        "environment": environment(),
-    }
+    return model_result("zero", args, rows, zero_stages=args.zero_stage)
 
 
 def _in_child(args, num_devices, log):
