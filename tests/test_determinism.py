@@ -81,6 +81,14 @@ def test_a_cnn_with_batchnorm_and_dropout_trains_to_the_same_bits_for_any_k(case
 
 
 @pytest.mark.slow
+def test_a_run_saved_at_one_k_resumes_at_another_with_the_same_bits(tmp_path):
+    runs = run_worker("--resume", str(tmp_path / "ckpt"))["resume"]
+    assert set(runs) == {"uninterrupted", "resumed at K=2", "resumed at K=8"}
+    assert len({run["hash"] for run in runs.values()}) == 1, runs
+    assert all(run["drift"] == 0.0 for run in runs.values())
+
+
+@pytest.mark.slow
 def test_ten_runs_give_the_same_bits():
     runs = train_hashes([[4, "ring", None]] * 10)
     assert len({h for h, _ in runs}) == 1

@@ -11,7 +11,9 @@ rather than in the test process. Prints one JSON line:
 - ``--train JSON``: for each case [K, algorithm, pack_bytes, steps, micro_batches]
   the sha256 of tower 0's weights and optimizer slots after that many steps
   of a small CNN with BatchNormalization and Dropout, and the replicas'
-  largest difference.
+  largest difference;
+- ``--resume FOLDER``: the same for 20 steps at K=8, and for 10 steps at
+  K=4 saved in FOLDER and 10 more restored at K=2 and at K=8.
 """
 
 import argparse
@@ -91,32 +93,65 @@ def make_model():
         keras.layers.Dense(10)])
 
 
-def train(num_towers, algorithm, pack_bytes, steps, micro_batches):
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((256, 8, 8, 1)).astype(np.float32)
-    y = rng.integers(0, 10, len(x))
+def make_trainer(num_towers, algorithm="flat", pack_bytes=None, micro_batches=8):
     keras.utils.set_random_seed(1)
-    trainer = tfreduce.ReplicatedTrainer(
+    return tfreduce.ReplicatedTrainer(
         make_model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         lambda: keras.optimizers.Adam(1e-2), devices=DEVICES[:num_towers],
         algorithm=algorithm, pack_bytes=pack_bytes, deterministic=True,
         micro_batches=micro_batches)
-    for step in range(steps):
-        first = (step * 64) % len(x)
-        trainer.train_step(x[first:first + 64], y[first:first + 64])
+
+
+def take_steps(trainer, first, last):
+    """Steps first..last-1 of the run: step s trains on batch s of the data, in turn."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 8, 8, 1)).astype(np.float32)
+    y = rng.integers(0, 10, len(x))
+    for step in range(first, last):
+        start = (step * 64) % len(x)
+        trainer.train_step(x[start:start + 64], y[start:start + 64])
+
+
+def weights_hash(trainer):
+    """sha256 of tower 0's weights and optimizer slots; the replicas' largest difference."""
     digest = hashlib.sha256()
     for v in trainer.models[0].variables + trainer.optimizers[0].variables:
         digest.update(np.asarray(v.numpy()).tobytes())
     return {"hash": digest.hexdigest(), "drift": float(trainer.check_replicas())}
 
 
+def train(num_towers, algorithm, pack_bytes, steps, micro_batches):
+    trainer = make_trainer(num_towers, algorithm, pack_bytes, micro_batches)
+    take_steps(trainer, 0, steps)
+    return weights_hash(trainer)
+
+
+def resume(folder):
+    """20 steps at K=8; 10 at K=4, saved, and 10 more after a restore at K=2 and at K=8."""
+    whole = make_trainer(8)
+    take_steps(whole, 0, 20)
+    first = make_trainer(4)
+    take_steps(first, 0, 10)
+    first.save(folder)
+    out = {"uninterrupted": weights_hash(whole)}
+    for num_towers in (2, 8):
+        again = make_trainer(num_towers)
+        again.restore(folder)
+        assert again.step == 10, again.step
+        take_steps(again, 10, 20)
+        out[f"resumed at K={num_towers}"] = weights_hash(again)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--reductions", action="store_true")
     parser.add_argument("--train", type=json.loads, default=[])
+    parser.add_argument("--resume", metavar="FOLDER")
     args = parser.parse_args()
     result = {"reductions": reductions() if args.reductions else {}}
     result["train"] = [train(*case) for case in args.train]
+    result["resume"] = resume(args.resume) if args.resume else {}
     print(json.dumps(result))
 
 
