@@ -6,12 +6,14 @@ rather than in the test process. Prints one JSON line:
 
 - ``--reductions``: {case: sha256 of every device's result} for
   ``Reduction(deterministic=True)`` on 8 leaves summed by towers of 1, 2, 4
-  and 8; each result is also checked here against the tree summed in NumPy,
-  bit for bit, and its device;
-- ``--train JSON``: for each case [K, algorithm, pack_bytes, steps, micro_batches]
-  the sha256 of tower 0's weights and optimizer slots after that many steps
-  of a small CNN with BatchNormalization and Dropout, and the replicas'
-  largest difference;
+  and 8; each result, and each shard of ``tfreduce.reduce_scatter`` with the
+  same reduction, is also checked here against the tree summed in NumPy,
+  bit for bit, and each result's device;
+- ``--train JSON``: for each case [K, algorithm, pack_bytes, steps,
+  micro_batches, (zero_stage, checkpoint folder)] the sha256 of tower 0's
+  weights and optimizer slots after that many steps of a small CNN with
+  BatchNormalization and Dropout, the replicas' largest difference and,
+  with a folder, the sha256 of a checkpoint's every tensor;
 - ``--resume FOLDER``: the same for 20 steps at K=8, and for 10 steps at
   K=4 saved in FOLDER and 10 more restored at K=2 and at K=8.
 """
@@ -70,9 +72,15 @@ def reductions():
                                           for n in range(3)])
                     out = reduction(grads, devices)
                     placed.extend([t.device for t in row] for row in out)
-                    return out
+                    # The sums of the other collectives: shard k of the rows on tower k.
+                    rows = [row[:2] for row in grads]
+                    return out, tfreduce.reduce_scatter(rows, devices, reduction=reduction)
 
-                out = run()
+                out, shards = run()
+                for k, row in enumerate(shards):
+                    for n, t in enumerate(row):
+                        mine = np.array_split(want[n], num_towers)[k]
+                        assert t.numpy().tobytes() == mine.tobytes(), (case, "shard", k, n)
                 case = f"K={num_towers} {algorithm} pack_bytes={pack_bytes}"
                 for k, row in enumerate(out):
                     for n, t in enumerate(row):
@@ -93,13 +101,13 @@ def make_model():
         keras.layers.Dense(10)])
 
 
-def make_trainer(num_towers, algorithm="flat", pack_bytes=None, micro_batches=8):
+def make_trainer(num_towers, algorithm="flat", pack_bytes=None, micro_batches=8, zero_stage=0):
     keras.utils.set_random_seed(1)
     return tfreduce.ReplicatedTrainer(
         make_model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         lambda: keras.optimizers.Adam(1e-2), devices=DEVICES[:num_towers],
         algorithm=algorithm, pack_bytes=pack_bytes, deterministic=True,
-        micro_batches=micro_batches)
+        micro_batches=micro_batches, zero_stage=zero_stage)
 
 
 def take_steps(trainer, first, last):
@@ -120,10 +128,30 @@ def weights_hash(trainer):
     return {"hash": digest.hexdigest(), "drift": float(trainer.check_replicas())}
 
 
-def train(num_towers, algorithm, pack_bytes, steps, micro_batches):
-    trainer = make_trainer(num_towers, algorithm, pack_bytes, micro_batches)
+def saved_hash(trainer, folder):
+    """sha256 of every tensor of a checkpoint of the trainer, by name.
+
+    The checkpoint holds the optimizer's state in one layout for any K and
+    ZeRO stage, so runs that shard it differently compare. Left out: the
+    object graph, the save counter and ``run_layout`` (the K and stage that
+    wrote it, which a restore reads to check its pieces).
+    """
+    trainer.save(folder)
+    reader = tf.train.load_checkpoint(folder)
+    digest = hashlib.sha256()
+    for name in sorted(reader.get_variable_to_shape_map()):
+        if not any(part in name for part in ("OBJECT_GRAPH", "save_counter", "run_layout")):
+            digest.update(name.encode() + np.asarray(reader.get_tensor(name)).tobytes())
+    return digest.hexdigest()
+
+
+def train(num_towers, algorithm, pack_bytes, steps, micro_batches, zero_stage=0, folder=None):
+    trainer = make_trainer(num_towers, algorithm, pack_bytes, micro_batches, zero_stage)
     take_steps(trainer, 0, steps)
-    return weights_hash(trainer)
+    out = weights_hash(trainer)
+    if folder:
+        out["saved"] = saved_hash(trainer, folder)
+    return out
 
 
 def resume(folder):

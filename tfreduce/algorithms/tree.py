@@ -24,8 +24,7 @@ costs no extra arithmetic.)
 
 import tensorflow as tf
 
-from tfreduce.basis.contract import shard_sizes
-from tfreduce.blocks.primitives import accumulation_dtype
+from tfreduce.blocks.primitives import accumulation_dtype, split_rows
 from tfreduce.blocks.stage import Stage
 
 __all__ = ["tree_sum", "tree_tower_counts", "TreeStage", "fix_summation_order",
@@ -84,14 +83,19 @@ def tree_tower_counts(leaves):
 
 
 class TreeStage(Stage):
-    """An algorithm's all-reduce with every element summed in the fixed tree over the towers.
+    """An algorithm's sums with every element summed in the fixed tree over the towers.
 
     Wraps a stage that builds ``all_to_all`` and ``all_gather`` (flat,
     hierarchical, ring, collective; not NCCL, whose all-reduce is one op):
-    the wrapped stage moves the data, and each shard's sum is
-    ``tree_sum`` over the K towers on the device that owns the shard
-    (``contract.shard_sizes`` of the flattened buffer). The all-reduce is
-    ``Reduction(..., deterministic=True)``'s.
+    the wrapped stage moves the data, and each sum is ``tree_sum`` over the
+    K towers, in tower order, on the device that owns it.
+
+    - reduce-scatter: an all-to-all brings shard k of every tower's rows
+      (``contract.shard_sizes``) to device k, which sums the K pieces;
+    - all-reduce: the reduce-scatter of each flattened entry, then the
+      stage's all-gather (``Reduction(..., deterministic=True)``);
+    - reduce: every tower's tensor copied to the root and summed there;
+    - all-gather, broadcast and all-to-all copy and never add: the stage's own.
 
     Args:
       inner: stage.Stage, the algorithm that moves the data.
@@ -103,38 +107,61 @@ class TreeStage(Stage):
         self.collective = inner.collective
         self.needs_function = inner.needs_function
         self.dtypes = inner.dtypes
+        self.collectives = inner.collectives
+        self.gathers_slices = inner.gathers_slices
 
     def bind(self, devices):
         return TreeStage(self.inner.bind(devices))
 
+    def pieces_per_tower(self, group_size):
+        return self.inner.pieces_per_tower(group_size)
+
     def reduce(self, buffers, ctx):
-        num_towers = len(ctx.devices)
-        # Shard k of each flattened entry, by the one shard rule.
-        sizes = [shard_sizes(t.shape.num_elements() if t.shape.is_fully_defined() else tf.size(t),
-                             num_towers) for t in buffers[0]]
-        pieces = []
-        for k, (row, device) in enumerate(zip(buffers, ctx.devices)):
-            with tf.device(device):
-                pieces.append([tf.split(tf.reshape(t, [-1]), sizes[m], num=num_towers,
-                                        name=f"entry{m}_dev{k}_pieces")
-                               for m, t in enumerate(row)])
-        exchanged = self.inner.all_to_all(pieces, ctx)
-        shards = []
-        for k, (row, device) in enumerate(zip(exchanged, ctx.devices)):
-            with tf.device(device):
-                sums = []
-                for m, joined in enumerate(row):
-                    parts = tf.split(joined, num_towers, name=f"entry{m}_dev{k}_parts")
-                    acc = accumulation_dtype(parts[0].dtype)
-                    total = tree_sum([tf.cast(p, acc) for p in parts],
-                                     name=f"entry{m}_dev{k}_tree")
-                    sums.append(ctx.finish(total, m, num_towers, device,
-                                           name=f"entry{m}_dev{k}_shard"))
-                shards.append(sums)
-        gathered = self.inner.all_gather(shards, ctx)
+        flat = [[tf.reshape(t, [-1]) for t in row] for row in buffers]
+        gathered = self.inner.all_gather(self.reduce_scatter(flat, ctx), ctx)
         out = []
         for k, (row, device) in enumerate(zip(gathered, ctx.devices)):
             with tf.device(device):
                 out.append([tf.reshape(t, tf.shape(buffers[k][m]), name=f"entry{m}_dev{k}_out")
                             for m, t in enumerate(row)])
         return out
+
+    def reduce_scatter(self, buffers, ctx):
+        num_towers = len(ctx.devices)
+        pieces = []
+        for k, (row, device) in enumerate(zip(buffers, ctx.devices)):
+            with tf.device(device):
+                pieces.append([split_rows(t, num_towers, name=f"entry{m}_dev{k}_pieces")
+                               for m, t in enumerate(row)])
+        exchanged = self.inner.all_to_all(pieces, ctx)
+        out = []
+        for k, (row, device) in enumerate(zip(exchanged, ctx.devices)):
+            with tf.device(device):
+                # Device k's K pieces, one per tower in tower order, of equal rows.
+                out.append([self._finish(tf.split(joined, num_towers, axis=0), m, ctx, device,
+                                         f"entry{m}_dev{k}")
+                            for m, joined in enumerate(row)])
+        return out
+
+    def reduce_to_root(self, buffers, ctx):
+        device = ctx.devices[ctx.root]
+        with tf.device(device):
+            return [self._finish([tf.identity(row[m]) for row in buffers], m, ctx, device,
+                                 f"entry{m}_root")
+                    for m in range(len(buffers[0]))]
+
+    def all_gather(self, buffers, ctx):
+        return self.inner.all_gather(buffers, ctx)
+
+    def broadcast(self, row, ctx):
+        return self.inner.broadcast(row, ctx)
+
+    def all_to_all(self, pieces, ctx):
+        return self.inner.all_to_all(pieces, ctx)
+
+    @staticmethod
+    def _finish(parts, m, ctx, device, name):
+        # The tree sum of one entry's K parts (in tower order), scaled and cast back.
+        acc = accumulation_dtype(parts[0].dtype)
+        total = tree_sum([tf.cast(p, acc) for p in parts], name=f"{name}_tree")
+        return ctx.finish(total, m, len(ctx.devices), device, name=f"{name}_sum")

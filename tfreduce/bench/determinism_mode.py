@@ -1,4 +1,4 @@
-"""The train mode with --deterministic: ReplicatedTrainer with deterministic=True against the default.
+"""The train mode with --deterministic: ReplicatedTrainer, deterministic against the default.
 
 ``deterministic=True`` changes TensorFlow's settings for the whole process
 (op determinism on, three Grappler passes off), so the two trainers never

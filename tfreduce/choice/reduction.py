@@ -43,6 +43,8 @@ __all__ = ["Reduction", "as_reduction", "FRAME_OPTIONS"]
 
 #: The options every algorithm takes: the frame's.
 FRAME_OPTIONS = ("pack_bytes", "sparse_as_dense", "compression", "deterministic")
+#: Those a plan (topology=) takes: a plan refuses deterministic.
+PLANNED_OPTIONS = FRAME_OPTIONS[:3]
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -137,9 +139,9 @@ class Reduction:
             if self.algorithm != "auto":
                 raise ValueError(f"topology= chooses the algorithm (algorithm='auto'), but "
                                  f"algorithm={self.algorithm!r} was named: pass one of them")
-            if given:  # (and not deterministic, refused below)
-                raise TypeError(f"planning takes only the frame's options {list(FRAME_OPTIONS[:3])}, "
-                                f"got {given}: the plan picks the algorithm and its groups")
+            if given:
+                raise TypeError(f"planning takes only the frame's options "
+                                f"{list(PLANNED_OPTIONS)}, got {given}: the plan picks the algorithm and its groups")
             check_topology(self.topology)
         takes = stage_options(self.algorithm)
         unknown = [name for name in given if name not in takes]

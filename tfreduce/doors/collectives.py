@@ -362,6 +362,9 @@ def _stages(collective, reduction, tensors, groups, across, root, average, split
     if reduction.topology is not None:
         raise ValueError(f"{collective}: topology={reduction.topology!r} plans for the devices "
                          f"of one process; across workers name the algorithm")
+    if reduction.deterministic:
+        raise ValueError(f"{collective}: deterministic=True is built for the towers of one "
+                         f"process; across workers the sums would add in TF's order")
     options, keys = cross_worker_options(across, "auto", None, None)
     # What the local stage builds: the collective's own local step, or those
     # of the collectives it is composed of. Checked even where no local

@@ -42,7 +42,7 @@ def check_deterministic(micro_batches, total_towers, accumulate_steps, powersgd)
       TypeError: micro_batches not an int.
       ValueError: micro_batches < 1; T towers that do not hold whole
         subtrees (naming the T that do); accumulation or PowerSGD, whose
-        sums are not in the tree (ZeRO: ``zero.check_zero_across``).
+        sums are not in the tree.
     """
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int):
         raise TypeError(f"micro_batches must be an int, got {type(micro_batches).__name__} "

@@ -83,16 +83,11 @@ def check_zero_stage(zero_stage, powersgd):
 
 
 def check_zero_across(zero_stage, cluster, reduction):
-    """Raises ValueError for ZeRO with wire compression across workers, or deterministic.
+    """Raises ValueError for ZeRO with wire compression across workers.
 
-    The cross-worker reduce-scatter moves the gradients in their own dtype;
-    the reduce-scatter does not sum in the fixed tree of deterministic=True.
+    The cross-worker reduce-scatter moves the gradients in their own dtype.
     """
     compression = reduction.compression
-    if zero_stage and reduction.deterministic:
-        raise ValueError(f"deterministic=True with zero_stage={zero_stage}: the reduce-scatter's "
-                         f"sums are not in the fixed tree yet; use zero_stage=0 "
-                         f"(docs/determinism.md)")
     if zero_stage and not cluster.is_local and compression.compresses:
         raise ValueError(
             f"zero_stage={zero_stage} with compression={compression.name!r} across workers: "
