@@ -77,11 +77,11 @@ def reductions():
                     return out, tfreduce.reduce_scatter(rows, devices, reduction=reduction)
 
                 out, shards = run()
+                case = f"K={num_towers} {algorithm} pack_bytes={pack_bytes}"
                 for k, row in enumerate(shards):
                     for n, t in enumerate(row):
                         mine = np.array_split(want[n], num_towers)[k]
                         assert t.numpy().tobytes() == mine.tobytes(), (case, "shard", k, n)
-                case = f"K={num_towers} {algorithm} pack_bytes={pack_bytes}"
                 for k, row in enumerate(out):
                     for n, t in enumerate(row):
                         assert placed[k][n].endswith(f"CPU:{k}"), (case, placed[k][n])
