@@ -18,6 +18,7 @@ import tensorflow as tf
 import tfreduce
 from helpers import CPU_DEVICES
 from tfreduce.algorithms.tree import tree_sum, tree_tower_counts
+from tfreduce.trainer.determinism import check_deterministic
 
 WORKER = Path(__file__).parent / "workers" / "determinism_worker.py"
 
@@ -100,9 +101,33 @@ def test_zero_stages_save_the_same_bits_as_stage_0_for_any_k(tmp_path):
 
 
 @pytest.mark.slow
+def test_two_workers_of_two_devices_train_to_the_bits_of_one_process():
+    from test_multiworker import launch_workers
+    code, out, err, _ = launch_workers("determinism_worker.py", "--train",
+                                       json.dumps([[2, "ring", 65536, 30, 8]]))
+    assert code == 0, err[-3000:]
+    runs = [json.loads(line[line.index("{"):])["train"][0] for line in out.splitlines()
+            if '"train"' in line]
+    # One line per worker, each of a cluster of two: each trained on half the batch.
+    assert [run["workers"] for run in runs] == [2, 2]
+    (alone,) = train_hashes([[4, "flat", None]])
+    assert runs[0]["hash"] == runs[1]["hash"] == alone[0]
+    assert runs[0]["drift"] == 0.0
+
+
+@pytest.mark.slow
 def test_ten_runs_give_the_same_bits():
-    runs = train_hashes([[4, "ring", None]] * 10)
-    assert len({h for h, _ in runs}) == 1
+    # Two processes of five runs each, at once (the machine has two cores).
+    cases = json.dumps([[4, "ring", None, 30, 8]] * 5)
+    started = [subprocess.Popen([sys.executable, str(WORKER), "--train", cases],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for _ in range(2)]
+    runs = []
+    for process in started:
+        out, err = process.communicate(timeout=600)
+        assert process.returncode == 0, err[-3000:]
+        runs += json.loads(out.splitlines()[-1])["train"]
+    assert len(runs) == 10 and len({run["hash"] for run in runs}) == 1
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
@@ -153,3 +178,12 @@ def test_a_deterministic_trainer_refuses_what_it_cannot_keep_in_the_tree(devices
     # Refused before any process-wide setting changes.
     with pytest.raises(error, match=message):
         make(devices, **kwargs)
+
+
+def test_each_worker_must_hold_a_subtree():
+    # 2 workers x 3 towers: 6 towers hold 2 of 12 micro-batches each, but a
+    # worker's 3 towers are no node of the tree.
+    check_deterministic(12, 6, 6, 1, None)  # one process of 6 towers: fine
+    with pytest.raises(ValueError, match="deterministic=True with 3 towers per worker: each "
+                                         "worker's towers must be a whole subtree of the sum"):
+        check_deterministic(12, 6, 3, 1, None)

@@ -38,14 +38,15 @@ LAYERS = {
 # the planner costs the registry's stages, run in the frame, with the cost
 # model, which calls the host probe, which times the collective algorithm's
 # stage; the cluster uses the failure probes; the watchdog, the straggler rule and
-# this process's progress, which keeps the straggler rule's window of step times.
+# this process's progress, which keeps the straggler rule's window of step times;
+# the cross-worker stage sums in the deterministic tree.
 SAME_LAYER = {
     ("stage", "primitives"), ("shards", "contract"),
     ("cluster", "failures"), ("costmodel", "hostprobe"),
     ("hostprobe", "frame"), ("hostprobe", "nccl_ops"), ("planner", "hostprobe"),
     ("planner", "costmodel"), ("planner", "registry"), ("planner", "frame"),
     ("watchdog", "stragglers"), ("watchdog", "progress"), ("progress", "stragglers"),
-    ("launch", "preload"), ("choices", "collective_rules"),
+    ("launch", "preload"), ("choices", "collective_rules"), ("crossworker", "tree"),
 }
 
 

@@ -121,11 +121,14 @@ def take_steps(trainer, first, last):
 
 
 def weights_hash(trainer):
-    """sha256 of tower 0's weights and optimizer slots; the replicas' largest difference."""
+    """sha256 of tower 0's weights and optimizer slots; the replicas' largest difference;
+    the workers that trained (1: this process alone)."""
     digest = hashlib.sha256()
     for v in trainer.models[0].variables + trainer.optimizers[0].variables:
         digest.update(np.asarray(v.numpy()).tobytes())
-    return {"hash": digest.hexdigest(), "drift": float(trainer.check_replicas())}
+    workers = 1 if trainer.cluster is None else trainer.cluster.num_workers
+    return {"hash": digest.hexdigest(), "drift": float(trainer.check_replicas()),
+            "workers": workers}
 
 
 def saved_hash(trainer, folder):

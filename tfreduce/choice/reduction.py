@@ -102,7 +102,8 @@ class Reduction:
         ``tf.add`` ops: the same bits for every algorithm, pack size and
         order of the buffers, and with ``ReplicatedTrainer(...,
         deterministic=True)`` for any number of towers (docs/determinism.md).
-        Not with "nccl", compression, a topology, or across workers.
+        Across workers the workers' sums are all-gathered and summed in the
+        tree in rank order. Not with "nccl", compression or a topology.
 
     Raises:
       ValueError: an unknown algorithm; a topology with a named algorithm,
@@ -247,7 +248,8 @@ class Reduction:
             # follows the local stage.
             grads.devices = cluster.devices(grads.devices)
             options, keys = cross_worker_options(cluster, "auto", None, None)
-            later.append(CrossWorkerStage(cluster, options, keys, self.compression))
+            later.append(CrossWorkerStage(cluster, options, keys, self.compression,
+                                          self.deterministic))
         return self.reduce(grads, average, later)
 
     def reduce(self, grads, average, later=()):
@@ -268,9 +270,6 @@ class Reduction:
         """
         if later and self.topology is not None:
             raise ValueError(self._across_workers_message())
-        if later and self.deterministic:
-            raise ValueError("deterministic=True is built for the towers of one process; across "
-                             "workers each cross-worker sum would add in TF's order")
         stage, pack_bytes = self._local_stage(grads, average)
         if pack_bytes == "auto":
             pack_bytes = CROSS_WORKER_PACK_BYTES if later else DEFAULT_PACK_BYTES

@@ -215,7 +215,8 @@ def allreduce_grads_multiworker(all_grads, devices=None, average=False, cluster=
     # The reduction as data: the local stage sums this worker's towers, the
     # cross-worker stage sums across workers and copies back.
     return reduction.reduce(grads, average, [
-        CrossWorkerStage(cluster, options, keys, reduction.compression)])
+        CrossWorkerStage(cluster, options, keys, reduction.compression,
+                         reduction.deterministic)])
 
 
 @tf.autograph.experimental.do_not_convert

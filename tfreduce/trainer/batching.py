@@ -33,7 +33,8 @@ def check_batch(x, y, what):
     return x, y
 
 
-def worker_batch(x, y, cluster, num_devices, total_towers, class_indices=False):
+def worker_batch(x, y, cluster, num_devices, total_towers, class_indices=False,
+                 shards_per_worker=None):
     """This worker's part of a checked global batch, for one training step.
 
     Args:
@@ -42,6 +43,9 @@ def worker_batch(x, y, cluster, num_devices, total_towers, class_indices=False):
       num_devices: int K, the towers of each worker.
       total_towers: int T = W * K, the towers of all workers.
       class_indices: bool, y must hold class indices (whole numbers).
+      shards_per_worker: int, the shards of the global batch each worker
+        takes (``Cluster.batch_slice``); None: its K towers' (a
+        deterministic step: its micro-batches).
 
     Returns:
       (x, y, B): tensors [b, ...] of this worker's examples (all B of them
@@ -70,7 +74,7 @@ def worker_batch(x, y, cluster, num_devices, total_towers, class_indices=False):
         )
     # Every worker is given the same global batch and takes its part (one
     # process: all of it).
-    start, stop = cluster.batch_slice(batch, num_devices)
+    start, stop = cluster.batch_slice(batch, shards_per_worker or num_devices)
     if (start, stop) != (0, batch):
         x, y = x[start:stop], y[start:stop]
     return x, y, batch

@@ -35,13 +35,15 @@ __all__ = ["check_deterministic", "check_batch_for_micro_batches", "fix_order",
 DEFAULT_MICRO_BATCHES = 8
 
 
-def check_deterministic(micro_batches, total_towers, accumulate_steps, powersgd):
+def check_deterministic(micro_batches, total_towers, towers_per_worker, accumulate_steps,
+                        powersgd):
     """Checks a deterministic trainer's settings (its reduction has deterministic=True).
 
     Raises:
       TypeError: micro_batches not an int.
       ValueError: micro_batches < 1; T towers that do not hold whole
-        subtrees (naming the T that do); accumulation or PowerSGD, whose
+        subtrees (naming the T that do), or several workers whose towers are
+        not a power of two each; accumulation or PowerSGD, whose
         sums are not in the tree.
     """
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int):
@@ -56,6 +58,10 @@ def check_deterministic(micro_batches, total_towers, accumulate_steps, powersgd)
             f"each tower must hold a power of two of the micro-batches (a whole subtree of "
             f"the sum), so the towers can be {able}; or choose micro_batches a power-of-two "
             f"multiple of {total_towers}")
+    if total_towers > towers_per_worker and towers_per_worker & (towers_per_worker - 1):
+        raise ValueError(
+            f"deterministic=True with {towers_per_worker} towers per worker: each worker's "
+            f"towers must be a whole subtree of the sum, a power of two of them")
     for given, name in ((accumulate_steps > 1, f"accumulate_steps={accumulate_steps}"),
                         (powersgd is not None, f"powersgd={powersgd!r}")):
         if given:
@@ -95,12 +101,15 @@ class DeterministicStep:
         self.towers = towers
         self.options = options
         self.counter = counter
+        # This worker's micro-batches: first .. first + count - 1 of the M.
+        self.count = options.micro_batches // options.cluster.num_workers
+        self.first = options.cluster.rank * self.count
 
     def forward(self, x, y, batch, host):
         """The step's forward and backward passes, as ``step.StepGraph`` takes them.
 
         Args:
-          x, y: [B, ...], the global batch.
+          x, y: [b, ...], this worker's micro-batches of the global batch.
           batch: int32 scalar B.
           host: str, the device where the batch is split.
 
@@ -110,9 +119,9 @@ class DeterministicStep:
           that times the towers), sync: fn(after) that builds the sync of
           the moving statistics).
         """
-        count = self.options.micro_batches
+        count = self.count
         with tf.device(host):
-            sizes = shard_sizes(tf.shape(x)[0], count)
+            sizes = shard_sizes(batch, self.options.micro_batches)[self.first:self.first + count]
             x_parts, y_parts = (tf.split(t, sizes, num=count) for t in (x, y))
             seconds = tf.zeros([len(self.towers.devices)], tf.float64)
         all_grads, loss_sums, corrects, regs, moving = self._gradients(x_parts, y_parts, sizes,
@@ -128,7 +137,7 @@ class DeterministicStep:
           moving K x V: the towers' sums of the weighted moving statistics).
         """
         towers, count = self.towers, self.options.micro_batches
-        per_tower = count // len(towers.devices)
+        per_tower = self.count // len(towers.devices)
         step = self.counter.read_value()
         out = ([], [], [], [], [])
         for k, device in enumerate(towers.devices):
@@ -164,7 +173,7 @@ class DeterministicStep:
         model = towers.models[k]
         for v, value in zip(towers.moving[k], start):
             v.assign(value)
-        self._set_seeds(k, step * options.micro_batches + j)
+        self._set_seeds(k, step * options.micro_batches + self.first + j)
         with tf.name_scope(f"micro{j}"), tf.GradientTape() as tape:
             loss_sum, y_pred = tower_loss_sum(options.loss_fn, model, tf.identity(x),
                                               tf.identity(y), training=True)

@@ -62,7 +62,8 @@ def deterministic_options(options, micro_batches):
                             f"deterministic step: pass deterministic=True too")
         return options
     count = DEFAULT_MICRO_BATCHES if micro_batches is None else micro_batches
-    check_deterministic(count, options.total_towers, options.accumulate_steps, options.powersgd)
+    check_deterministic(count, options.total_towers, len(options.devices),
+                        options.accumulate_steps, options.powersgd)
     fix_order()
     return dataclasses.replace(options, micro_batches=count, average=False)
 

@@ -221,8 +221,10 @@ class ReplicatedTrainer(Inspection):
         """Runs one step; returns (mean loss float, correct count int or None, stopping bool)."""
         if self._fault_hook is not None:
             self._fault_hook(self.step, "start")
-        x, y, batch = worker_batch(x, y, self._cluster, len(self.devices),
-                                   self._options.total_towers, self._options.class_indices)
+        x, y, batch = worker_batch(
+            x, y, self._cluster, len(self.devices), self._options.total_towers,
+            self._options.class_indices,
+            self._options.micro_batches // self._cluster.num_workers or None)
         check_batch_for_micro_batches(int(batch), self._options.micro_batches)
         loss, correct, stops, skipped = self._built_steps(x).train(
             x, y, batch, self._stop_request.requested)

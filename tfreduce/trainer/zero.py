@@ -88,6 +88,9 @@ def check_zero_across(zero_stage, cluster, reduction):
     The cross-worker reduce-scatter moves the gradients in their own dtype.
     """
     compression = reduction.compression
+    if zero_stage and not cluster.is_local and reduction.deterministic:
+        raise ValueError(f"zero_stage={zero_stage} with deterministic=True across workers: the "
+                         f"reduce-scatter across workers sums in TF's order; use zero_stage=0")
     if zero_stage and not cluster.is_local and compression.compresses:
         raise ValueError(
             f"zero_stage={zero_stage} with compression={compression.name!r} across workers: "

@@ -9,6 +9,7 @@ casts back, then copies the result to the worker's other devices.
 
 import tensorflow as tf
 
+from tfreduce.algorithms.tree import tree_sum
 from tfreduce.basis.choices import COLLECTIVES
 from tfreduce.basis.contract import nbytes
 from tfreduce.basis.devices import local_name
@@ -55,27 +56,35 @@ class CrossWorkerStage(Stage):
     16-bit wire dtype, all-reduced across workers in it, and cast back:
     half the bytes cross the network.
 
+    With ``deterministic``, the local sums are all-gathered instead (copies,
+    no sums) and summed in the fixed tree over the workers in rank order
+    (``algorithms.tree``): each worker's towers are one subtree.
+
     Args:
       cluster: tfreduce.Cluster of this worker.
       options: collective.CollectiveOptions, with a timeout.
       keys: CollectiveKeys that hand out the same keys on every worker.
       compression: compression.Compressor of the cross-worker hop.
+      deterministic: bool, sum in the fixed tree over the workers.
     """
 
     name = "cross_worker"
     collective = True
     needs_function = True
 
-    def __init__(self, cluster, options, keys, compression=Compression.none):
+    def __init__(self, cluster, options, keys, compression=Compression.none,
+                 deterministic=False):
         self.cluster = cluster
         self.options = options
         self.keys = keys
         self.compression = compression
+        self.deterministic = deterministic
         self._chain = self._towers = None  # set by bind, per call
 
     def bind(self, devices):
         # A fresh chain for each call, shared by its dense and sparse entries.
-        bound = CrossWorkerStage(self.cluster, self.options, self.keys, self.compression)
+        bound = CrossWorkerStage(self.cluster, self.options, self.keys, self.compression,
+                                 self.deterministic)
         bound._chain = CollectiveChain(self.options)
         bound._towers = self.cluster.num_workers * len(devices)  # T
         return bound
@@ -132,9 +141,12 @@ class CrossWorkerStage(Stage):
                         local_sum = scale_by_reciprocal(local_sum, self._towers)
                     local_sum, restore = self.compression.compress(local_sum)
             with chain.after_previous(devices[r], extra=others):
-                summed = chain.all_reduce(local_sum, devices[r], num_workers, group_keys[r],
-                                          self.keys.instance_key(),
-                                          name=f"entry{m}_cross_worker")
+                if self.deterministic:
+                    summed = self._tree_across(local_sum, devices[r], group_keys[r], m)
+                else:
+                    summed = chain.all_reduce(local_sum, devices[r], num_workers, group_keys[r],
+                                              self.keys.instance_key(),
+                                              name=f"entry{m}_cross_worker")
             if compressed:
                 with tf.device(devices[r]):
                     summed = self.compression.decompress(summed, restore)
@@ -145,6 +157,17 @@ class CrossWorkerStage(Stage):
             for k, t in enumerate(broadcast(total, devices, name_fmt=f"entry{m}_dev{{}}_out")):
                 out[k][m] = t
         return out
+
+    def _tree_across(self, local_sum, device, group_key, m):
+        # Every worker's sum gathered in rank order, then summed in the tree.
+        num_workers = self.cluster.num_workers
+        rows = self._chain.all_gather(tf.reshape(local_sum, [1, -1]), device, num_workers,
+                                      group_key, self.keys.instance_key(),
+                                      name=f"entry{m}_cross_worker")
+        with tf.device(device):
+            parts = tf.unstack(tf.cast(rows, accumulation_dtype(rows.dtype)), num=num_workers)
+            total = tree_sum(parts, name=f"entry{m}_workers_tree")
+            return tf.reshape(total, tf.shape(local_sum))
 
 
 class CrossWorkerCollectives(Stage):
