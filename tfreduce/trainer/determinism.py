@@ -4,7 +4,8 @@ The global batch of B examples is split into M micro-batches by the one
 shard rule (``contract.shard_sizes(B, M)``), so micro-batch j is the same
 rows whatever K is. Tower k holds micro-batches k*s .. (k+1)*s - 1 (s =
 M / K, a power of two) and runs each one's forward and backward pass on
-its own, at the micro-batch's shape:
+its own, at the micro-batch's shape (across W workers, worker w takes
+micro-batches w*M/W .. (w+1)*M/W - 1 and its towers those in turn):
 
 - the gradient is that of the micro-batch's loss sum over B (plus the
   regularisation over M), so the sum over micro-batches is the gradient of
