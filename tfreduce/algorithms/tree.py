@@ -39,8 +39,8 @@ REORDERING_PASSES = ("arithmetic_optimization", "constant_folding", "remapping")
 def fix_summation_order():
     """Turns the REORDERING_PASSES off for this process (TF's setting is process-wide).
 
-    Functions traced before keep their optimised graphs; a deterministic
-    reduction calls this as it builds, before its graph is optimised.
+    Functions traced before keep their optimised graphs; ``TreeStage.bind``
+    calls this as a deterministic sum is built, before its graph is optimised.
     """
     tf.config.optimizer.set_experimental_options({name: False for name in REORDERING_PASSES})
 
@@ -111,6 +111,9 @@ class TreeStage(Stage):
         self.gathers_slices = inner.gathers_slices
 
     def bind(self, devices):
+        # Every deterministic sum is bound here while its graph is built,
+        # before TF optimises it: the one place the order is fixed.
+        fix_summation_order()
         return TreeStage(self.inner.bind(devices))
 
     def pieces_per_tower(self, group_size):

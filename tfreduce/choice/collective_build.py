@@ -10,7 +10,7 @@ for "auto" with a topology, costs every algorithm's build of it.
 import tensorflow as tf
 
 from tfreduce.algorithms.registry import STAGES, choose_algorithm, make_stage
-from tfreduce.algorithms.tree import TreeStage, fix_summation_order
+from tfreduce.algorithms.tree import TreeStage
 from tfreduce.basis.collective_rules import COLLECTIVE_RULES, builds
 from tfreduce.basis.contract import dense_shape, values_of
 from tfreduce.basis.shards import Tensors
@@ -254,7 +254,6 @@ def collective_stage(reduction, collective, devices, planned=None):
         raise ValueError(f"algorithm {stage.name!r} does not build {collective} (TF has no "
                          f"such {stage.name} op); use algorithm= one of {able}")
     if reduction.deterministic and COLLECTIVE_RULES[collective].sums:
-        fix_summation_order()
         stage = TreeStage(stage)  # the algorithm moves the data; the fixed tree sums it
     return stage.bind(devices)
 

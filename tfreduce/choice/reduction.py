@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from tfreduce.algorithms.frame import run_stages
 from tfreduce.algorithms.registry import choose_algorithm, make_stage, stage_options
-from tfreduce.algorithms.tree import TreeStage, fix_summation_order
+from tfreduce.algorithms.tree import TreeStage
 from tfreduce.basis.choices import ALGORITHMS, DEFAULT_PACK_BYTES
 from tfreduce.basis.contract import check_flag, dense_shape, validate_grads, values_of
 from tfreduce.basis.devices import normalize_devices
@@ -337,7 +337,6 @@ class Reduction:
         # for "auto", or the plan's with a topology (made once per layout).
         if self.deterministic:
             # The algorithm moves the data; the fixed tree sums it.
-            fix_summation_order()
             name = self._stage.name if self._stage is not None else choose_algorithm(grads.devices)
             stage = self._stage or make_stage("ring" if name == "nccl" else name, {})
             return TreeStage(stage), self.pack_bytes
