@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 from tfreduce.workers.cluster import DEFAULT_TIMEOUT, Cluster, WorkerLostError, parse_tf_config
+from tfreduce.workers.failures import unheard_workers
 
 TWO = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
 
@@ -290,3 +291,16 @@ def test_other_errors_pass_through():
     with pytest.raises(KeyError):
         with cluster.detect_lost_workers():
             raise KeyError("x")
+
+
+def test_a_peer_never_heard_at_start_is_named():
+    # What Cluster.start() raises when a peer's watchdog was not heard within
+    # the timeout (the wait itself: test_watchdog.py).
+    cluster = Cluster(TWO, "worker", 0, timeout=42)
+    error = unheard_workers(cluster, [1])
+    assert isinstance(error, WorkerLostError) and error.lost == ["worker 1 (127.0.0.1:2223)"]
+    assert str(error) == (
+        "worker 0 (127.0.0.1:2222): no heartbeat from worker 1 (127.0.0.1:2223) within 42 s of "
+        "this worker's start: not started, or UDP between the hosts is blocked (the watchdog's "
+        "heartbeats go to the port number of each worker's server; stall_seconds=0 runs "
+        "without it)")

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -24,6 +25,7 @@ import pytest
 from helpers import alive
 
 from tfreduce import launch
+from tfreduce.workers.agent import AGENT_ENV, Agent, tell
 
 LAUNCH = [sys.executable, str(Path(launch.__file__))]
 
@@ -258,6 +260,7 @@ def test_a_preloaded_worker_reports_its_exit_like_a_started_one(pids):
 def test_a_preloaded_run_restarts_by_forking_again(pids):
     code, out, err, _ = run(pids, START + textwrap.dedent("""\
         if int(os.environ["TFREDUCE_RESTART_COUNT"]) == 0 and index == 1:
+            time.sleep(2)  # worker 0 has printed its start: --grace 0 stops it at once
             os.kill(os.getpid(), 9)
         time.sleep(0.2 if int(os.environ["TFREDUCE_RESTART_COUNT"]) else 60)
         """), "--workers", "2", "--restarts", "1", "--grace", "0", "--preload", "json")
@@ -295,6 +298,9 @@ def test_preload_of_a_missing_module_is_an_error_naming_it():
 def test_free_ports_and_tf_config():
     ports = launch.free_ports(4)
     assert len(set(ports)) == 4 and all(0 < p < 65536 for p in ports)
+    for port in ports:  # the watchdog's UDP port of the same number is free too
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            udp.bind(("", port))
     assert json.loads(launch.tf_config(["h:1", "h:2"], 1)) == {
         "cluster": {"worker": ["h:1", "h:2"]}, "task": {"type": "worker", "index": 1}}
 
@@ -437,3 +443,40 @@ def test_help_documents_restarts_and_the_restart_count(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--restarts N" in text and "TFREDUCE_RESTART_COUNT=0" in text
     assert "TFREDUCE_RESTART_COUNT" in launch.__doc__
+
+
+def test_a_worker_named_frozen_is_killed_at_once(pids):
+    # Worker 0 stands for a watchdog that names worker 1 (stopped with
+    # SIGSTOP, as a frozen process is) to the launcher; the launcher kills
+    # it at once, and worker 0 ends by itself within the grace.
+    code, _, err, _ = run(pids, """\
+        import signal
+        from tfreduce.workers.agent import tell
+        if index == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        workers = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]
+        tell("127.0.0.1:1", workers[1], "frozen")  # another start's worker: not one of these
+        tell(workers[0], workers[1], "frozen")
+        time.sleep(1)
+        """, "--workers", "2")
+    assert code == 75, err
+    assert re.search(r"\[launch\] worker 1 was named frozen by worker 0's watchdog after "
+                     r"[\d.]+s: stopping it; the others get 10s to finish", err), err
+    assert "[launch] stopping worker" not in err and "exit code 75 after" in err
+
+
+def test_the_agent_takes_only_the_reports_of_its_workers(monkeypatch):
+    agent = Agent("127.0.0.1")
+    monkeypatch.setenv(AGENT_ENV, agent.address)
+    try:
+        tell("h:2", "h:1", "frozen")
+        tell("elsewhere:1", "h:1", "frozen")  # not a worker of this start
+        tell("h:1", "h:3", "frozen")
+        deadline = time.monotonic() + 30  # a bound on the test
+        named = {}
+        while len(named) < 2 and time.monotonic() < deadline:
+            named.update(agent.named(["h:1", "h:2", "h:3"]))
+            time.sleep(0.05)
+        assert named == {0: (1, "frozen"), 2: (0, "frozen")}
+    finally:
+        agent.close()

@@ -20,7 +20,7 @@ PACKAGE = pathlib.Path(tfreduce.__file__).parent
 # smaller layer, or of its own layer where the pair is listed below.
 LAYERS = {
     "tf_config": 0, "startup": 0, "choices": 0, "topology": 0, "watchdog": 0, "stragglers": 0,
-    "progress": 0, "collective_rules": 0,
+    "progress": 0, "collective_rules": 0, "heartbeats": 0, "agent": 0,
     "devices": 1,
     "contract": 2, "shards": 2,
     "packing": 3, "compression": 3, "graphwalk": 3,
@@ -28,6 +28,7 @@ LAYERS = {
     "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5, "tree": 5,
     "registry": 5, "costmodel": 5, "profiler": 5, "hostprobe": 5, "planner": 5, "powersgd": 5,
     "failures": 5, "cluster": 5, "localcluster": 5, "crossworker": 5, "consistency": 5,
+    "rounds": 5,
     "reduction": 6, "collective_build": 6,
     "allreduce": 7, "multiworker": 7, "collectives": 7, "stepmodel": 7,
     "trainer": 8, "distribute": 8, "tensorflow": 8,
@@ -37,15 +38,17 @@ LAYERS = {
 # primitives' one scaling; the commands' choices name the collectives' rules;
 # the planner costs the registry's stages, run in the frame, with the cost
 # model, which calls the host probe, which times the collective algorithm's
-# stage; the cluster uses the failure probes; the watchdog, the straggler rule and
-# this process's progress, which keeps the straggler rule's window of step times;
+# stage; the cluster uses the failure probes and counts its rounds; the watchdog, its
+# heartbeats, the launcher's agent, the straggler rule and this process's
+# progress, which keeps the straggler rule's window of step times;
 # the cross-worker stage sums in the deterministic tree.
 SAME_LAYER = {
     ("stage", "primitives"), ("shards", "contract"),
-    ("cluster", "failures"), ("costmodel", "hostprobe"),
+    ("cluster", "failures"), ("cluster", "rounds"), ("costmodel", "hostprobe"),
     ("hostprobe", "frame"), ("hostprobe", "nccl_ops"), ("planner", "hostprobe"),
     ("planner", "costmodel"), ("planner", "registry"), ("planner", "frame"),
     ("watchdog", "stragglers"), ("watchdog", "progress"), ("progress", "stragglers"),
+    ("watchdog", "heartbeats"), ("watchdog", "agent"),
     ("launch", "preload"), ("choices", "collective_rules"), ("crossworker", "tree"),
 }
 

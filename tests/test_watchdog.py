@@ -14,14 +14,16 @@ import os
 import re
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
 from tfreduce.workers import watchdog
 from tfreduce.workers.cluster import Cluster
 from tfreduce.launch import free_ports, parse_args
-from tfreduce.workers.progress import IdleClock
-from tfreduce.workers.stragglers import STRAGGLER_MS, stragglers
+from tfreduce.workers.progress import IdleClock, measure, observe
+from tfreduce.bench import faults_worker
+from tfreduce.workers.stragglers import STRAGGLER_MS, stragglers, worker_medians
 from tfreduce.workers.watchdog import Watchdog, progress, stall_seconds_from
 
 from helpers import scalars
@@ -43,7 +45,7 @@ def pair(stall=1.0, timeout=300.0, workers=2):
             return dogs, fired
         except OSError:
             for dog in dogs:
-                dog._socket.close()
+                dog.beats.close()
             if attempt == 4:
                 raise
 
@@ -63,7 +65,7 @@ def test_a_peer_that_stops_sending_is_named_with_its_last_state():
     try:
         with progress.within("training step 8"):
             progress.advance(7)
-            assert wait_for(lambda: 1 in dogs[0]._heard and 0 in dogs[1]._heard)
+            assert wait_for(lambda: 1 in dogs[0].beats.heard and 0 in dogs[1].beats.heard)
             time.sleep(0.5)  # heartbeats with this state go out
             dogs[1]._stop.set()  # rank 1 freezes: it sends nothing more, and no goodbye
             assert wait_for(lambda: fired[0])
@@ -87,10 +89,10 @@ def test_a_peer_that_says_goodbye_or_was_never_heard_is_not_named():
     time.sleep(2.5)
     assert fired[0] == []
     dogs[1].start()
-    assert wait_for(lambda: 1 in dogs[0]._heard)
+    assert wait_for(lambda: 1 in dogs[0].beats.heard)
     dogs[1].goodbye()  # a clean exit
     time.sleep(2.5)
-    assert fired[0] == [] and 1 in dogs[0]._gone
+    assert fired[0] == [] and 1 in dogs[0].beats.gone
     dogs[0].goodbye()
 
 
@@ -103,7 +105,7 @@ def test_a_peer_that_an_error_ended_stops_the_others_at_once(monkeypatch):
         dog.start()
     try:
         with progress.within("training step 4"):
-            assert wait_for(lambda: 1 in dogs[0]._heard and 0 in dogs[1]._heard)
+            assert wait_for(lambda: 1 in dogs[0].beats.heard and 0 in dogs[1].beats.heard)
             # What the interpreter sets for an uncaught exception, before atexit.
             monkeypatch.setattr("sys.last_value", ValueError("Shape mismatch: [3] vs [4]\n"
                                                               "more lines"), raising=False)
@@ -123,14 +125,14 @@ def test_a_live_peer_behind_this_workers_step_is_warned_of_once():
     dogs, fired = pair(stall=1.0)
     dogs[0].start()  # rank 1's heartbeats are sent by hand: 2 steps done, outside its steps
     sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    beat = json.dumps({"run": dogs[0]._run, "rank": 1, "kind": "beat", "step": 2,
+    beat = json.dumps({"run": dogs[0].beats.run, "rank": 1, "kind": "beat", "step": 2,
                        "doing": ""}).encode()
     try:
         with progress.within("training step 4"):
             progress.advance(3)
             end, more = time.monotonic() + 30, None
             while time.monotonic() < (more or end):
-                sender.sendto(beat, ("127.0.0.1", dogs[0]._socket.getsockname()[1]))
+                sender.sendto(beat, ("127.0.0.1", dogs[0].beats.port))
                 time.sleep(0.1)
                 if dogs[0].reported and more is None:
                     more = time.monotonic() + 1.5  # the same step: no second warning
@@ -167,14 +169,14 @@ def test_a_wait_as_long_as_the_timeout_is_ended(monkeypatch, steps_done, busy, p
     dogs, fired = pair(stall=600.0, timeout=2.0)  # no silence could fire within the test
     dogs[0].start()  # rank 1's heartbeats are sent by hand
     sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    beat = json.dumps({"run": dogs[0]._run, "rank": 1, "kind": "beat", "step": peer[0],
+    beat = json.dumps({"run": dogs[0].beats.run, "rank": 1, "kind": "beat", "step": peer[0],
                        "doing": peer[1]}).encode()
     doing = f"training step {steps_done + 1}"
     try:
         with progress.within(doing):
             end = time.monotonic() + (30 if who else 5)  # 5: over twice the timeout
             while not fired[0] and time.monotonic() < end:
-                sender.sendto(beat, ("127.0.0.1", dogs[0]._socket.getsockname()[1]))
+                sender.sendto(beat, ("127.0.0.1", dogs[0].beats.port))
                 pause = time.monotonic() + 0.1
                 while busy and time.monotonic() < pause:
                     sum(range(1000))  # a core's work, as tracing does
@@ -237,7 +239,7 @@ def test_the_long_wait_names_peers_unheard_or_ended_and_spares_a_worker_left_alo
     monkeypatch.setattr(progress, "doing", None)
     dog = dogs[0]
     try:
-        dog._gone = {1, 2}  # every peer said goodbye: what is left is this worker's own
+        dog.beats.gone = {1, 2}  # every peer said goodbye: what is left is this worker's own
         for now in range(6):
             dog._end_long_wait(float(now))
         assert fired[0] == []
@@ -252,8 +254,8 @@ def test_the_long_wait_names_peers_unheard_or_ended_and_spares_a_worker_left_alo
                                     r"\(127\.0\.0\.1:\d+\) have ended"), fired[0][0]), fired[0][0]
         fired[0].clear()
         monkeypatch.setattr(watchdog, "_current_wait", lambda: wait)
-        dog._gone = {1}  # one ended, one never heard
-        dog._heard = {1: (0.0, {"step": 3, "doing": ""})}
+        dog.beats.gone = {1}  # one ended, one never heard
+        dog.beats.heard = {1: (0.0, {"step": 3, "doing": ""})}
         for now in range(10, 14):  # the abort let the last wait go: this one counts anew
             dog._end_long_wait(float(now))
         assert len(fired[0]) == 1
@@ -275,9 +277,9 @@ def test_datagrams_of_another_run_are_ignored():
         stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         beat = json.dumps({"run": "another", "rank": 1, "kind": "beat", "step": 3,
                            "doing": ""}).encode()
-        stranger.sendto(beat, ("127.0.0.1", dogs[0]._socket.getsockname()[1]))
+        stranger.sendto(beat, ("127.0.0.1", dogs[0].beats.port))
         time.sleep(2.5)
-        assert dogs[0]._heard == {} and fired[0] == []
+        assert dogs[0].beats.heard == {} and fired[0] == []
     finally:
         dogs[0].goodbye()
 
@@ -325,15 +327,15 @@ def test_the_bound_comes_from_the_argument_the_environment_or_the_default(monkey
 def test_a_frozen_worker_is_named_and_the_run_ends(door):
     # The tape loop sets its bounds in hvd.init() rather than through the launcher.
     settings = (("--init-stall", "5", "--init-timeout", "120") if door == "tape" else ())
-    # The frozen worker cannot use the launcher's grace: 2 s, not 10.
     code, out, err, seconds = launch_workers(
         "stall_worker.py", door, *settings, timeout=240,
-        launcher=("--grace", "2") + (() if door == "tape" else ("--stall-seconds", "5")))
+        launcher=() if door == "tape" else ("--stall-seconds", "5"))
     assert "[worker 1] rank 1: freezing at step 20" in out, (out, err[-3000:])
     if door == "tape":
         assert re.search(r"\[worker 0\] rank 0: Cluster\(worker 0 \(127\.0\.0\.1:\d+\) of 2, "
                          r"timeout=120s\)", out), out
-    assert code == 1, (code, err[-3000:])  # not 124: the launcher's timeout was not needed
+    # The watchdog's code, not 124: the launcher's timeout was not needed.
+    assert code == 75, (code, err[-3000:])
     line = re.search(r"\[worker 0\] tfreduce watchdog: (worker 0 \(127\.0\.0\.1:\d+\): worker 1 "
                      r"\(127\.0\.0\.1:\d+\) has sent no heartbeat for \d+ s: frozen, stopped or "
                      r"cut off.*)", err)
@@ -346,8 +348,11 @@ def test_a_frozen_worker_is_named_and_the_run_ends(door):
                          r"\(127\.0\.0\.1:\d+\): it does not answer, and the collective this "
                          r"worker waits in \(\S*allreduce\S*\) cannot go on without it", err), \
             err[-3000:]
-    assert re.search(r"\[launch\] worker 0 exited with code 1 after", err)
-    assert "[launch] stopping worker 1" in err
+    # The launcher, told by the watchdog, kills the frozen worker at once;
+    # the survivor ends by itself within the grace.
+    assert re.search(r"\[launch\] worker 1 was named frozen by worker 0's watchdog after "
+                     r"[\d.]+s: stopping it; the others get 10s to finish", err), err[-3000:]
+    assert "[launch] stopping worker" not in err
     print(f"{door}: ended {seconds:.0f} s after the start")
 
 
@@ -473,3 +478,184 @@ def test_fit_names_a_straggler_and_draws_each_workers_time(tmp_path):
     assert values["workers/ms_inside_step/worker_0"][-1] > \
         values["workers/ms_inside_step/worker_1"][-1] + 25
     assert not (tmp_path / "rank1").exists() or not os.listdir(tmp_path / "rank1")
+
+
+def test_a_first_heartbeat_is_answered_where_it_came_from():
+    # A peer whose UDP port number was taken listens elsewhere: its
+    # heartbeats are answered at their source, at once on the first.
+    dogs, fired = pair(stall=600.0)
+    dogs[0].start()
+    peer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    peer.bind(("127.0.0.1", 0))  # not rank 1's port
+    peer.settimeout(30.0)  # a bound on the test
+    try:
+        peer.sendto(json.dumps({"run": dogs[0].beats.run, "rank": 1, "kind": "beat", "step": 0,
+                                "doing": ""}).encode(), ("127.0.0.1", dogs[0].beats.port))
+        answer = json.loads(peer.recv(4096).decode())
+        assert (answer["run"], answer["rank"], answer["kind"]) == (dogs[0].beats.run, 0, "beat")
+        assert dogs[0].wait_for_peers(30.0) == [] and fired[0] == []
+    finally:
+        peer.close()
+        dogs[0].goodbye()
+
+
+@pytest.mark.slow
+def test_start_waits_for_every_peer_and_a_taken_udp_port_is_passed_over():
+    # Rank 1's UDP port number is held by another program: it listens on
+    # another port and is heard all the same. Until it starts, rank 0's
+    # wait names it as unheard.
+    spec = {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]}
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    squatter.bind(("", int(spec["worker"][1].rsplit(":", 1)[1])))
+    fired = {0: [], 1: []}
+    dogs = [Watchdog(Cluster(spec, "worker", r), 600.0, on_stall=fired[r].append)
+            for r in range(2)]
+    try:
+        assert dogs[1].beats.port != squatter.getsockname()[1]
+        dogs[0].start()
+        assert dogs[0].wait_for_peers(0.5) == [1]  # rank 1 has not started
+        dogs[1].start()
+        assert dogs[0].wait_for_peers(30.0) == [] and dogs[1].wait_for_peers(30.0) == []
+        assert fired == {0: [], 1: []}
+    finally:
+        squatter.close()
+        for dog in dogs:
+            dog.goodbye()
+
+
+@pytest.mark.slow
+def test_a_peer_that_ended_while_this_worker_waits_is_named(monkeypatch):
+    monkeypatch.setattr(progress, "step", 0)  # whatever trained before in this process
+    dogs, fired = pair(stall=1.0)
+    for dog in dogs:
+        dog.start()
+    try:
+        assert wait_for(lambda: 1 in dogs[0].beats.heard)
+        dogs[1].goodbye()  # a clean exit, while rank 0 waits in an eager all-reduce
+        with progress.within("allreduce of float32 [3]"):
+            assert wait_for(lambda: fired[0])
+        assert re.fullmatch(
+            r"worker 0 \(127\.0\.0\.1:\d+\): worker 1 \(127\.0\.0\.1:\d+\) has ended \(a clean "
+            r"exit, \d+ s ago\) while this worker waits in allreduce of float32 \[3\], which "
+            r"cannot finish without it\. Stopping them\.", fired[0][0]), fired[0][0]
+    finally:
+        dogs[0].goodbye()
+
+
+def test_a_loop_that_tells_nothing_is_seen_through_its_rounds(monkeypatch):
+    # A custom loop tells no steps: its rounds stand for them; a round it
+    # waits in is what it is doing, since it was first seen.
+    monkeypatch.setattr(progress, "told", False)
+    monkeypatch.setattr(progress, "doing", None)
+    view, memo = observe(None, None)
+    assert view is progress and memo is None
+    view, memo = observe((31, 30, [0.05] * 20), None)
+    assert (view.step, view.doing, view.durations) == (30, "cross-worker round 31", [0.05] * 20)
+    again, memo_again = observe((31, 30, [0.05] * 20), memo)
+    assert again.since == view.since and memo_again == memo  # the same wait
+    between, _ = observe((31, 31, [0.05] * 20), memo)
+    assert between.doing is None and measure(between) == "rounds"
+    with progress.within("allreduce of float32 [3]"):  # an eager call told: what it waits in
+        told, _ = observe((32, 31, []), memo)
+        assert told.doing == "allreduce of float32 [3]"
+    assert measure(progress) == "steps"
+
+
+def test_only_medians_of_one_measure_are_compared():
+    heard = {1: (0.0, {"ms": 52.0, "of": "rounds"}), 2: (0.0, {"ms": 3.0, "of": "steps"})}
+    assert worker_medians(3, 0, 2.0, "rounds", heard, set()) == {0: 2.0, 1: 52.0, 2: None}
+    assert worker_medians(3, 0, 2.0, "rounds", heard, {1}) == {0: 2.0, 1: None, 2: None}
+    assert stragglers({0: 52.0, 1: 2.0}, lambda r: f"worker {r}", "rounds") == [
+        "worker 1 lags: the other workers wait about 50 ms per step for it (it waits 2 ms in its "
+        "cross-worker collectives, they 52 ms, over the last 20 steps)"]
+
+
+def test_rounds_are_counted_in_a_traced_step_without_holding_it_back():
+    import tensorflow as tf
+    from tfreduce.workers.rounds import CollectiveRounds
+
+    rounds = CollectiveRounds("/device:CPU:0")
+
+    @tf.function
+    def step(x):
+        y = x * 2.0  # stands for a round's collectives
+        rounds.mark([x], [y])
+        return y
+
+    for _ in range(3):
+        step(tf.ones([4]))
+    entered, left, waited = rounds.read()
+    assert (entered, left) == (3, 3) and waited >= 0.0
+    assert rounds.latest() is None  # the reader starts; its first read finds 3 rounds
+    assert wait_for(lambda: rounds.latest() is not None)
+    assert rounds.latest() == (3, 3, [])
+    step(tf.ones([4]))
+    step(tf.ones([4]))
+    # The reader keeps a wait for each round left since its last read.
+    assert wait_for(lambda: rounds.latest()[1] == 5)
+    assert len(rounds.latest()[2]) == 2 and min(rounds.latest()[2]) >= 0.0
+    # The round's work (the Mul standing for its collectives) waits for none
+    # of the counting ops: they follow it, they never hold it back.
+    graph = step.get_concrete_function(tf.ones([4])).graph
+    counting = {op.name for op in graph.get_operations() if op.name.startswith("rounds/")}
+    work = [op for op in graph.get_operations() if op.type == "Mul"]
+    assert counting and len(work) == 1
+    ahead, before = list(work), set()
+    while ahead:
+        op = ahead.pop()
+        before.add(op.name)
+        ahead += [t.op for t in op.inputs] + list(op.control_inputs)
+    assert not before & counting, before & counting
+
+
+FAULTS = Path(faults_worker.__file__)
+
+
+@pytest.mark.slow
+def test_a_loop_that_tells_nothing_has_its_frozen_worker_named_and_killed():
+    # Horovod's custom loop, no tfreduce call but the collectives: rank 1
+    # freezes at step 30, rank 0 names it by the round it waits in, the
+    # launcher kills it at once.
+    code, out, err, _ = launch_workers(FAULTS, "--case", "freeze", "--steps", "300",
+                                       launcher=("--stall-seconds", "5"), timeout=240)
+    assert code == 75, (code, err[-3000:])
+    assert re.search(r"\[worker 0\] tfreduce watchdog: worker 0 \(127\.0\.0\.1:\d+\): worker 1 "
+                     r"\(127\.0\.0\.1:\d+\) has sent no heartbeat for \d+ s: frozen, stopped or "
+                     r"cut off.*; this worker waits in cross-worker round 3\d \(3\d steps "
+                     r"done\)\. Stopping them \(stall_seconds=5\)\.", err), err[-3000:]
+    assert "[launch] worker 1 was named frozen by worker 0's watchdog after" in err
+    assert "[launch] stopping worker" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loop", ["tape", "fit"])
+def test_a_loop_that_tells_nothing_has_its_straggler_named(loop):
+    # 150 clean steps name nobody; then rank 1 sleeps 50 ms before each step
+    # and the chief names it by the rounds it waits least in (within 20
+    # steps on an idle host: the bench's faults mode counts them).
+    code, out, err, _ = launch_workers(FAULTS, "--case", "lag", "--loop", loop, "--at", "150",
+                                       "--steps", "260", launcher=("--stall-seconds", "5"),
+                                       timeout=240)
+    assert code == 0, err[-3000:]
+    reports = re.findall(r"tfreduce watchdog: .*", err)
+    named = re.search(r"\[worker 0\] tfreduce watchdog: at step (\d+): worker 1 \(127\.0\.0\.1:"
+                      r"\d+\) lags: the other workers wait about \d+ ms per step for it \(it "
+                      r"waits \d+ ms in its cross-worker collectives, they \d+ ms, over the last "
+                      r"20 steps\)", err)
+    assert named and len(reports) == 1, err[-3000:]
+    assert 150 < int(named.group(1)) <= 260
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loop", ["tape", "eager"])
+def test_a_worker_that_exits_while_another_waits_for_it_is_named(loop):
+    # Rank 1 exits with 0 right after init(); rank 0's first step waits for
+    # it, in a tf.function (a round) or eagerly (a told call).
+    code, out, err, _ = launch_workers(FAULTS, "--case", "vanish", "--loop", loop,
+                                       launcher=("--stall-seconds", "5"), timeout=240)
+    assert code == 1, (code, err[-3000:])
+    assert re.search(r"\[worker 0\] tfreduce watchdog: worker 0 \(127\.0\.0\.1:\d+\): worker 1 "
+                     r"\(127\.0\.0\.1:\d+\) has ended \(a clean exit, \d+ s ago\) while this "
+                     r"worker waits in (cross-worker round 1|allreduce \(average, .*\) of "
+                     r"float32 .*), which cannot finish without it\. Stopping them\.", err), \
+        err[-3000:]

@@ -9,8 +9,9 @@ non-zero or is killed), the others get ``--grace`` seconds to notice the lost
 peer and fail with their own message, then they are stopped (SIGTERM and
 SIGCONT, so a stopped worker gets it too, then SIGKILL, to each worker's
 whole process group) and the launcher exits with
-the first failure's code (128 + signal number for a signal). Ctrl-C stops
-every worker. ``--timeout`` bounds the whole run.
+the first failure's code (128 + signal number for a signal). A worker that
+a watchdog names frozen (``tfreduce.workers.agent``) is killed at once, a
+failure of code 75. Ctrl-C stops every worker. ``--timeout`` bounds the run.
 
 With ``--restarts N`` a failure ends the run only when N restarts have
 failed too: once every worker is stopped, all of them start again as a new
@@ -44,7 +45,8 @@ import time
 from tfreduce import preload
 from tfreduce.basis.startup import VERBOSE_ENV, ArgumentParser
 from tfreduce.basis.tf_config import worker_tf_config as tf_config
-from tfreduce.workers.watchdog import DEFAULT_STALL_SECONDS, STALL_ENV
+from tfreduce.workers.agent import AGENT_ENV, Agent
+from tfreduce.workers.watchdog import DEFAULT_STALL_SECONDS, EXIT_CODE, STALL_ENV
 
 __all__ = ["main", "free_ports", "tf_config"]
 
@@ -57,7 +59,7 @@ _RESTART_COUNT = "TFREDUCE_RESTART_COUNT"
 
 
 def free_ports(count, host="127.0.0.1"):
-    """``count`` distinct TCP ports that are free on ``host`` right now.
+    """``count`` distinct TCP ports that are free on ``host`` right now, their UDP numbers too.
 
     All sockets are held open until every port is chosen, so the ports
     differ; they are closed before returning, so another process could take
@@ -70,16 +72,25 @@ def free_ports(count, host="127.0.0.1"):
     Returns:
       list of int ports.
     """
-    sockets = []
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    held, ports = [], []
     try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
-                              socket.SOCK_STREAM)
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
+        while len(ports) < count:
+            tcp = socket.socket(family, socket.SOCK_STREAM)
+            tcp.bind((host, 0))
+            held.append(tcp)  # held to the end: never offered twice
+            # The worker's watchdog takes the UDP port of the same number.
+            udp = socket.socket(family, socket.SOCK_DGRAM)
+            try:
+                udp.bind(("", tcp.getsockname()[1]))
+            except OSError:
+                udp.close()
+                continue
+            held.append(udp)
+            ports.append(tcp.getsockname()[1])
+        return ports
     finally:
-        for s in sockets:
+        for s in held:
             s.close()
 
 
@@ -122,18 +133,21 @@ class _Workers:
     """The N child processes of one start, each the leader of its own process group.
 
     ``restart`` (0 at the first start) reaches each worker as
-    TFREDUCE_RESTART_COUNT. With ``prog`` (from ``preload.program``) each
-    worker is forked from this process, else started with exec.
+    TFREDUCE_RESTART_COUNT, ``agent`` as TFREDUCE_AGENT. With ``prog`` (from
+    ``preload.program``) each worker is forked from this process, else exec'd.
     """
 
-    def __init__(self, command, addresses, restart, log, prog=None):
+    def __init__(self, command, addresses, restart, log, prog=None, agent=None):
         self._log = log
+        self.addresses = addresses
         self.procs = []
         self.threads = []
         lock = threading.Lock()
         for i in range(len(addresses)):
             env = dict(os.environ, TF_CONFIG=tf_config(addresses, i), PYTHONUNBUFFERED="1")
             env[_RESTART_COUNT] = str(restart)
+            if agent is not None:
+                env[AGENT_ENV] = agent
             try:
                 if prog is not None:
                     proc = preload.ForkedWorker(prog, env, others=self.procs)
@@ -160,11 +174,15 @@ class _Workers:
         return [i for i, p in enumerate(self.procs) if p.poll() is None]
 
     def signal_all(self, signum):
-        for p in self.procs:
-            try:
-                os.killpg(p.pid, signum)
-            except (ProcessLookupError, PermissionError):
-                pass
+        for i in range(len(self.procs)):
+            self.signal(i, signum)
+
+    def signal(self, i, signum):
+        """Sends `signum` to worker i's whole process group."""
+        try:
+            os.killpg(self.procs[i].pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def stop(self, grace):
         """Lets running workers finish for ``grace`` s, then terminates them."""
@@ -288,8 +306,9 @@ def _stop_request(args, interrupted, run_start):
     return None
 
 
-def _supervise(workers, args, interrupted, run_start, log):
-    """Waits for the workers; stops them all on a failure, a signal or --timeout.
+def _supervise(workers, args, interrupted, run_start, log, agent):
+    """Waits for the workers; stops them all on a failure (one named frozen to `agent`
+    is killed at once: code 75), a signal or --timeout.
 
     Returns:
       (code, failure): the int exit code (0 when every worker exited with 0),
@@ -299,6 +318,17 @@ def _supervise(workers, args, interrupted, run_start, log):
     started = time.monotonic()
     try:
         while True:
+            frozen = [(i, by) for i, (by, _) in sorted(agent.named(workers.addresses).items())
+                      if workers.procs[i].poll() is None]
+            if frozen:
+                i, by = frozen[0]
+                failure = (f"worker {i} was named frozen by worker {by}'s watchdog after "
+                           f"{time.monotonic() - started:.1f}s")
+                log(f"{failure}: stopping it; the others get {args.grace:g}s to finish")
+                for j, _ in frozen:  # it can only wait: no grace
+                    workers.signal(j, signal.SIGKILL)
+                workers.stop(args.grace)
+                return EXIT_CODE, failure
             running = workers.running()  # polls, so every returncode is current
             failed = [(i, p.returncode) for i, p in enumerate(workers.procs)
                       if p.returncode not in (None, 0)]
@@ -339,17 +369,27 @@ def _run(args, interrupted, log):
             log(f"cannot preload {', '.join(args.preload)}: {e}")
             return 127
         log(f"preloaded {', '.join(args.preload)} in {time.monotonic() - run_start:.1f}s")
+    agent = Agent(args.host)
+    try:
+        return _starts(args, interrupted, log, run_start, agent)
+    finally:
+        agent.close()
+
+
+def _starts(args, interrupted, log, run_start, agent):
+    """The starts of ``_run``, each a new cluster whose watchdogs report to `agent`."""
     for restart in range(args.restarts + 1):
         addresses = [f"{args.host}:{p}" if ":" not in args.host else f"[{args.host}]:{p}"
                      for p in free_ports(args.workers, args.host)]
         log(f"{args.workers} worker{'s' if args.workers > 1 else ''} at "
             f"{', '.join(addresses)}: {' '.join(args.command)}")
         try:
-            workers = _Workers(args.command, addresses, restart, log, args.program)
+            workers = _Workers(args.command, addresses, restart, log, args.program,
+                               agent.address)
         except OSError as e:
             log(f"cannot start {args.command[0]!r}: {e.strerror}")
             return 127
-        code, failure = _supervise(workers, args, interrupted, run_start, log)
+        code, failure = _supervise(workers, args, interrupted, run_start, log, agent)
         if failure is None or restart == args.restarts:
             break
         # A signal or --timeout that came during the grace period ends the run.

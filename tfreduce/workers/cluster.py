@@ -6,13 +6,12 @@ with its own K devices. They find each other through the standard
 
 ``Cluster`` parses and checks it without side effects, so a mistake (no task,
 an index out of range, a malformed address) is reported before anything
-listens. ``start()`` then starts this worker's TensorFlow gRPC server inside
-the TF2 eager context and configures TF's collective runtime, with task 0 as
-the group leader that matches up the members of every collective group;
-``start_server()`` does the same for a ``tf.compat.v1.Session``. From then on
-this worker's devices are named ``/job:worker/replica:0/task:<i>/device:...``
-and the cross-worker collectives of ``tfreduce.doors.multiworker`` run over that
-server; ``detect_lost_workers()`` names a lost peer (``tfreduce.workers.failures``).
+listens. ``start()`` starts this worker's TensorFlow gRPC server in the TF2
+eager context (``start_server()``: for a ``tf.compat.v1.Session``), with
+task 0 as the collective group leader; this worker's devices are then named
+``/job:worker/replica:0/task:<i>/device:...``, the cross-worker collectives
+of ``tfreduce.doors.multiworker`` run over that server, and
+``detect_lost_workers()`` names a lost peer (``tfreduce.workers.failures``).
 
 Security: TensorFlow's gRPC server has no authentication and no encryption,
 and it listens on every network interface of the machine (``0.0.0.0``),
@@ -20,7 +19,6 @@ whatever host TF_CONFIG names. Anyone who can reach its port can run any
 operation in the worker. Run a cluster only on a trusted, firewalled network.
 """
 
-import contextlib
 import time
 
 import tensorflow as tf
@@ -33,8 +31,10 @@ from tfreduce.basis.devices import local_name, normalize_device
 from tfreduce.basis.tf_config import JOBS, check_port, parse_tf_config
 from tfreduce.blocks.collective import (CollectiveKeys, CollectiveOptions, all_reduce,
                                         check_timeout, in_function)
-from tfreduce.workers.failures import (COLLECTIVE_FAILURES, WorkerLostError, lost_worker_message,
+from tfreduce.workers.failures import (WorkerLostError, lost_workers_named, unheard_workers,
                                        unreachable_workers)
+from tfreduce.workers.progress import progress
+from tfreduce.workers.rounds import CollectiveRounds
 from tfreduce.workers.watchdog import stall_seconds_from, start_watchdog
 
 __all__ = ["Cluster", "WorkerLostError", "parse_tf_config", "DEFAULT_TIMEOUT"]
@@ -83,6 +83,7 @@ class Cluster:
       timeout: float seconds.
       keys: CollectiveKeys, the instance keys of cross-worker collectives.
       stall_seconds: float; watchdog: its Watchdog after ``start()``, or None.
+      rounds: after ``start()``, the ``CollectiveRounds`` its watchdog reads.
 
     Raises:
       ValueError, TypeError: as ``parse_tf_config``, or a bad timeout or stall_seconds.
@@ -101,6 +102,7 @@ class Cluster:
         self.timeout = check_timeout(timeout)
         self.stall_seconds = stall_seconds_from(stall_seconds)
         self.watchdog = None
+        self.rounds = None
         self.keys = CollectiveKeys(first_instance_key=_FIRST_CROSS_WORKER_KEY)
         self._tasks = [(job, i) for job in JOBS for i in range(len(spec.get(job, [])))]
         self._mode = None
@@ -302,13 +304,11 @@ class Cluster:
     def start(self):
         """Starts this worker's server in the TF2 eager context.
 
-        Call it early, after configuring logical devices
-        (``tf.config.set_logical_device_configuration``) and before creating
-        tensors or models: from then on the local devices are named
-        ``/job:<job>/replica:0/task:<i>/device:...``. It also works once
-        TensorFlow has initialised (TF then warns that tensors created before
-        may fail), keeping the logical devices configured. The server lives
-        until the process exits (TF servers cannot be stopped).
+        Call it early, after configuring logical devices and before creating
+        tensors or models (it also works later: TF then warns that tensors
+        created before may fail). The server lives until the process exits.
+        With the watchdog on it returns once every peer's was heard, so one
+        that freezes at any point is named (``tfreduce.workers.watchdog``).
 
         Returns:
           self.
@@ -316,6 +316,9 @@ class Cluster:
         Raises:
           RuntimeError: if ``start_server()`` was called in this process.
           ValueError: if this task's port cannot be opened.
+          WorkerLostError: a peer sent no heartbeat within ``timeout`` (not
+            started, or UDP blocked between the hosts; ``stall_seconds=0``
+            runs without the watchdog).
         """
         if self._mode == "eager":
             return self
@@ -329,7 +332,12 @@ class Cluster:
         ctx.enable_collective_ops(server_def)
         ctx.ensure_initialized()
         self._mode = "eager"
+        if self.stall_seconds and self.num_workers > 1:  # what its watchdog will read
+            self.rounds = CollectiveRounds(self.task_name() + "/device:CPU:0")
         self.watchdog = start_watchdog(self)
+        missing = self.watchdog.wait_for_peers(self.timeout) if self.watchdog else []
+        if missing:
+            raise unheard_workers(self, missing)
         return self
 
     def start_server(self, config=None):
@@ -366,11 +374,10 @@ class Cluster:
         """Waits until every worker gets here; call it on each before exiting.
 
         A worker that exits as soon as its own last collective is done can
-        break a peer still finishing it (seen here as "Socket closed"). This
-        all-reduces a scalar over every worker: once it completes on one,
-        every worker has entered it, so every earlier collective is done
-        everywhere; then it waits ``linger`` seconds for the answers still on
-        their way. ``ReplicatedTrainer.fit`` in a cluster ends with it.
+        break a peer still finishing it ("Socket closed"). This all-reduces
+        a scalar over every worker (once it completes, every earlier
+        collective is done everywhere), then waits ``linger`` seconds for the
+        answers still on their way. ``ReplicatedTrainer.fit`` ends with it.
 
         Args:
           session: the ``tf.compat.v1.Session`` on this worker's server
@@ -397,7 +404,8 @@ class Cluster:
                 return all_reduce(tf.constant(1, tf.int32), self.num_workers, group_key,
                                   self.keys.instance_key(), options, name="barrier")
 
-        with self.detect_lost_workers():
+        # Told: a peer that ended without it is named (tfreduce.workers.watchdog).
+        with self.detect_lost_workers(), progress.within("finish() (the last barrier)"):
             if session is None:
                 arrived = in_function(build)
             else:
@@ -410,17 +418,11 @@ class Cluster:
         time.sleep(linger)
 
     def unreachable_workers(self, probe_timeout=5.0):
-        """The other tasks that do not answer now (probed as ``failures.unreachable_workers`` says).
+        """The ranks (list of int) of the other tasks that do not answer within probe_timeout s.
 
-        Args:
-          probe_timeout: float seconds to wait for each peer.
-
-        Returns:
-          list of int ranks.
-        """
+        Probed as ``failures.unreachable_workers`` says."""
         return unreachable_workers(self, probe_timeout, eager=self._mode == "eager")
 
-    @contextlib.contextmanager
     def detect_lost_workers(self, probe_timeout=5.0):
         """Turns the failure of a cross-worker collective into a WorkerLostError.
 
@@ -439,11 +441,4 @@ class Cluster:
         Raises:
           WorkerLostError: from the collective's ``tf.errors.OpError``.
         """
-        try:
-            yield
-        except COLLECTIVE_FAILURES as e:
-            lost = self.unreachable_workers(probe_timeout)
-            if not lost and not isinstance(e, tf.errors.DeadlineExceededError):
-                raise
-            raise WorkerLostError(lost_worker_message(self, e, lost),
-                                  [self.describe(r) for r in lost], e) from e
+        return lost_workers_named(self, probe_timeout)

@@ -7,6 +7,8 @@ worker (``CollectiveReduceV2`` over TF's gRPC cluster), scales once and
 casts back, then copies the result to the worker's other devices.
 """
 
+import functools
+
 import tensorflow as tf
 
 from tfreduce.algorithms.tree import tree_sum
@@ -28,6 +30,24 @@ __all__ = ["CrossWorkerStage", "CrossWorkerCollectives", "cross_worker_options",
 #: collective between hosts pays a network round trip or more, so small
 #: gradients are fused into buffers of this size (see packing.PackPlan).
 CROSS_WORKER_PACK_BYTES = 4 * 1024 * 1024
+
+
+def _round(method):
+    """A stage method that is one cross-worker round, counted by the cluster (``workers.rounds``)."""
+    @functools.wraps(method)
+    def counted(self, data, ctx):
+        out = method(self, data, ctx)
+        rounds = getattr(self.cluster, "rounds", None)
+        if rounds is not None:
+            rounds.mark(_tensors(data), _tensors(out))
+        return out
+    return counted
+
+
+def _tensors(nested):
+    # The dense tensors of a nested list (the values of IndexedSlices).
+    flat = tf.nest.flatten(nested, expand_composites=True)
+    return [t for t in flat if isinstance(t, tf.Tensor) and t.dtype != tf.resource]
 
 
 def cross_worker_options(cluster, communication, timeout, keys):
@@ -114,6 +134,7 @@ class CrossWorkerStage(Stage):
                 values = mean_of_sum(values, self._towers)
         return tf.IndexedSlices(values, indices, slices.dense_shape)
 
+    @_round
     def reduce(self, buffers, ctx):
         devices, num_workers = ctx.devices, self.cluster.num_workers
         num_local = len(devices)
@@ -240,6 +261,7 @@ class CrossWorkerCollectives(Stage):
             return self.chain.all_reduce(local, device, self.cluster.num_workers, group_key,
                                          self.keys.instance_key(), name=f"entry{m}_cross_worker")
 
+    @_round
     def reduce_scatter(self, buffers, ctx):
         devices, rank = ctx.devices, self.cluster.rank
         num_local = len(devices)
@@ -256,6 +278,7 @@ class CrossWorkerCollectives(Stage):
                                             name=f"entry{m}_dev{k}_out")
         return out
 
+    @_round
     def reduce_to_root(self, buffers, ctx):
         device = ctx.devices[ctx.root]
         total_towers = len(ctx.devices) * self.cluster.num_workers
@@ -263,6 +286,7 @@ class CrossWorkerCollectives(Stage):
                            ctx.average, device, name=f"entry{m}_out")
                 for m, local in enumerate(self._local_sums(buffers, ctx, ctx.root))]
 
+    @_round
     def all_gather(self, buffers, ctx):
         device, num_workers = ctx.devices[0], self.cluster.num_workers
         group_key = self._across(device)
@@ -289,6 +313,7 @@ class CrossWorkerCollectives(Stage):
                   for m, t in enumerate(row)]  # M x K
         return [list(tower) for tower in zip(*copies)]
 
+    @_round
     def broadcast(self, row, ctx):
         device, num_workers = ctx.devices[ctx.root], self.cluster.num_workers
         sender = self.root // len(ctx.devices)
@@ -308,6 +333,7 @@ class CrossWorkerCollectives(Stage):
             received.append(tf.cast(got, t.dtype))
         return self.stage.broadcast(received, ctx)
 
+    @_round
     def all_to_all(self, pieces, ctx):
         devices, num_workers = ctx.devices, self.cluster.num_workers
         device, num_local = devices[0], len(devices)

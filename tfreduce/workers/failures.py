@@ -8,6 +8,7 @@ and ``lost_worker_message`` names the ones that do not answer;
 ``Cluster.detect_lost_workers`` raises it as a ``WorkerLostError``.
 """
 
+import contextlib
 import re
 import socket
 
@@ -18,7 +19,8 @@ from tensorflow.python.eager import context
 
 from tfreduce.basis.tf_config import parse_address
 
-__all__ = ["COLLECTIVE_FAILURES", "WorkerLostError", "unreachable_workers", "lost_worker_message"]
+__all__ = ["COLLECTIVE_FAILURES", "WorkerLostError", "lost_workers_named", "unheard_workers",
+           "unreachable_workers", "lost_worker_message"]
 
 # Errors a collective reports when a peer is gone, hangs or restarted.
 COLLECTIVE_FAILURES = (
@@ -45,6 +47,34 @@ class WorkerLostError(RuntimeError):
         super().__init__(message)
         self.lost = lost
         self.error = error
+
+
+@contextlib.contextmanager
+def lost_workers_named(cluster, probe_timeout):
+    """``Cluster.detect_lost_workers``: a failed collective as a WorkerLostError naming the lost."""
+    try:
+        yield
+    except COLLECTIVE_FAILURES as e:
+        lost = cluster.unreachable_workers(probe_timeout)
+        if not lost and not isinstance(e, tf.errors.DeadlineExceededError):
+            raise
+        raise WorkerLostError(lost_worker_message(cluster, e, lost),
+                              [cluster.describe(r) for r in lost], e) from e
+
+
+def unheard_workers(cluster, missing):
+    """The WorkerLostError of peers whose first heartbeat did not come (``Cluster.start``).
+
+    Args:
+      cluster: tfreduce.Cluster of this worker.
+      missing: list of int ranks never heard within ``cluster.timeout``.
+    """
+    names = [cluster.describe(r) for r in missing]
+    return WorkerLostError(
+        f"{cluster.describe(cluster.rank)}: no heartbeat from {', '.join(names)} within "
+        f"{cluster.timeout:g} s of this worker's start: not started, or UDP between the hosts "
+        f"is blocked (the watchdog's heartbeats go to the port number of each worker's "
+        f"server; stall_seconds=0 runs without it)", names, None)
 
 
 def _tf_reason(error):

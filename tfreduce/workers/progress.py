@@ -9,16 +9,22 @@ imports the watchdog without TensorFlow).
 
 import collections
 import contextlib
+import sys
+import threading
 import time
 
 from tfreduce.workers.stragglers import STRAGGLER_STEPS
 
-__all__ = ["IN_JOIN", "IDLE_SHARE", "IdleClock", "progress"]
+__all__ = ["IN_JOIN", "IDLE_SHARE", "IdleClock", "current_wait", "describe_state", "measure",
+           "observe", "progress"]
 
 #: What a process waiting in Horovod's join() is doing (it makes the others' calls).
 IN_JOIN = "join() (its data ended)"
 #: A process using less than this share of one core is waiting, not working.
 IDLE_SHARE = 0.1
+# The innermost Python functions of TensorFlow's calls into its runtime: a
+# function or eager op (tensorflow/python/eager/execute.py) and a v1 session.
+_TF_CALLS = ("quick_execute", "execute_with_cancellation", "_call_tf_sessionrun")
 
 
 class _Progress:
@@ -28,6 +34,9 @@ class _Progress:
       step: int, training steps done (ReplicatedTrainer's; fit's with
         BroadcastGlobalVariablesCallback; a custom loop's with ``timed``);
         0 where nothing counts them.
+      told: bool, a loop counts its steps here (``advance`` was called);
+        until then the watchdog counts the cross-worker collective rounds
+        of the traced steps instead (``tfreduce.workers.rounds``).
       doing: str or None, e.g. "training step 31" or "allreduce of float32 [3]".
       since: float, the monotonic time at which `doing` was last set.
       durations: deque of the last STRAGGLER_STEPS steps' seconds inside
@@ -36,6 +45,7 @@ class _Progress:
 
     def __init__(self):
         self.step = 0
+        self.told = False
         self._doing = None
         self.since = time.monotonic()
         self.durations = collections.deque(maxlen=STRAGGLER_STEPS)
@@ -60,6 +70,7 @@ class _Progress:
 
     def advance(self, step=None):
         """One more step done (or the step counter set to `step`)."""
+        self.told = True
         self.step = self.step + 1 if step is None else int(step)
 
     @contextlib.contextmanager
@@ -80,6 +91,65 @@ class _Progress:
 
 #: This process's progress (one per process: a process is one worker).
 progress = _Progress()
+
+
+#: What a process is doing, from its cross-worker rounds (``observe``): like ``progress``.
+RoundsView = collections.namedtuple("RoundsView", "step doing since durations")
+
+
+def observe(reading, memo):
+    """What this process is doing, as its heartbeats tell it: ``progress``, or its rounds.
+
+    Args:
+      reading: None, or (entered, left, waits) of its cross-worker rounds
+        (``tfreduce.workers.rounds``), when no loop tells its steps.
+      memo: None, or (round, monotonic time) of the round first seen waited in.
+
+    Returns:
+      (view, memo): ``progress`` itself without a reading; else a
+      RoundsView whose step is the rounds left, whose doing is the eager
+      call told or the round waited in (since it was first seen), whose
+      durations are the rounds' waits; and the memo to pass next time.
+    """
+    if reading is None:
+        return progress, memo
+    entered, left, waits = reading
+    doing, since = progress.doing, progress.since
+    if not doing and entered > left:
+        if memo is None or memo[0] != entered:
+            memo = (entered, time.monotonic())
+        doing, since = f"cross-worker round {entered}", memo[1]
+    return RoundsView(left, doing, since, waits), memo
+
+
+def measure(view):
+    """What a view's durations measure: "steps" (told) or "rounds" (the waits in them)."""
+    return "steps" if view is progress else "rounds"
+
+
+def current_wait():
+    """What this process waits in: (an object the same for the whole wait, its name) or None.
+
+    What ``progress`` tells (a step, a fit batch, an eager collective), or
+    else a TensorFlow graph or op the main thread runs now (a custom loop's
+    ``tf.function`` step: its frame stays the same for the whole call);
+    None outside both, and in ``join()`` (the others may train long after
+    this process's data ended)."""
+    if progress.doing == IN_JOIN:
+        return None
+    if progress.doing:
+        return progress.since, describe_state(progress.step, progress.doing)
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is not None and frame.f_code.co_name in _TF_CALLS:
+        return frame, f"a TensorFlow call of the main thread ({frame.f_code.co_name})"
+    return None
+
+
+def describe_state(step, doing):
+    """E.g. "training step 32 (31 steps done)"; "" when nothing is told (a custom loop)."""
+    if doing and step:
+        return f"{doing} ({step} steps done)"
+    return doing or (f"{step} steps done" if step else "")
 
 
 class IdleClock:

@@ -13,7 +13,7 @@ watchdog without TensorFlow).
 import statistics
 
 __all__ = ["REPORT_EVERY", "STRAGGLER_MS", "STRAGGLER_STEPS", "lagging", "median_ms",
-           "stragglers"]
+           "stragglers", "worker_medians"]
 
 #: Steps whose durations the straggler report compares.
 STRAGGLER_STEPS = 20
@@ -57,25 +57,52 @@ def lagging(ms, slower):
     return found
 
 
-def stragglers(medians, rank_names):
+def stragglers(medians, rank_names, measure="steps"):
     """The workers the others wait for, from each one's median milliseconds inside its steps.
 
     A worker slowed outside its steps (input, host, network) spends less
     time inside them: the others wait in their collectives until it comes
-    (`lagging` with slower="lower").
+    (`lagging` with slower="lower"). So it also waits least inside its
+    cross-worker rounds (``tfreduce.workers.rounds``), what a loop that
+    tells no steps is measured by.
 
     Args:
       medians: dict rank -> float, median ms inside the last
-        STRAGGLER_STEPS steps (every worker's, this one's included).
+        STRAGGLER_STEPS steps (every worker's, this one's included), or
+        waiting in the last STRAGGLER_STEPS rounds.
       rank_names: function rank -> str.
+      measure: "steps" (time inside each step) or "rounds" (waits in them).
 
     Returns:
       list of str, one line per straggler (empty when none).
     """
+    inside = {"steps": "its steps take {mine:.0f} ms inside, theirs {theirs:.0f} ms",
+              "rounds": "it waits {mine:.0f} ms in its cross-worker collectives, they "
+                        "{theirs:.0f} ms"}[measure]
     return [f"{rank_names(rank)} lags: the other workers wait about {lag:.0f} ms per step "
-            f"for it (its steps take {mine:.0f} ms inside, theirs {theirs:.0f} ms, over the "
-            f"last {STRAGGLER_STEPS} steps)"
+            f"for it ({inside.format(mine=mine, theirs=theirs)}, over the last "
+            f"{STRAGGLER_STEPS} steps)"
             for rank, mine, theirs, lag in lagging(medians, "lower")]
+
+
+def worker_medians(num_workers, rank, own, measure, heard, gone):
+    """dict rank -> each worker's median ms (None until known), as the heartbeats tell them.
+
+    Args:
+      num_workers: int W.
+      rank: int, this worker's rank, whose median is `own`.
+      own: float or None, this worker's median ms.
+      measure: str, what `own` measures ("steps" or "rounds", as in
+        `stragglers`): a peer that measures otherwise counts as unknown.
+      heard: dict rank -> (time, heartbeat dict with "ms" and "of").
+      gone: set of the ranks that said goodbye (unknown).
+    """
+    medians = {r: None for r in range(num_workers)}
+    medians[rank] = own
+    for r, (_, beat) in list(heard.items()):
+        if r not in gone and beat.get("of", "steps") == measure:
+            medians[r] = beat.get("ms")
+    return medians
 
 
 def median_ms(durations):
