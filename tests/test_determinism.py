@@ -136,7 +136,7 @@ def test_ten_runs_give_the_same_bits():
     (dict(algorithm="ring", compression="fp16"), ValueError,
      "deterministic=True with compression='fp16': each tower's partial sum would be rounded"),
     (dict(topology="dgx1-v100"), ValueError,
-     "deterministic=True with topology=: a plan picks the algorithm"),
+     "deterministic=True with topology='dgx1-v100': a plan picks the algorithm"),
     (dict(algorithm="ring", deterministic=1), TypeError,
      "deterministic must be True or False, got int 1"),
 ])

@@ -195,6 +195,25 @@ def test_fit_refuses_bad_arguments_before_the_first_step(tmp_path, kwargs, messa
     assert trainer.step == 0
 
 
+@pytest.mark.parametrize("where", ["x", "validation_data", "evaluate"])
+def test_a_dataset_with_sample_weights_is_refused_before_the_first_step(where):
+    trainer = tfreduce.ReplicatedTrainer(make_model, "mse", lambda: keras.optimizers.SGD(0.1),
+                                         devices=CPU_DEVICES[:2], cluster=None)
+    x, y = np.zeros((8, 3), np.float32), np.zeros((8, 2), np.float32)
+    weighted = tf.data.Dataset.from_tensor_slices((x, y, np.ones(8, np.float32))).batch(4)
+    plain = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    what = {"x": "fit", "validation_data": "fit: validation_data", "evaluate": "evaluate"}[where]
+    with pytest.raises(ValueError, match=re.escape(
+            f"{what}: the dataset's elements hold 3 items (Keras' (x, y, sample_weight)?); "
+            f"ReplicatedTrainer takes (x, y) batches and no sample weights")):
+        if where == "evaluate":
+            trainer.evaluate(weighted)
+        else:
+            trainer.fit(weighted if where == "x" else plain, verbose=0,
+                        validation_data=weighted if where == "validation_data" else None)
+    assert trainer.step == 0
+
+
 def classifier():
     return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
 

@@ -5,6 +5,7 @@ tests/workers/horovod_worker.py; each feeds its half of every global batch,
 and the result must equal one process fitting the whole global batches.
 """
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -340,3 +341,37 @@ def test_a_run_killed_and_restarted_from_rank_0s_backup_ends_like_an_undisturbed
                                               runs["undisturbed"][r][key], err_msg=key)
     assert sorted(p.name for p in (tmp_path / "killed").glob("epoch*.weights.h5")) == [
         f"epoch{e}.weights.h5" for e in range(1, 6)]
+
+
+def test_a_call_that_fails_on_one_process_alone_shifts_no_pairing():
+    # Each of onesided_worker's cases: rank 1 alone makes a bad call (its own
+    # check raises), then both all-reduce r+1 and 10(r+1): 3 and 30 on both,
+    # never another call's sum; then both make the call and only rank 1's is
+    # bad: rank 1 raises its error, rank 0 a CallMismatchError naming it,
+    # and the next sums are right again.
+    code, out, err, _ = launch_workers("onesided_worker.py", launcher=("--stall-seconds", "5"),
+                                       timeout=300)
+    assert code == 0, err[-3000:]
+    records = [json.loads(line.split("] ", 1)[1]) for line in out.splitlines()
+               if "] {" in line]
+    names = {r["case"] for r in records} - {"join"}
+    assert len(names) == 12, sorted(names)
+    for record in records:
+        rank, case = record["rank"], record["case"]
+        if case == "join":  # rank 1 failed a call, then joined: rank 0's sum is its own
+            assert record.get("sum", 1.0) == 1.0, record
+            continue
+        sums = [[s.get("returned"), s.get("raised")] for s in record["alone_sums"]
+                + record["both_sums"]]
+        assert sums == [[3.0, None], [30.0, None]] * 2, (case, rank, sums)
+        if rank == 1:
+            # Its own error, twice (an object's address aside).
+            assert record["alone"]["raised"] == record["both"]["raised"], case
+            assert record["alone"]["raised"] in ("ValueError", "TypeError"), record
+        else:
+            assert record["both"]["raised"] == "CallMismatchError", record
+            assert re.fullmatch(
+                r"worker 0 \(127\.0\.0\.1:\d+\): the same collective call failed its own checks "
+                r"on another process, so it raises on every process \(nothing was sent; the "
+                r"next call pairs as before\): worker 1 \(127\.0\.0\.1:\d+\): failed \w+: "
+                r"(ValueError|TypeError): .*", record["both"]["message"]), record

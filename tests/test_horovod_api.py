@@ -181,8 +181,8 @@ def _in_v1_graph(call):
     (lambda: hvd.allreduce(tf.ones([2]), process_set="evens"), ValueError,
      "allreduce: process_set='evens': only global_process_set"),
     (lambda: hvd.reducescatter(tf.constant(1.0)), ValueError,
-     "reduce_scatter: tensor 0 on tower 0 is a scalar (shape []): reduce_scatter works along "
-     "axis 0; reshape it to [1]"),
+     "reducescatter: tensor 0 is a scalar; its rows are scattered, so give tensors of rank >= 1 "
+     "(tf.reshape(x, [1]))"),
     (lambda: hvd.alltoall(tf.ones([3]), splits=[1, 2]), ValueError,
      "alltoall: splits must be 1 ints (the rows sent to each process, in rank order), got "
      "[1, 2]"),

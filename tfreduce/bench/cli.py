@@ -20,7 +20,7 @@ from tfreduce.bench.workloads import keras_application
 __all__ = ["MODES", "main", "parse_args"]
 
 #: ``--mode`` values; mode M runs ``tfreduce.bench.M_mode`` (run, print_result).
-MODES = ("allreduce", "train", "scaling", "soak", "multiworker", "collective")
+MODES = ("allreduce", "train", "scaling", "soak", "multiworker", "collective", "faults")
 
 
 def _parse_list(text, convert, what):
@@ -65,7 +65,8 @@ def parse_args(argv):
                              "watching retracing and memory; multiworker: --workers "
                              "processes on 127.0.0.1 through the launcher, the per-tensor "
                              "collective against tfreduce, fp16 and PowerSGD; collective: "
-                             "the --collective list against tf.distribute and plain ops")
+                             "the --collective list against tf.distribute and plain ops; "
+                             "faults: --runs fault drills of 2 workers (--fault)")
     parser.add_argument("--collective", default=None, metavar="NAME[,NAME]",
                         type=lambda s: _parse_list(s, str, "--collective"),
                         help=f"collective mode (implied): any of {','.join(COLLECTIVES)}; "
@@ -165,6 +166,23 @@ def parse_args(argv):
                         help="train mode: timed rounds per contender; default %(default)s")
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="skip the run that checks values and pruning")
+    parser.add_argument("--fault", choices=("freeze", "lag", "vanish", "clean", "cost"),
+                        default="freeze",
+                        help="faults mode: what rank 1 does at --fault-step: SIGSTOP, 50 ms "
+                             "more per step, a clean exit while rank 0 waits, or nothing; "
+                             "cost: clean runs with the watchdog on and off, alternately; "
+                             "default %(default)s")
+    parser.add_argument("--fault-loop", choices=("tape", "eager", "fit"), default="tape",
+                        help="faults mode: Horovod's DistributedGradientTape in a tf.function, "
+                             "the same eagerly, or fit with DistributedOptimizer; default "
+                             "%(default)s")
+    parser.add_argument("--fault-step", type=_positive_int, default=30, metavar="S",
+                        help="faults mode: the step rank 1 acts at; default %(default)s")
+    parser.add_argument("--fault-steps", type=_positive_int, default=300, metavar="N",
+                        help="faults mode: steps of each run; default %(default)s")
+    parser.add_argument("--runs", type=_positive_int, default=30,
+                        help="faults mode: launches, each from fresh processes; default "
+                             "%(default)s")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     parser.add_argument("--png", default=None, metavar="PATH",
                         help="allreduce mode: write a bar chart here")

@@ -176,9 +176,9 @@ class Reduction:
                              f"each tower's partial sum would be rounded at a level of the tree "
                              f"that depends on the number of towers; pass compression=None")
         if self.topology is not None:
-            raise ValueError("deterministic=True with topology=: a plan picks the algorithm "
-                             "by its predicted time; name the algorithm (every one gives the "
-                             "same bits)")
+            raise ValueError(f"deterministic=True with topology={self.topology!r}: a plan "
+                             f"picks the algorithm by its predicted time; name the algorithm "
+                             f"(every one gives the same bits)")
 
     def __repr__(self):
         return f"tfreduce.Reduction({self._arguments(repr)})"

@@ -3,7 +3,10 @@
 Eagerly, each collective call runs inside a ``tf.function`` kept per
 (what it does, its input signature), so that a call like an earlier one
 reuses its function and its instance keys, as a training step does.
-Each collective has Horovod's gradient rule (``differentiable``).
+Each collective has Horovod's gradient rule (``differentiable``). Every
+public call takes part in the processes' agreement (``one_call``), even
+one that fails its own checks on one process, so no later call can pair
+with another process's.
 
 In a ``tf.compat.v1`` graph of a run of several processes, a call becomes
 a ``tf.py_function`` that makes the same call eagerly when the session
@@ -16,17 +19,95 @@ is an op run by the user's session).
 """
 
 import contextlib
+import functools
+import os
+import sys
 import threading
 
+import keras
 import tensorflow as tf
 
+import tfreduce
+
 from tfreduce.blocks.collective import CollectiveKeys
-from tfreduce.tensorflow.process import cluster, eager_functions
-from tfreduce.workers.consistency import check_same_call, join_round
+from tfreduce.tensorflow.process import cluster, eager_functions, is_initialized
+from tfreduce.workers.consistency import CallMismatchError, check_same_call, join_round
+from tfreduce.workers.failures import WorkerLostError
 from tfreduce.workers.progress import IN_JOIN, progress
 
-__all__ = ["agree", "differentiable", "in_session", "result_spec", "run_cached",
+__all__ = ["agree", "differentiable", "in_session", "one_call", "result_spec", "run_cached",
            "session_graph", "tensor_or_slices", "wait_in_join"]
+
+
+def one_call(kind):
+    """Makes a public collective take part in the agreement even when its own checks fail.
+
+    Eagerly, in a run of several processes, an error that the call raises
+    before its first agreement (``agree``: bad splits, a root rank out of
+    range, a scalar to gather, an unknown op) is first agreed as a failed
+    `kind` call (``consistency.check_same_call`` with ``failed=``), then
+    raised: where the others make the same collective, all raise; where
+    they make another, theirs pairs with this process's next call. Without
+    it a call that fails on one process alone would shift the pairing of
+    every call after it (a silent wrong sum). Which call a failed one
+    stands for is told by where the program made it (``call_site``).
+
+    Args:
+      kind: str, the collective as the calls' keys name it ("allreduce",
+        "alltoall", ...).
+
+    Returns:
+      a decorator.
+    """
+    def wrap(function):
+        @functools.wraps(function)
+        def call(*args, **kwargs):
+            if _JOINED_CALL or not tf.executing_eagerly():
+                return function(*args, **kwargs)
+            state = [False]  # set by agree(): this call has taken part
+            _CALLS.append(state)
+            try:
+                return function(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - any error of its own checks
+                if (state[0] or isinstance(error, (CallMismatchError, WorkerLostError))
+                        or not is_initialized() or cluster().is_local):
+                    raise
+                for outer in _CALLS:  # the calls this one is part of have taken part too
+                    outer[0] = True
+                # After the round, check_same_call raises `error` itself.
+                with progress.within(f"{kind} (failed its own checks)"):
+                    check_same_call(cluster(), _error_line(error), eager_functions(),
+                                    kind=kind, failed=error, site=call_site())
+            finally:
+                _CALLS.pop()
+        return call
+    return wrap
+
+
+# The public calls in progress on this thread's eager path, innermost last.
+_CALLS = []
+# The libraries whose frames stand between a program and its collective call.
+_LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (tfreduce, tf, keras))
+
+
+def call_site():
+    """Where the program made the current collective call: its frames' "file:line", innermost first.
+
+    The frames outside tfreduce, TensorFlow and Keras (a Keras optimizer's
+    call is Keras's), so that a helper called from two places makes two
+    sites; the same text on every process that runs the same program,
+    whichever its rank."""
+    frame, lines = sys._getframe(1), []
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(_LIBRARIES):
+            lines.append(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+        frame = frame.f_back
+    return " < ".join(lines)
+
+
+def _error_line(error):
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def tensor_or_slices(tensor):
@@ -114,6 +195,8 @@ def agree(key, tensors, rows_vary=False, name=None, values=None, recipe=None):
     """
     if not tf.executing_eagerly():
         return None
+    for state in _CALLS:  # every call in progress has taken part now
+        state[0] = True
     specs = [_spec(t, rows_vary) for t in tensors]
     functions = eager_functions()
     description = _describe(key, tensors, specs, name)
@@ -124,7 +207,8 @@ def agree(key, tensors, rows_vary=False, name=None, values=None, recipe=None):
     else:
         # A collective too: the cluster's timeout bounds its wait (tfreduce.workers.watchdog).
         with progress.within(description):
-            every = check_same_call(cluster(), description, functions, values, recipe)
+            every = check_same_call(cluster(), description, functions, values, recipe,
+                                    site=call_site())
     functions[_LAST_CALL] = description
     number = functions.get(_AGREED, -1) + 1
     functions[_AGREED] = number
@@ -279,6 +363,8 @@ def wait_in_join(make):
             recipe, last = join_round(found, functions, joined_at)
         if recipe is None:
             return last
+        if not recipe:
+            continue  # the others' call failed: nothing to make this round
         _JOINED_CALL.append(True)  # agreed already, in join_round
         try:
             make(recipe)

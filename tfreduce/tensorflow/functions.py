@@ -14,7 +14,7 @@ import pickle
 import numpy as np
 import tensorflow as tf
 
-from tfreduce.tensorflow.calls import in_session, session_graph, wait_in_join
+from tfreduce.tensorflow.calls import in_session, one_call, session_graph, wait_in_join
 from tfreduce.tensorflow.ops import (allgather, broadcast, broadcast_variables,
                                      check_process_set, global_process_set, grouped_allreduce)
 from tfreduce.tensorflow.process import local_rank, local_size, rank, size
@@ -27,6 +27,7 @@ def _as_bytes(obj):
     return tf.constant(np.frombuffer(pickle.dumps(obj), np.uint8))
 
 
+@one_call("broadcast")
 def broadcast_object(obj, root_rank=0, session=None, name=None,
                      process_set=global_process_set):
     """root_rank's Python object on every process (pickled; call it on every process).
@@ -57,6 +58,7 @@ def broadcast_object(obj, root_rank=0, session=None, name=None,
     return pickle.loads(run(broadcast(data, root_rank)).tobytes())
 
 
+@one_call("allgather")
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
     """Every process's Python object, in rank order (pickled; call it on every process).
 

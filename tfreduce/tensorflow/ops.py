@@ -27,11 +27,11 @@ from tfreduce.blocks.collective import CollectiveChain, CollectiveOptions
 from tfreduce.buffers.compression import Compression, as_compressor
 from tfreduce.doors.collectives import all_gather, broadcast as tfreduce_broadcast
 from tfreduce.doors.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
-from tfreduce.tensorflow.calls import (agree, differentiable, in_session, result_spec, run_cached,
-                                       session_graph, tensor_or_slices)
+from tfreduce.tensorflow.calls import (agree, differentiable, in_session, one_call, result_spec,
+                                       run_cached, session_graph, tensor_or_slices)
 from tfreduce.tensorflow.process import cluster, device
-from tfreduce.tensorflow.wire import (finish_mean, integer_mean, mean_dtype, narrow, off_wire,
-                                      on_wire, scale, widen, wire_dtype)
+from tfreduce.tensorflow.wire import (check_dtypes, finish_mean, integer_mean, mean_dtype, narrow,
+                                      off_wire, on_wire, scale, widen, wire_dtype)
 
 __all__ = ["Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression", "ProcessSet", "global_process_set", "allreduce",
            "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
@@ -95,6 +95,7 @@ def check_process_set(process_set, where):
 
 
 @tf.autograph.experimental.do_not_convert
+@one_call("allreduce")
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set,
@@ -153,6 +154,7 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
                                   "anything else here); use Sum or Average")
     op = check_op(op, average, where)
     check_process_set(process_set, where)
+    check_dtypes(tensors, where)
     if not tensors:
         return []
     if op in _ELEMENTWISE and any(isinstance(t, tf.IndexedSlices) for t in tensors):
@@ -217,6 +219,7 @@ def _reduce(found, place, tensors, op, compression):
 
 
 @tf.autograph.experimental.do_not_convert
+@one_call("allreduce")
 def allreduce(tensor, average=None, device_dense="", device_sparse="",
               compression=Compression.none, op=None, prescale_factor=1.0, postscale_factor=1.0,
               name=None, process_set=global_process_set, ignore_name_scope=False):
@@ -248,6 +251,7 @@ def _chain_for(found, where):
 
 
 @tf.autograph.experimental.do_not_convert
+@one_call("allgather")
 def grouped_allgather(tensors, name=None, ignore_name_scope=False,
                       process_set=global_process_set):
     """All-gathers each tensor along axis 0 over every process, in rank order.
@@ -271,6 +275,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
     del ignore_name_scope
     check_process_set(process_set, "allgather")
     tensors = [tf.convert_to_tensor(t) for t in tensors]
+    check_dtypes(tensors, "allgather")
     for n, t in enumerate(tensors):
         if t.shape.rank == 0:
             raise ValueError(f"allgather: tensor {n} is a scalar; gather tensors of rank >= 1 "
@@ -310,6 +315,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
 
 
 @tf.autograph.experimental.do_not_convert
+@one_call("allgather")
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """All-gathers one tensor along axis 0: ``grouped_allgather([tensor])[0]``."""
     return grouped_allgather([tensor], name, ignore_name_scope, process_set)[0]
@@ -320,6 +326,7 @@ def _check_root(root_rank, where):
 
 
 @tf.autograph.experimental.do_not_convert
+@one_call("broadcast")
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
               process_set=global_process_set):
     """Every process gets root_rank's tensor (same shape and dtype on every process).
@@ -338,6 +345,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     check_process_set(process_set, "broadcast")
     _check_root(root_rank, "broadcast")
     tensor = tf.convert_to_tensor(tensor)
+    check_dtypes([tensor], "broadcast")
     found, place = cluster(), device()
 
     def build(tensors):
@@ -382,6 +390,7 @@ def _broadcast_variables_graph(variables, found, root_rank):
 
 
 @tf.autograph.experimental.do_not_convert
+@one_call("broadcast_variables")
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
     """Assigns root_rank's values to the variables of every process, one buffer per dtype.
 

@@ -19,12 +19,12 @@ import tensorflow as tf
 from tfreduce.blocks.primitives import scale_by_reciprocal
 from tfreduce.buffers.compression import Compression, as_compressor
 from tfreduce.doors.collectives import all_gather, all_to_all, reduce_scatter
-from tfreduce.tensorflow.calls import (agree, differentiable, in_session, result_spec, run_cached,
-                                       session_graph)
+from tfreduce.tensorflow.calls import (agree, differentiable, in_session, one_call, result_spec,
+                                       run_cached, session_graph)
 from tfreduce.tensorflow.ops import (Average, check_op, check_process_set, global_process_set,
                                      grouped_allgather)
 from tfreduce.tensorflow.process import cluster, device
-from tfreduce.tensorflow.wire import narrow, scale, widen
+from tfreduce.tensorflow.wire import check_dtypes, narrow, scale, widen
 from tfreduce.workers.consistency import MessageError
 
 __all__ = ["reducescatter", "grouped_reducescatter", "alltoall", "SplitsError"]
@@ -39,6 +39,7 @@ class SplitsError(MessageError, tf.errors.InvalidArgumentError, ValueError):
 
 
 @tf.autograph.experimental.do_not_convert
+@one_call("reducescatter")
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
@@ -75,6 +76,11 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
     check_process_set(process_set, "reducescatter")
     compression = as_compressor(compression)
     tensors = [tf.convert_to_tensor(t) for t in tensors]
+    check_dtypes(tensors, "reducescatter")
+    for n, t in enumerate(tensors):
+        if t.shape.rank == 0:
+            raise ValueError(f"reducescatter: tensor {n} is a scalar; its rows are scattered, "
+                             f"so give tensors of rank >= 1 (tf.reshape(x, [1]))")
     if not tensors:
         return []
     found, place = cluster(), device()
@@ -115,6 +121,7 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
 
 
 @tf.autograph.experimental.do_not_convert
+@one_call("reducescatter")
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
                   process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
                   postscale_factor=1.0):
@@ -194,6 +201,7 @@ def _alltoall_in_session(tensor, splits, name):
 
 
 @tf.autograph.experimental.do_not_convert
+@one_call("alltoall")
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
              process_set=global_process_set):
     """Sends rows of a tensor to every process and joins what each receives, in rank order.
@@ -237,6 +245,7 @@ def _alltoall(tensor, splits, name):
     """alltoall's (output, received splits): an int32 tensor, a list of ints, or None (in a
     tf.function without splits)."""
     tensor = tf.convert_to_tensor(tensor)
+    check_dtypes([tensor], "alltoall")
     if session_graph():
         return _alltoall_in_session(tensor, splits, name)
     found, place = cluster(), device()

@@ -18,12 +18,36 @@ one rounding back; float32 and float64 tensors in their own dtype.
 
 import tensorflow as tf
 
-__all__ = ["finish_mean", "integer_mean", "mean_dtype", "narrow", "off_wire", "on_wire", "scale",
-           "widen", "wire_dtype"]
+__all__ = ["check_dtypes", "finish_mean", "integer_mean", "mean_dtype", "narrow", "off_wire",
+           "on_wire", "scale", "widen", "wire_dtype"]
 
 # dtype -> the dtype it crosses the wire in, for the collectives TF lacks.
 _WIDER = {tf.uint8: tf.int32, tf.int8: tf.int32, tf.uint16: tf.int32, tf.int16: tf.int32,
           tf.bool: tf.int32, tf.bfloat16: tf.float32}
+
+
+#: What the collectives carry between processes (after ``widen``).
+CARRIED = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int16,
+           tf.uint16, tf.int32, tf.int64, tf.bool)
+
+
+def check_dtypes(tensors, where):
+    """Raises TypeError for a tensor whose dtype no collective carries (strings, complex, uint64).
+
+    Checked on every process before the processes compare their calls, so
+    that a call bad on one process alone is refused there, before any data
+    moves (``calls.one_call``), and alike on one process and on many.
+
+    Args:
+      tensors: list of tf.Tensor or tf.IndexedSlices.
+      where: str, the collective, for the message.
+    """
+    for n, t in enumerate(tensors):
+        dtype = (t.values if isinstance(t, tf.IndexedSlices) else t).dtype.base_dtype
+        if dtype not in CARRIED:
+            raise TypeError(f"{where}: tensor {n} has dtype {dtype.name}, which the processes' "
+                            f"collectives do not carry; give one of "
+                            f"{', '.join(d.name for d in CARRIED)}")
 
 
 def widen(t, keep=()):

@@ -127,10 +127,17 @@ def steps_per_epoch(x, batch_size, total_towers):
     return full + (1 if rest >= total_towers else 0)
 
 
-def _check_no_y(y, what):
-    """Raises ValueError when y is given beside a dataset x, which holds the targets."""
+def _check_no_y(y, what, dataset=None):
+    """Raises ValueError when y is given beside a dataset x, or its elements are not (x, y)."""
     if y is not None:
         raise ValueError(f"{what}: y must be None when x is a tf.data.Dataset of (x, y) batches")
+    spec = getattr(dataset, "element_spec", None)
+    if isinstance(spec, tuple) and len(spec) != 2:
+        raise ValueError(
+            f"{what}: the dataset's elements hold {len(spec)} items (Keras' (x, y, "
+            f"sample_weight)?); ReplicatedTrainer takes (x, y) batches and no sample weights: "
+            f"weigh the examples in the loss, or drop the third: "
+            f"dataset.map(lambda x, y, w: (x, y))")
 
 
 def fit_data(x, y, batch_size, total_towers):
@@ -143,7 +150,7 @@ def fit_data(x, y, batch_size, total_towers):
         batch of T examples, or an infinite dataset.
     """
     if is_dataset(x):
-        _check_no_y(y, "fit")
+        _check_no_y(y, "fit", x)
     else:
         check_arrays(x, y, "fit")
         x, y = np.asarray(x), np.asarray(y)
@@ -177,7 +184,9 @@ def check_fit_arguments(epochs, validation_data, checkpoint_dir, verbose, logdir
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"fit: epochs must be an int >= 1 (the epoch to train up to, "
                          f"counting restored ones), got {epochs!r}")
-    if validation_data is not None and not is_dataset(validation_data):
+    if is_dataset(validation_data):
+        _check_no_y(None, "fit: validation_data", validation_data)
+    elif validation_data is not None:
         if not isinstance(validation_data, (tuple, list)) or len(validation_data) != 2:
             raise ValueError("fit: validation_data must be (x, y) arrays or a "
                              "tf.data.Dataset of (x, y) batches, got "
@@ -203,7 +212,7 @@ def eval_batches(x, y, batch_size, what):
       ValueError: y given with a dataset, or bad arrays.
     """
     if is_dataset(x):
-        _check_no_y(y, what)
+        _check_no_y(y, what, x)
         return iter(x)
     check_arrays(x, y, what)
     return numpy_batches(x, y, batch_size, np.arange(len(x)), 0, 0, drop_small=False)

@@ -130,9 +130,13 @@ class CallMismatchError(MessageError, tf.errors.FailedPreconditionError, ValueEr
 
 # What a process waiting in join() says in place of a call's description.
 _JOINED = "join"
+# What each worker says of its call in a round: the call, a call that failed
+# its own checks before any data moved (with its collective), or join().
+_CALL, _FAILED, _IN_JOIN = 0, 1, 2
 
 
-def check_same_call(cluster, description, functions, values=None, recipe=None):
+def check_same_call(cluster, description, functions, values=None, recipe=None, kind=None,
+                    failed=None, site=""):
     """Raises on every worker, before any data moves, unless all make the same collective call.
 
     Horovod negotiates every collective by name before it runs; TF's
@@ -140,9 +144,18 @@ def check_same_call(cluster, description, functions, values=None, recipe=None):
     call different collectives (or the same with other shapes, dtypes, root
     ranks or ops) would pair the wrong tensors, wait forever, or abort the
     runtime for good ("Collective ops is aborted ... Restart your program").
-    One small all-gather of a hash of the call's description comes first;
-    when the hashes differ every worker raises the same ValueError naming
-    each worker's call, and the runtime stays usable for the next call.
+    One small all-gather of each worker's word on its call comes first
+    (what it is, its collective, a hash of its description); when the calls
+    differ every worker raises the same ValueError naming each worker's
+    call, and the runtime stays usable for the next call.
+
+    A call that failed its own checks on one worker (splits that do not add
+    up, a root rank out of range) takes part too (`failed`), so that no
+    later call pairs with another's: when the others make the same
+    collective from the same place in the program (`site`), every worker
+    raises (the failing one its own error, the others a CallMismatchError
+    naming it and its error); otherwise the failed call was that worker's
+    alone: it raises its error and the others' call pairs with its next one.
 
     When the calls agree, `values` (what each worker may choose for itself:
     its row counts, its all-to-all splits) are all-gathered next, so that
@@ -157,12 +170,19 @@ def check_same_call(cluster, description, functions, values=None, recipe=None):
       cluster: tfreduce.Cluster, started; or a LocalCluster (nothing to compare).
       description: str, what the call does: the collective, its name, the
         shapes and dtypes, the root rank or op. Its text fixes the length
-        of `values`.
+        of `values`. For a failed call, what this worker's error says.
       functions: dict where the traced all-gathers are kept between calls
         (the run's ``process.eager_functions()``).
       values: None, or a sequence of L ints (int64).
       recipe: None, or a function () -> bytes: how a joined worker makes
         this call (called only when one waits).
+      kind: str, the collective ("allreduce", "alltoall", ...); None: the
+        description's first word.
+      failed: None, or the exception this worker's call raised in its own
+        checks (raised again here, after the round).
+      site: str, where the program made the call (its frames' "file:line",
+        ``calls.call_site``; the same text on every worker running the same
+        program): a failed call is the others' only if made where theirs was.
 
     Returns:
       None without `values`; else an int64 array [workers, L]: row r is
@@ -170,17 +190,36 @@ def check_same_call(cluster, description, functions, values=None, recipe=None):
 
     Raises:
       CallMismatchError: the workers' calls differ (each worker's description
-        named), or some wait in join() and this call cannot go on without them.
+        named), another worker's same call failed its checks (named with
+        its error), or some wait in join() and this call cannot go on
+        without them.
       WorkerLostError: a worker is lost or does not arrive in time.
+      `failed`, when given.
     """
     if cluster.is_local:
+        if failed is not None:
+            raise failed
         return None if values is None else np.asarray([values], np.int64).reshape(1, -1)
-    hashes = _gather_cached(cluster, functions, [_hash(description)])[:, 0]
-    joined = hashes == _hash(_JOINED)
-    if joined.any():
-        _recipe_for_joined(cluster, functions, description, hashes, recipe)
-    elif len(set(hashes.tolist())) > 1:
-        _raise_mismatch(cluster, description)
+    kind = kind or description.split()[0]
+    word = [_FAILED if failed is not None else _CALL, _hash(f"{kind} at {site}"),
+            _hash(description)]
+    while True:
+        rows = _gather_cached(cluster, functions, word)
+        outcome = _resolve(rows)
+        if outcome == "retry" and failed is None:
+            continue  # the failed calls were their workers' own: pair with their next
+        if outcome in ("mismatch", "failed"):
+            texts = _gather_text(cluster, description if failed is None
+                                 else f"failed {kind}: {description}")
+        if failed is not None:
+            raise failed
+        if outcome == "mismatch":
+            _raise_mismatch(cluster, texts)
+        if outcome == "failed":
+            _raise_failed(cluster, texts, rows)
+        break
+    if outcome == "joined":
+        _recipe_for_joined(cluster, functions, description, rows, recipe)
     if values is None:
         return None
     if len(values) == 0:  # TF's all-gather fails on an empty tensor
@@ -188,11 +227,34 @@ def check_same_call(cluster, description, functions, values=None, recipe=None):
     return _gather_cached(cluster, functions, values)
 
 
+def _resolve(rows):
+    """What a round of words (W x 3: status, hash of the collective and its
+    site, hash of the description) comes to, alike on every worker.
+
+    "agreed" (every worker makes the same call), "mismatch" (the calls
+    differ), "failed" (a worker's call of the same collective, from the same
+    site, failed its checks), "retry" (only other calls failed: those
+    workers' own), "joined" (some wait in join(), the others agree),
+    "ended" (every worker waits in join()), "none" (no worker made a call:
+    failed calls and joins only)."""
+    status, kinds, hashes = rows[:, 0], rows[:, 1], rows[:, 2]
+    calls, failed = status == _CALL, status == _FAILED
+    if not calls.any():
+        return "none" if failed.any() else "ended"
+    if len(set(hashes[calls].tolist())) > 1:
+        return "mismatch"
+    if failed.any():
+        return "failed" if (kinds[failed] == kinds[calls][0]).any() else "retry"
+    return "joined" if (status == _IN_JOIN).any() else "agreed"
+
+
 def join_round(cluster, functions, joined_at):
     """One round of a worker waiting in join(): the next call to make with zeros, or the end.
 
     Every worker waiting in join() calls it in a loop; each round pairs with
-    one ``check_same_call`` of the workers still working.
+    one ``check_same_call`` of the workers still working. A round in which
+    the working workers' calls failed (or paired with a failed one) is
+    nothing to make: (b"", None).
 
     Args:
       cluster: tfreduce.Cluster, started (several workers).
@@ -201,26 +263,32 @@ def join_round(cluster, functions, joined_at):
 
     Returns:
       (recipe, None): bytes, the call the working workers make (to make
-      with zeros); or (None, last): every worker has joined, `last` the
-      rank that joined last (the highest such rank on a tie).
+      with zeros), or b"" when there is none this round; or (None, last):
+      every worker has joined, `last` the rank that joined last (the
+      highest such rank on a tie).
 
     Raises:
       CallMismatchError: the working workers' call cannot go on without
         this one (no recipe), or their calls differ.
     """
-    hashes = _gather_cached(cluster, functions, [_hash(_JOINED)])[:, 0]
-    if (hashes == _hash(_JOINED)).all():
+    rows = _gather_cached(cluster, functions, [_IN_JOIN, _hash(_JOINED), _hash(_JOINED)])
+    outcome = _resolve(rows)
+    if outcome == "ended":
         at = _gather_cached(cluster, functions, [joined_at])[:, 0]
         return None, int(np.flatnonzero(at == at.max())[-1])
-    return _recipe_for_joined(cluster, functions, _JOINED, hashes, None), None
+    if outcome in ("mismatch", "failed"):
+        texts = _gather_text(cluster, _JOINED)
+        if outcome == "mismatch":
+            _raise_mismatch(cluster, texts)
+    if outcome in ("failed", "retry", "none"):
+        return b"", None
+    return _recipe_for_joined(cluster, functions, _JOINED, rows, None), None
 
 
-def _recipe_for_joined(cluster, functions, description, hashes, recipe):
+def _recipe_for_joined(cluster, functions, description, rows, recipe):
     """The first working worker's recipe, on every worker, once the working ones agree."""
-    joined = hashes == _hash(_JOINED)
+    joined = rows[:, 0] == _IN_JOIN
     working = np.flatnonzero(~joined)
-    if len(set(hashes[working].tolist())) > 1:
-        _raise_mismatch(cluster, description)
     recipe = recipe() if recipe else b""
     lengths = _gather_cached(cluster, functions, [len(recipe)])[:, 0]
     first = int(working[0])
@@ -234,17 +302,25 @@ def _recipe_for_joined(cluster, functions, description, hashes, recipe):
             "Sum or Average, eagerly (as in Horovod); call join() after the last other call")
     words = -(-int(lengths.max()) // 8)
     mine = np.frombuffer(recipe.ljust(8 * words, b"\0"), np.int64)
-    rows = _gather_cached(cluster, functions, mine)
-    return rows[first].tobytes()[:int(lengths[first])]
+    gathered = _gather_cached(cluster, functions, mine)
+    return gathered[first].tobytes()[:int(lengths[first])]
 
 
-def _raise_mismatch(cluster, description):
-    texts = _gather_text(cluster, description)
+def _raise_mismatch(cluster, texts):
     calls = "; ".join(f"{cluster.describe(r)}: {text}" for r, text in enumerate(texts))
     raise CallMismatchError(f"{cluster.describe(cluster.rank)}: the processes made "
                             f"different collective calls, which must be the same, in the "
                             f"same order, on every process: {calls} (when a process's data "
                             "ends before the others', it calls join(), which lets them finish)")
+
+
+def _raise_failed(cluster, texts, rows):
+    failed = [r for r in range(len(rows)) if rows[r, 0] == _FAILED]
+    which = "; ".join(f"{cluster.describe(r)}: {texts[r]}" for r in failed)
+    raise CallMismatchError(f"{cluster.describe(cluster.rank)}: the same collective call "
+                            f"failed its own checks on another process, so it raises on "
+                            f"every process (nothing was sent; the next call pairs as "
+                            f"before): {which}")
 
 
 def _gather_cached(cluster, functions, values):
