@@ -259,8 +259,13 @@ def test_a_preloaded_worker_reports_its_exit_like_a_started_one(pids):
 
 def test_a_preloaded_run_restarts_by_forking_again(pids):
     code, out, err, _ = run(pids, START + textwrap.dedent("""\
-        if int(os.environ["TFREDUCE_RESTART_COUNT"]) == 0 and index == 1:
-            time.sleep(2)  # worker 0 has printed its start: --grace 0 stops it at once
+        first = int(os.environ["TFREDUCE_RESTART_COUNT"]) == 0
+        marker = os.path.join(os.path.dirname(pid_dir), "worker0-started")
+        if first and index == 0:
+            open(marker, "w").close()  # its start is printed: --grace 0 may stop it now
+        if first and index == 1:
+            while not os.path.exists(marker):
+                time.sleep(0.01)
             os.kill(os.getpid(), 9)
         time.sleep(0.2 if int(os.environ["TFREDUCE_RESTART_COUNT"]) else 60)
         """), "--workers", "2", "--restarts", "1", "--grace", "0", "--preload", "json")
