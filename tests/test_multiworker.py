@@ -455,6 +455,8 @@ FITS = {
     # 53 rows in batches of 10, not shuffled: row 28 is in batch 2.
     "nan": NAN_OPTIONS + ["--nan-row", 28],
     "without": NAN_OPTIONS + ["--drop-rows", "20:30"],
+    # The model takes {"features": x}: each worker's part of every leaf.
+    "dict": ["--dict-inputs"],
 }
 
 
@@ -479,16 +481,16 @@ def launch_fits(root, names):
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory):
-    """Four of the FITS in one launch (all eight in one took about a minute)."""
+    """Four of the FITS in one launch (all nine in one took about a minute)."""
     return launch_fits(tmp_path_factory.mktemp("fits"),
                        ["first", "resumed", "accumulated", "zero2"])
 
 
 @pytest.fixture(scope="module")
 def more_fits(tmp_path_factory):
-    """The other four FITS, in a launch of their own."""
+    """The other five FITS, in a launch of their own."""
     return launch_fits(tmp_path_factory.mktemp("more_fits"),
-                       ["zero1", "zero1_resumed", "nan", "without"])
+                       ["zero1", "zero1_resumed", "nan", "without", "dict"])
 
 
 @pytest.mark.slow
@@ -501,6 +503,13 @@ def test_a_fit_holds_no_thread_per_collective(fits, more_fits):
         (name, r) for name in FITS for r in range(2)), out
     for r, name, before, after in counts:
         assert int(after) - int(before) <= 10, f"{name}, rank {r}: {before} threads, then {after}"
+
+
+@pytest.mark.slow
+def test_a_model_of_a_dict_of_inputs_trains_across_workers_as_in_one_process(more_fits):
+    want = one_process()
+    for r, got in enumerate(more_fits[0]["dict"]):
+        assert_matches(got, want, r)
 
 
 @pytest.fixture(scope="module")

@@ -56,30 +56,37 @@ def data(nan_row=None, drop_rows=None):
     return x, y
 
 
-def make_model(seed, hidden=HIDDEN):
-    """A dense classifier with BatchNormalization, weights drawn from `seed`."""
-    return keras.Sequential(
-        [
-            keras.Input((FEATURES,)),
-            keras.layers.Dense(
-                hidden,
-                activation="relu",
-                kernel_initializer=keras.initializers.GlorotUniform(seed=seed),
-                bias_initializer=keras.initializers.RandomNormal(seed=seed + 1),
-            ),
-            keras.layers.BatchNormalization(momentum=0.5),
-            keras.layers.Dense(
-                CLASSES, kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 2)
-            ),
-        ]
-    )
+def make_model(seed, hidden=HIDDEN, dict_inputs=False):
+    """A dense classifier with BatchNormalization, weights drawn from `seed`.
+
+    With dict_inputs, the same layers as a functional model of the input
+    {"features": x}, as models with several inputs take them."""
+    layers = [
+        keras.layers.Dense(
+            hidden,
+            activation="relu",
+            kernel_initializer=keras.initializers.GlorotUniform(seed=seed),
+            bias_initializer=keras.initializers.RandomNormal(seed=seed + 1),
+        ),
+        keras.layers.BatchNormalization(momentum=0.5),
+        keras.layers.Dense(
+            CLASSES, kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 2)
+        ),
+    ]
+    if not dict_inputs:
+        return keras.Sequential([keras.Input((FEATURES,))] + layers)
+    features = keras.Input((FEATURES,), name="features")
+    out = features
+    for layer in layers:
+        out = layer(out)
+    return keras.Model({"features": features}, out)
 
 
-def make_trainer(devices, seed, cluster, hidden=HIDDEN, **options):
+def make_trainer(devices, seed, cluster, hidden=HIDDEN, dict_inputs=False, **options):
     from tfreduce.trainer import ReplicatedTrainer
 
     return ReplicatedTrainer(
-        lambda: make_model(seed, hidden),
+        lambda: make_model(seed, hidden, dict_inputs),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         lambda: keras.optimizers.SGD(0.1, momentum=0.9),
         devices=devices,
@@ -88,9 +95,12 @@ def make_trainer(devices, seed, cluster, hidden=HIDDEN, **options):
     )
 
 
-def run(trainer, epochs, logdir, shuffle=True, fit_data=None, profile_steps=None):
+def run(trainer, epochs, logdir, shuffle=True, fit_data=None, profile_steps=None,
+        dict_inputs=False):
     """Fits (on `fit_data`, or data()), evaluates and predicts; returns a dict of results."""
     x, y = data()
+    if dict_inputs:
+        x, fit_data = {"features": x}, ({"features": fit_data[0]}, fit_data[1])
     history = trainer.fit(
         *(fit_data or (x, y)),
         epochs=epochs,
@@ -163,6 +173,8 @@ def parse_args(argv=None):
     parser.add_argument("--drop-rows", default=None, help="A:B, rows A..B-1 left out of fit")
     parser.add_argument("--rank1-devices", type=int, default=None,
                         help="rank 1 uses this many devices instead (a mistake to detect)")
+    parser.add_argument("--dict-inputs", action="store_true",
+                        help="the model takes {'features': x}, the data is given so")
     parser.add_argument("--rank1-hidden", type=int, default=HIDDEN,
                         help="rank 1's hidden layer size (a mistake to detect)")
     return parser.parse_args(argv)
@@ -176,7 +188,7 @@ def fit_on_cluster(args, cluster, devices, name=None):
     hidden = args.rank1_hidden if rank == 1 else HIDDEN
     # Every rank starts from other weights: only the broadcast makes them agree.
     trainer = make_trainer(devices, rank, cluster, hidden=hidden, algorithm="flat",
-                           zero_stage=args.zero_stage,
+                           zero_stage=args.zero_stage, dict_inputs=args.dict_inputs,
                            **update_options(args.accumulate_steps, args.powersgd_rank,
                                             args.on_nonfinite, args.compression))
     assert trainer.cluster.rank == rank and trainer.is_chief == (rank == 0)
@@ -189,7 +201,8 @@ def fit_on_cluster(args, cluster, devices, name=None):
         int(s) for s in args.profile_steps.split(","))
     threads = thread_count()
     out = run(trainer, args.epochs, logdir, shuffle=not args.no_shuffle,
-              fit_data=data(args.nan_row, drop), profile_steps=steps)
+              fit_data=data(args.nan_row, drop), profile_steps=steps,
+              dict_inputs=args.dict_inputs)
     # No thread per collective (tests/test_multiworker.py): fit, evaluate, predict.
     print(f"{said}threads {threads} -> {thread_count()}", flush=True)
     np.savez(os.path.join(args.out, f"rank{rank}.npz"), **out)

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from tfreduce.algorithms.tree import fix_summation_order, tree_sum, tree_tower_counts
 from tfreduce.basis.contract import shard_sizes
+from tfreduce.trainer.batching import split_shards
 from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
 
 __all__ = ["check_deterministic", "check_batch_for_micro_batches", "fix_order",
@@ -123,7 +124,7 @@ class DeterministicStep:
         count = self.count
         with tf.device(host):
             sizes = shard_sizes(batch, self.options.micro_batches)[self.first:self.first + count]
-            x_parts, y_parts = (tf.split(t, sizes, num=count) for t in (x, y))
+            _, (x_parts, y_parts) = split_shards([x, y], count, host, sizes)
             seconds = tf.zeros([len(self.towers.devices)], tf.float64)
         all_grads, loss_sums, corrects, regs, moving = self._gradients(x_parts, y_parts, sizes,
                                                                        batch)
@@ -176,8 +177,10 @@ class DeterministicStep:
             v.assign(value)
         self._set_seeds(k, step * options.micro_batches + self.first + j)
         with tf.name_scope(f"micro{j}"), tf.GradientTape() as tape:
-            loss_sum, y_pred = tower_loss_sum(options.loss_fn, model, tf.identity(x),
-                                              tf.identity(y), training=True)
+            loss_sum, y_pred = tower_loss_sum(options.loss_fn, model,
+                                              tf.nest.map_structure(tf.identity, x),
+                                              tf.nest.map_structure(tf.identity, y),
+                                              training=True)
             dtype = loss_sum.dtype
             reg = regularization(model, dtype)
             loss = loss_sum / tf.cast(batch, dtype) + reg / options.micro_batches

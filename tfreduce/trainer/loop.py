@@ -16,8 +16,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfreduce.trainer.batching import (check_batch, check_fit_arguments, fit_data, is_dataset,
-                                       numpy_batches)
+from tfreduce.trainer.batching import (batch_size_of, check_batch, check_fit_arguments,
+                                       dataset_batches, fit_data, is_batches, numpy_batches)
 from tfreduce.trainer.losses import regularization
 from tfreduce.trainer.profiling import ProfiledSteps, check_profile_steps
 from tfreduce.trainer.signals import Terminated
@@ -97,6 +97,7 @@ def fit_loop(
     hooks,
     x,
     y,
+    sample_weight,
     total_towers,
     *,
     epochs,
@@ -121,7 +122,7 @@ def fit_loop(
     Returns:
       dict of lists, one entry per epoch run.
     """
-    x, y, steps_per_epoch = fit_data(x, y, batch_size, total_towers)
+    x, y, steps_per_epoch = fit_data(x, y, batch_size, total_towers, sample_weight)
     # Every worker profiles its own towers, into the one logdir.
     profiled = ProfiledSteps(check_profile_steps(profile_steps, logdir), logdir,
                              trainer.devices, hooks.graphs, trainer.models, hooks.rank)
@@ -170,6 +171,8 @@ def _fit_epochs(trainer, hooks, run, validation_data, checkpoint_dir, callbacks,
     for epoch in range(first_epoch, run.epochs):
         logs, stopping = fit_epoch(trainer, hooks, run, epoch, skip)
         skip = 0
+        if hasattr(run.x, "on_epoch_end"):  # a keras.utils.PyDataset's own hook
+            run.x.on_epoch_end()
         stop = Terminated(hooks.stop.signum, trainer.step) if stopping else None
         if stop is not None and trainer.step % run.steps_per_epoch:
             raise stop  # mid-epoch: the resume finishes this epoch
@@ -205,8 +208,10 @@ def _save_on_interrupt(trainer, hooks, checkpoint_dir, stop):
 def _end_epoch(trainer, run, epoch, logs, validation_data):
     """Adds validation results to an epoch's logs, writes and prints them."""
     if validation_data is not None:
-        val_x, val_y = (validation_data, None) if is_dataset(validation_data) else validation_data
-        results = trainer.evaluate(val_x, val_y, batch_size=max(run.batch_size, 256))
+        val_x, val_y, *weights = ((validation_data, None) if is_batches(validation_data)
+                                  else validation_data)
+        results = trainer.evaluate(val_x, val_y, batch_size=max(run.batch_size, 256),
+                                   sample_weight=weights[0] if weights else None)
         logs.update({f"val_{name}": value for name, value in results.items()})
     if run.writer is not None:
         with run.writer.as_default(step=trainer.step):
@@ -224,12 +229,13 @@ def _end_epoch(trainer, run, epoch, logs, validation_data):
 
 def _epoch_batches(run, epoch, skip):
     """The epoch's (x, y) global batches from batch `skip` on."""
-    if is_dataset(run.x):
-        return iter(run.x.skip(skip))
+    if is_batches(run.x):
+        return dataset_batches(run.x, skip)
+    examples = batch_size_of(run.x)
     order = (
-        np.random.default_rng([run.seed, epoch]).permutation(len(run.x))
+        np.random.default_rng([run.seed, epoch]).permutation(examples)
         if run.shuffle
-        else np.arange(len(run.x))
+        else np.arange(examples)
     )
     return numpy_batches(
         run.x, run.y, run.batch_size, order, skip, run.total_towers, drop_small=True
@@ -276,7 +282,7 @@ def fit_epoch(trainer, hooks, run, epoch, skip):
         loss, correct, stopping = run.profiled.run(hooks.run_step, trainer.step + 1,
                                                    x_batch, y_batch)
         step_time = time.perf_counter() - start
-        size = int(x_batch.shape[0])
+        size = batch_size_of(x_batch)
         elapsed = time.perf_counter() - epoch_start
         if math.isfinite(loss):
             # A batch whose loss is NaN or Inf (skipped, on_nonfinite="skip")
@@ -336,7 +342,7 @@ def evaluate_loop(batches, steps_for, model):
         x_batch, y_batch = check_batch(x_batch, y_batch, "evaluate")
         loss_sum, correct = steps_for(x_batch).evaluate(x_batch, y_batch)
         loss_total += float(loss_sum)
-        count += int(x_batch.shape[0])
+        count += batch_size_of(x_batch)
         has_accuracy = has_accuracy and int(correct) >= 0
         correct_total += int(correct)
     if count == 0:
@@ -361,11 +367,12 @@ def predict_loop(batches, steps_for):
     """
     outputs = []
     for x_batch in batches:
-        x_batch = tf.convert_to_tensor(x_batch)
-        outputs.append(steps_for(x_batch).predict(x_batch).numpy())
+        x_batch = tf.nest.map_structure(tf.convert_to_tensor, x_batch)
+        outputs.append(tf.nest.map_structure(lambda t: t.numpy(),
+                                             steps_for(x_batch).predict(x_batch)))
     if not outputs:
         raise ValueError("predict: x has no examples")
-    return np.concatenate(outputs, axis=0)
+    return tf.nest.map_structure(lambda *parts: np.concatenate(parts, axis=0), *outputs)
 
 
 def _straggler_summaries(watchdog, tower_medians):

@@ -8,6 +8,8 @@ loss name or a function) and sums them per tower.
 import keras
 import tensorflow as tf
 
+from tfreduce.trainer.batching import split_weights
+
 
 def per_example_loss_fn(loss):
     """Returns fn(y_true, y_pred) -> one loss value per example.
@@ -63,8 +65,12 @@ def correct_count(y_true, y_pred):
     one-hot labels [batch, classes].
 
     Returns:
-      int64 scalar tf.Tensor, or None.
+      int64 scalar tf.Tensor, or None (also for targets or outputs that are
+      structures: a model with several outputs).
     """
+    y_true, _ = split_weights(y_true)
+    if not tf.is_tensor(y_true) or not tf.is_tensor(y_pred):
+        return None
     if y_pred.shape.rank != 2 or y_pred.shape[-1] is None or y_pred.shape[-1] < 2:
         return None
     if y_true.shape.rank == 2 and y_true.shape[-1] == 1 and y_true.dtype.is_integer:
@@ -94,7 +100,11 @@ def tower_loss_sum(loss_fn, model, x, y, training):
       loss_fn: fn(y_true, y_pred) -> per-example losses [shard, ...]; trailing
         axes are averaged.
       model: keras.Model, the tower's replica.
-      x, y: the tower's shard of inputs and targets, [shard, ...].
+      x, y: the tower's shard of inputs and targets, [shard, ...] (or
+        structures of them); targets with sample weights are a
+        ``batching.Weighted``: each loss value is multiplied by its weight
+        first (the weights broadcast against the loss's trailing axes, a
+        weight of each token of a sequence too), as Keras' ``fit`` does.
       training: bool, passed to the model call.
 
     Returns:
@@ -103,6 +113,7 @@ def tower_loss_sum(loss_fn, model, x, y, training):
     Raises:
       ValueError: loss_fn returned one value for the whole shard.
     """
+    y, weights = split_weights(y)
     y_pred = model(x, training=training)
     per_example = tf.convert_to_tensor(loss_fn(y, y_pred))
     if per_example.shape.rank == 0:
@@ -111,6 +122,32 @@ def tower_loss_sum(loss_fn, model, x, y, training):
             "value per example "
             "(give a keras.losses.Loss, a loss name, or a function without reduction)"
         )
+    if weights is not None:
+        per_example = per_example * _against(weights, per_example)
     if per_example.shape.rank > 1:
         per_example = tf.reduce_mean(per_example, axis=list(range(1, per_example.shape.rank)))
     return tf.reduce_sum(per_example), y_pred
+
+
+def _against(weights, values):
+    """Sample weights [batch, ...] in the loss values' dtype, of a rank that broadcasts against them.
+
+    Keras' rule: trailing axes of size 1 are dropped from the weights, or
+    added to them, until the ranks agree (weights [B] against per-token
+    losses [B, T] weigh every token of an example alike).
+
+    Raises:
+      ValueError: the weights' shape cannot broadcast against the losses'.
+    """
+    weights = tf.cast(weights, values.dtype)
+    while weights.shape.rank > values.shape.rank and weights.shape[-1] == 1:
+        weights = tf.squeeze(weights, axis=-1)
+    while weights.shape.rank < values.shape.rank:
+        weights = tf.expand_dims(weights, axis=-1)
+    try:
+        tf.broadcast_static_shape(weights.shape, values.shape)
+    except ValueError:
+        raise ValueError(f"sample_weight of shape {weights.shape} does not match the loss values "
+                         f"of shape {values.shape}: give one weight per example, [batch], or one "
+                         f"per loss value") from None
+    return weights

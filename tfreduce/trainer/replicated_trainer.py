@@ -1,7 +1,7 @@
 """The public ReplicatedTrainer: checks, replicas, and one delegating method per action."""
 
 from tfreduce.basis.devices import tower_devices
-from tfreduce.trainer.batching import eval_batches, input_batches, worker_batch
+from tfreduce.trainer.batching import eval_batches, input_batches, with_weights, worker_batch
 from tfreduce.trainer.checkpoints import find_prefix, read_counters
 from tfreduce.trainer.inspection import Inspection
 from tfreduce.trainer.loop import FitHooks, evaluate_loop, fit_loop, predict_loop
@@ -46,8 +46,7 @@ class ReplicatedTrainer(Inspection):
     A model whose variables are created on first call (a Sequential without
     an Input) is built on the first batch the trainer sees.
 
-    Several workers: the package docstring (`tfreduce.trainer`). Examples:
-    docs/training.md.
+    Several workers: the package docstring (`tfreduce.trainer`); examples: docs/training.md.
 
     Attributes:
       models: list of K `keras.Model`, the tower replicas; models[0] is tower 0.
@@ -218,7 +217,7 @@ class ReplicatedTrainer(Inspection):
         return self._steps or self._build(x)
 
     def _run_train_step(self, x, y):
-        """Runs one step; returns (mean loss float, correct count int or None, stopping bool)."""
+        """One step of targets y (``batching.Weighted``): (mean loss, correct or None, stopping)."""
         if self._fault_hook is not None:
             self._fault_hook(self.step, "start")
         x, y, batch = worker_batch(
@@ -240,24 +239,25 @@ class ReplicatedTrainer(Inspection):
         stopping = self._cluster.agreed(float(stops), self._stop_request.requested)
         return float(loss), (correct if correct >= 0 else None), stopping
 
-    def train_step(self, x, y):
+    def train_step(self, x, y, sample_weight=None):
         """Trains on one global batch, split across the towers.
 
         Args:
-          x: tf.Tensor or np.ndarray [batch, ...], the inputs of the global batch.
-          y: tf.Tensor or np.ndarray [batch, ...], the targets (for example int
-            class labels [batch]).
+          x: tf.Tensor or np.ndarray [batch, ...], the global batch's inputs,
+            or a structure of them (as in `fit`).
+          y: the targets [batch, ...] (e.g. int class labels), or a structure.
+          sample_weight: None, or [batch] (or [batch, ...]) weights (as in `fit`).
 
         Returns:
           float, the mean loss over the global batch (plus regularisation),
           computed before the update.
 
         Raises:
-          ValueError: x and y disagree on the batch size, or the batch has
-            fewer examples than there are towers (of all workers).
+          ValueError: two leaves disagree on the batch size (naming them), or
+            the batch has fewer examples than there are towers (of all workers).
           tfreduce.WorkerLostError: in a cluster, a worker is lost.
         """
-        return self._run_train_step(x, y)[0]
+        return self._run_train_step(x, with_weights(y, sample_weight))[0]
 
     def broadcast(self):
         """Copies tower 0's model and optimizer variables to every tower.
@@ -270,9 +270,9 @@ class ReplicatedTrainer(Inspection):
         """
         self._built("broadcast").broadcast()
 
-    def fit(self, x, y=None, *, epochs=1, batch_size=32, shuffle=True, seed=0,
-            validation_data=None, logdir=None, checkpoint_dir=None, callbacks=(), verbose=1,
-            profile_steps=None):
+    def fit(self, x, y=None, *, sample_weight=None, epochs=1, batch_size=32, shuffle=True,
+            seed=0, validation_data=None, logdir=None, checkpoint_dir=None, callbacks=(),
+            verbose=1, profile_steps=None):
         """Trains until `epochs` epochs are done, counting restored ones.
 
         The epoch and batch to start from follow from the step counter, so
@@ -281,14 +281,13 @@ class ReplicatedTrainer(Inspection):
         an uninterrupted run. Array input is reshuffled each epoch by a
         generator seeded with (seed, epoch); a last batch with fewer examples
         than towers is skipped in that epoch (its examples land in other
-        batches in other epochs when shuffling). A dataset is iterated as
-        given: finite, (x, y) global batches of at least K examples, the same
-        batches in every pass for an exact resume.
+        batches in other epochs when shuffling). A dataset (or PyDataset) is
+        iterated as given: finite, global batches of at least K examples,
+        the same batches in every pass for an exact resume.
 
-        Ctrl-C (KeyboardInterrupt) during fit writes a checkpoint to
-        `checkpoint_dir`, when given, and then re-raises. SIGTERM does the
-        same after the step in progress and raises `signals.Terminated`
-        (a KeyboardInterrupt); in a cluster all workers stop at one step.
+        Ctrl-C (KeyboardInterrupt) writes a checkpoint to `checkpoint_dir`
+        (when given) and re-raises; SIGTERM does the same after the step in
+        progress, raising `signals.Terminated`, on every worker at one step.
 
         In a cluster every worker calls fit with the same data and
         arguments; batches are global (split over all T = W * K towers), only
@@ -296,16 +295,21 @@ class ReplicatedTrainer(Inspection):
         successful fit ends with `Cluster.finish()` (waits for every worker).
 
         Args:
-          x: np.ndarray [examples, ...] of inputs, or a tf.data.Dataset of
-            (x, y) global batches.
-          y: np.ndarray [examples, ...] of targets; None for a dataset.
+          x: np.ndarray [examples, ...] of inputs, or any structure of them
+            Keras' fit takes (dicts, lists, tuples, nested: every leaf is
+            split along axis 0); or a tf.data.Dataset or keras.utils.PyDataset
+            of (x, y) or (x, y, sample_weight) global batches (trainer/batching.py).
+          y: np.ndarray [examples, ...] of targets (or a structure the loss
+            takes); None for a dataset.
+          sample_weight: [examples] (or [examples, ...]) weights of each
+            example's loss, as Keras' fit takes them; None: all 1.
           epochs: int, the epoch to train up to (total, not additional).
           batch_size: int >= T, global batch size for array input (T = K
             towers, times W workers in a cluster).
           shuffle: bool, reshuffle array input every epoch.
           seed: int, seed of the shuffling.
-          validation_data: (x_val, y_val) arrays or a dataset of (x, y)
-            batches, evaluated after every epoch.
+          validation_data: (x_val, y_val) or (x_val, y_val, weights) arrays,
+            or a dataset of such batches, evaluated after every epoch.
           logdir: directory for TensorBoard summaries: per step loss,
             accuracy, learning rate, step time and who the others wait for
             (each tower's and worker's ms: towertimes, tfreduce.workers.stragglers);
@@ -344,18 +348,20 @@ class ReplicatedTrainer(Inspection):
             tower_medians=lambda: self._steps.tower_times.medians(),
             watchdog=self._cluster.watchdog)
         return fit_loop(
-            self, hooks, x, y, self._options.total_towers, epochs=epochs, batch_size=batch_size,
+            self, hooks, x, y, sample_weight, self._options.total_towers, epochs=epochs,
+            batch_size=batch_size,
             shuffle=shuffle, seed=seed, validation_data=validation_data, logdir=logdir,
             checkpoint_dir=checkpoint_dir, callbacks=callbacks, verbose=verbose,
             profile_steps=profile_steps)
 
-    def evaluate(self, x, y=None, batch_size=256):
+    def evaluate(self, x, y=None, batch_size=256, sample_weight=None):
         """Mean loss and accuracy over a dataset, each batch split across the towers.
 
         Args:
-          x: np.ndarray [examples, ...] or a tf.data.Dataset of (x, y) batches.
-          y: np.ndarray [examples, ...] of targets; None for a dataset.
-          batch_size: int, global batch size for array input.
+          x: as in `fit`.
+          y: as in `fit`.
+          batch_size: int, the global batch size of array input.
+          sample_weight: as in `fit` (the loss is the weighted mean).
 
         Returns:
           dict: "loss" (float, mean per-example loss plus regularisation) and,
@@ -364,19 +370,20 @@ class ReplicatedTrainer(Inspection):
         Raises:
           ValueError: bad arrays (empty, or x and y of different lengths).
         """
-        batches = eval_batches(x, y, batch_size, "evaluate")
+        batches = eval_batches(x, y, batch_size, "evaluate", sample_weight)
         return evaluate_loop(batches, self._built_steps, self.models[0])
 
     def predict(self, x, batch_size=256):
         """Model outputs for every example, each batch split across the towers.
 
         Args:
-          x: np.ndarray [examples, ...], or a tf.data.Dataset of input batches
-            (or of (x, y) batches, whose y is ignored).
+          x: as in `fit`, or a dataset of input batches (or (x, y) ones,
+            whose y is ignored).
           batch_size: int, global batch size for array input.
 
         Returns:
-          np.ndarray [examples, ...outputs], in input order.
+          np.ndarray [examples, ...outputs] (the model's structure of them
+          for several outputs), in input order.
 
         Raises:
           ValueError: x has no examples.

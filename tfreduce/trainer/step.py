@@ -16,8 +16,8 @@ B % K one example larger (tfreduce.basis.contract.shard_sizes), one per tower.
 
 import tensorflow as tf
 
-from tfreduce.basis.contract import shard_sizes
 from tfreduce.doors.multiworker import sum_over_workers
+from tfreduce.trainer.batching import split_shards
 from tfreduce.trainer.determinism import DeterministicStep
 from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
 from tfreduce.trainer.statistics import sync_moving
@@ -40,17 +40,6 @@ def make_counters():
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
         totals = tf.Variable(tf.zeros([3], tf.float64), trainable=False, name="epoch_totals")
     return step, totals
-
-
-def _split(tensors, num_towers):
-    """Splits each [batch, ...] tensor into K contiguous shards on the host.
-
-    Returns:
-      (sizes int32 [K], one list of K shards per tensor).
-    """
-    with tf.device(HOST):
-        sizes = shard_sizes(tf.shape(tensors[0])[0], num_towers)
-        return sizes, [tf.split(t, sizes, num=num_towers) for t in tensors]
 
 
 class StepGraph:
@@ -99,8 +88,8 @@ class StepGraph:
         all_grads, loss_sums, corrects, regs = [], [], [], []
         for k, (model, device) in enumerate(zip(towers.models, towers.devices)):
             with tf.device(device), tf.name_scope(f"tower{k}"):
-                x_k = tf.identity(x_shards[k])
-                y_k = tf.identity(y_shards[k])
+                x_k = tf.nest.map_structure(tf.identity, x_shards[k])
+                y_k = tf.nest.map_structure(tf.identity, y_shards[k])
                 with tf.GradientTape() as tape:
                     loss_sum, y_pred = tower_loss_sum(options.loss_fn, model, x_k, y_k,
                                                       training=True)
@@ -141,7 +130,7 @@ class StepGraph:
         towers, options = self.towers, self.options
         if options.micro_batches:
             return DeterministicStep(towers, options, self.counter).forward(x, y, batch, HOST)
-        sizes, (x_shards, y_shards) = _split([x, y], len(towers.devices))
+        sizes, (x_shards, y_shards) = split_shards([x, y], len(towers.devices), HOST)
         start = split_stamp(x_shards, HOST)  # the towers start from here
         all_grads, loss_sums, corrects, regs = self._tower_gradients(
             x_shards, y_shards, batch, self.state.accumulate_steps > 1)
@@ -231,7 +220,7 @@ class StepGraph:
           is not defined).
         """
         towers = self.towers
-        _, (x_shards, y_shards) = _split([x, y], len(towers.devices))
+        _, (x_shards, y_shards) = split_shards([x, y], len(towers.devices), HOST)
         loss_sums, corrects = [], []
         for k, (model, device) in enumerate(zip(towers.models, towers.devices)):
             with tf.device(device), tf.name_scope(f"tower{k}"):
@@ -247,10 +236,10 @@ class StepGraph:
     def predict(self, x):
         """The towers' outputs on their shards of x, concatenated in input order."""
         towers = self.towers
-        _, (x_shards,) = _split([x], len(towers.devices))
+        _, (x_shards,) = split_shards([x], len(towers.devices), HOST)
         outputs = []
         for k, (model, device) in enumerate(zip(towers.models, towers.devices)):
             with tf.device(device), tf.name_scope(f"tower{k}"):
                 outputs.append(model(x_shards[k], training=False))
         with tf.device(HOST):
-            return tf.concat(outputs, axis=0)
+            return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *outputs)

@@ -17,9 +17,10 @@ from tfreduce.workers.consistency import check_workers_agree, describe_variables
 from tfreduce.workers.progress import progress
 
 
-def signature(t):
-    """tf.TensorSpec of a batch like t, with the batch axis left open (None)."""
-    return tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype)
+def signature(structure):
+    """The tf.TensorSpecs of a batch like `structure` (its leaves), the batch axis left open."""
+    return tf.nest.map_structure(
+        lambda t: tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype), structure)
 
 
 class StepFunctions:

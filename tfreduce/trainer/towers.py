@@ -185,7 +185,7 @@ def build_towers(models, optimizers, devices, x, zero):
             if not model.built:
                 # One example is enough to create the variables; the
                 # inference call leaves BatchNorm statistics untouched.
-                model(x[:1], training=False)
+                model(tf.nest.map_structure(lambda t: t[:1], x), training=False)
     trainable = [list(m.trainable_variables) for m in models]
     sharding = sharding_for(zero[0], trainable, devices, *zero[1:])
     sharding.check_loss_scaling(optimizers)

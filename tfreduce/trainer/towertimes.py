@@ -106,7 +106,7 @@ def _timestamp():
 
 def split_stamp(x_shards, host):
     """float64 scalar: the time at which the global batch is split, stamped on `host`."""
-    with tf.device(host), tf.control_dependencies(x_shards):
+    with tf.device(host), tf.control_dependencies(tf.nest.flatten(x_shards)):
         return _timestamp()
 
 
