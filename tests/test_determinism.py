@@ -57,10 +57,19 @@ def test_every_algorithm_and_pack_size_sums_in_the_tree_for_any_k():
         assert len(mine) == 1, (k, mine)
 
 
-def train_hashes(cases, steps=30, micro_batches=8):
+def train_hashes(cases, steps=30, micro_batches=8, *options):
     """The worker's (hash, drift) of each [K, algorithm, pack_bytes] case after the steps."""
-    runs = run_worker("--train", json.dumps([case + [steps, micro_batches] for case in cases]))
+    runs = run_worker("--train", json.dumps([case + [steps, micro_batches] for case in cases]),
+                      *options)
     return [(run["hash"], run["drift"]) for run in runs["train"]]
+
+
+@pytest.mark.slow
+def test_a_model_of_a_dict_of_inputs_trains_to_the_same_bits_for_any_k():
+    # The micro-batches cut every leaf of the inputs alike.
+    runs = train_hashes([[1, "flat", None], [4, "ring", 65536], [8, "collective", None]], 10,
+                        8, "--dict")
+    assert len({h for h, _ in runs}) == 1 and all(drift == 0.0 for _, drift in runs), runs
 
 
 # A small CNN with BatchNormalization and Dropout, 30 steps of Adam; each

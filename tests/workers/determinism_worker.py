@@ -16,6 +16,9 @@ rather than in the test process. Prints one JSON line:
   with a folder, the sha256 of a checkpoint's every tensor;
 - ``--resume FOLDER``: the same for 20 steps at K=8, and for 10 steps at
   K=4 saved in FOLDER and 10 more restored at K=2 and at K=8.
+
+With ``--dict`` the model takes its images as {"image": x} (a model of a
+dict of inputs), and the data is given so.
 """
 
 import argparse
@@ -91,14 +94,21 @@ def reductions():
     return hashes
 
 
+DICT = []  # [True] with --dict
+
+
 def make_model():
-    return keras.Sequential([
+    layers = keras.Sequential([
         keras.layers.Conv2D(4, 3, padding="same", use_bias=False),
         keras.layers.BatchNormalization(),
         keras.layers.ReLU(),
         keras.layers.Flatten(),
         keras.layers.Dropout(0.3, seed=7),
         keras.layers.Dense(10)])
+    if not DICT:
+        return layers
+    image = keras.Input((8, 8, 1), name="image")
+    return keras.Model({"image": image}, layers(image))
 
 
 def make_trainer(num_towers, algorithm="flat", pack_bytes=None, micro_batches=8, zero_stage=0):
@@ -117,7 +127,8 @@ def take_steps(trainer, first, last):
     y = rng.integers(0, 10, len(x))
     for step in range(first, last):
         start = (step * 64) % len(x)
-        trainer.train_step(x[start:start + 64], y[start:start + 64])
+        batch = x[start:start + 64]
+        trainer.train_step({"image": batch} if DICT else batch, y[start:start + 64])
 
 
 def weights_hash(trainer):
@@ -179,7 +190,9 @@ def main():
     parser.add_argument("--reductions", action="store_true")
     parser.add_argument("--train", type=json.loads, default=[])
     parser.add_argument("--resume", metavar="FOLDER")
+    parser.add_argument("--dict", action="store_true")
     args = parser.parse_args()
+    DICT[:] = [True] if args.dict else []
     result = {"reductions": reductions() if args.reductions else {}}
     result["train"] = [train(*case) for case in args.train]
     result["resume"] = resume(args.resume) if args.resume else {}
