@@ -24,8 +24,10 @@ setup(
         # pytest-xdist runs the suite in two processes (README: pytest -n 2).
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "pytest-markdown-docs>=0.9,<0.10",
                  "hypothesis", "tensorpack", "scikit-learn", "mlxtend", "matplotlib",
-                 "mkdocs>=1.6", "mkdocstrings[python]>=0.26"],
+                 "mkdocs>=1.6", "mkdocstrings[python]>=0.26", "tf-keras"],
         "tensorpack": ["tensorpack"],
+        # Keras 2 (tf_keras), for models and optimizers of it (docs/training.md).
+        "keras2": ["tf-keras"],
         "examples": ["scikit-learn", "mlxtend", "matplotlib"],
     },
 )

@@ -22,7 +22,7 @@ LAYERS = {
     "tf_config": 0, "startup": 0, "choices": 0, "topology": 0, "watchdog": 0, "stragglers": 0,
     "progress": 0, "collective_rules": 0, "heartbeats": 0, "agent": 0,
     "devices": 1,
-    "contract": 2, "shards": 2,
+    "contract": 2, "shards": 2, "kerases": 2,
     "packing": 3, "compression": 3, "graphwalk": 3,
     "primitives": 4, "collective": 4, "traffic": 4, "stage": 4, "timeline": 4,
     "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5, "tree": 5,

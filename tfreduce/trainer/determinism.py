@@ -26,6 +26,7 @@ seed and the epoch only.
 import tensorflow as tf
 
 from tfreduce.algorithms.tree import fix_summation_order, tree_sum, tree_tower_counts
+from tfreduce.basis import kerases
 from tfreduce.basis.contract import shard_sizes
 from tfreduce.trainer.batching import split_shards
 from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
@@ -184,7 +185,7 @@ class DeterministicStep:
             dtype = loss_sum.dtype
             reg = regularization(model, dtype)
             loss = loss_sum / tf.cast(batch, dtype) + reg / options.micro_batches
-            scaled = towers.optimizers[k].scale_loss(loss)
+            scaled = kerases.scale_loss(towers.optimizers[k], loss)
         grads = [None if g is None else tf.convert_to_tensor(g)
                  for g in tape.gradient(scaled, towers.trainable[k])]
         share = tf.cast(size, tf.float64) / tf.cast(batch, tf.float64)

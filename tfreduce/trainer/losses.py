@@ -8,6 +8,7 @@ loss name or a function) and sums them per tower.
 import keras
 import tensorflow as tf
 
+from tfreduce.basis import kerases
 from tfreduce.trainer.batching import split_weights
 
 
@@ -35,7 +36,7 @@ def per_example_loss_fn(loss):
                 f"unknown loss {loss!r}; give a keras loss name, a keras.losses.Loss or a function"
             )
         loss = resolved
-    if isinstance(loss, keras.losses.Loss):
+    if isinstance(loss, keras.losses.Loss) or kerases.is_keras2(loss):
         return loss.call
     if callable(loss):
         return loss
@@ -53,7 +54,8 @@ def takes_class_indices(loss):
     """
     if isinstance(loss, str):
         loss = keras.losses.get(loss)
-    return isinstance(loss, keras.losses.SparseCategoricalCrossentropy) or (
+    keras_module = kerases.keras_of(loss) or keras
+    return isinstance(loss, keras_module.losses.SparseCategoricalCrossentropy) or (
         loss is keras.losses.sparse_categorical_crossentropy)
 
 

@@ -29,6 +29,7 @@ slot's own name ("momentum").
 import tensorflow as tf
 from tensorflow.python.training.saving.saveable_object import SaveSpec
 
+from tfreduce.basis import kerases
 from tfreduce.doors.collectives import all_gather, broadcast
 
 
@@ -58,7 +59,7 @@ class OptimizerState(tf.__internal__.tracking.Trackable):
         for optimizer, refs, spans in zip(optimizers, references, ranges):
             scalars = 0
             for v in optimizer.variables:
-                n, kind = _owner(v, refs)
+                n, kind = kerases.slot_of(v, refs)
                 if n is None:
                     key = f"{scalars}_{v.name}"
                     scalars += 1
@@ -205,16 +206,7 @@ class OptimizerState(tf.__internal__.tracking.Trackable):
 
 def _device(variable):
     """The device of a Keras variable (its TensorFlow variable's)."""
-    return getattr(variable, "value", variable).device
+    return kerases.tf_variable(variable).device
 
 
-def _owner(variable, references):
-    """(n, slot name) of an optimizer variable made for references[n], or (None, None)."""
-    best = None
-    for n, ref in enumerate(references):
-        prefix = ref.path.replace("/", "_") + "_"
-        if variable.name.startswith(prefix) and (best is None or len(prefix) > best[1]):
-            best = (n, len(prefix))
-    if best is None or tuple(variable.shape) != tuple(references[best[0]].shape):
-        return None, None  # not a slot of one variable: written whole
-    return best[0], variable.name[best[1]:]
+

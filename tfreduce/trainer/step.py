@@ -16,6 +16,7 @@ B % K one example larger (tfreduce.basis.contract.shard_sizes), one per tower.
 
 import tensorflow as tf
 
+from tfreduce.basis import kerases
 from tfreduce.doors.multiworker import sum_over_workers
 from tfreduce.trainer.batching import split_shards
 from tfreduce.trainer.determinism import DeterministicStep
@@ -104,8 +105,8 @@ class StepGraph:
                     reg_weight = 1.0 if options.average else 1.0 / options.total_towers
                     # Keras' loss scaling (LossScaleOptimizer, loss_scale_factor);
                     # apply_gradients divides it out again.
-                    tower_loss = towers.optimizers[k].scale_loss(
-                        loss_sum * scale + reg * reg_weight)
+                    tower_loss = kerases.scale_loss(towers.optimizers[k],
+                                                    loss_sum * scale + reg * reg_weight)
                 grads = tape.gradient(tower_loss, towers.trainable[k])
                 if accumulating:
                     # Weighted by B after the backward pass, in the variables'

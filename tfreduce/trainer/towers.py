@@ -10,9 +10,9 @@ broadcast tower 0 to every tower and measure how far the towers drifted.
 import dataclasses
 import os
 
-import keras
 import tensorflow as tf
 
+from tfreduce.basis import kerases
 from tfreduce.algorithms.replicated import max_replica_difference
 from tfreduce.basis.contract import tf_variables
 from tfreduce.doors.multiworker import broadcast_variables_multiworker
@@ -112,20 +112,33 @@ def create_replicas(model_fn, optimizer_fn, devices, zero_stage=0):
         with tf.device(device):
             model = model_fn()
             optimizer = optimizer_fn()
-        if not isinstance(model, keras.Model):
+        if not kerases.is_model(model):
             raise TypeError(
                 f"model_fn returned {type(model).__name__} for tower {k}; "
-                "it must return a keras.Model"
+                "it must return a keras.Model (or a tf_keras.Model)"
             )
-        if not isinstance(optimizer, keras.optimizers.Optimizer):
+        if not kerases.is_optimizer(optimizer):
+            legacy = "" if not kerases.is_keras2(optimizer) else (
+                " (a tf_keras.optimizers.legacy one builds its slots inside its first step: "
+                "use tf_keras.optimizers.SGD, Adam, ...)")
             raise TypeError(
                 f"optimizer_fn returned {type(optimizer).__name__} for tower {k}; "
-                "it must return a keras.optimizers.Optimizer"
+                f"it must return a keras.optimizers.Optimizer (or a tf_keras one){legacy}"
             )
+        if kerases.is_keras2(model) != kerases.is_keras2(optimizer):
+            raise TypeError(
+                f"tower {k}: model_fn returned a {'tf_keras' if kerases.is_keras2(model) else 'Keras 3'} "
+                f"model and optimizer_fn a {'tf_keras' if kerases.is_keras2(optimizer) else 'Keras 3'} "
+                f"optimizer; give both of one Keras")
+        if model.dtype_policy.name == "mixed_float16" and kerases.is_keras2(model):
+            raise ValueError(
+                f"tower {k}: a tf_keras model under the mixed_float16 policy: the trainer "
+                f"scales losses with Keras 3's LossScaleOptimizer only; train it in float32, "
+                f"or build it with Keras 3")
         if model.dtype_policy.name == "mixed_float16" and not scales_loss(optimizer):
             # As Keras' compile does: float16 gradients underflow without
             # loss scaling.
-            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+            optimizer = kerases.loss_scaled(optimizer)
         check_optimizer(optimizer, k, zero_stage)
         models.append(model)
         optimizers.append(optimizer)
@@ -144,7 +157,7 @@ def moving_statistics(model):
     """
     found = []
     for layer in model._flatten_layers(include_self=True, recursive=True):
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+        if kerases.is_batch_normalization(layer) and layer.trainable:
             found.extend([layer.moving_mean, layer.moving_variance])
     return found
 
@@ -157,7 +170,7 @@ def forward_state(model):
     gradients are finite.
     """
     seeds = [v for v in model.non_trainable_variables
-             if v.path.rsplit("/", 1)[-1] == "seed_generator_state"]
+             if kerases.variable_name(v).rsplit("/", 1)[-1] == "seed_generator_state"]
     return moving_statistics(model) + seeds
 
 
@@ -220,8 +233,9 @@ def _check_match(all_vars):
         for v, v0 in zip(tower_vars, reference):
             if tuple(v.shape) != tuple(v0.shape) or v.dtype != v0.dtype:
                 raise ValueError(
-                    f"tower {k} variable {v.path!r} is {v.dtype}{list(v.shape)} but tower 0's "
-                    f"{v0.path!r} is {v0.dtype}{list(v0.shape)}; model_fn must build "
+                    f"tower {k} variable {kerases.variable_name(v)!r} is {v.dtype}"
+                    f"{list(v.shape)} but tower 0's {kerases.variable_name(v0)!r} is "
+                    f"{v0.dtype}{list(v0.shape)}; model_fn must build "
                     "the same model on every call"
                 )
 

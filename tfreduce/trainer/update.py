@@ -24,9 +24,9 @@ broadcast from tower 0: it is each tower's own, and it is checkpointed per
 tower.
 """
 
-import keras
 import tensorflow as tf
 
+from tfreduce.basis import kerases
 from tfreduce.algorithms.powersgd import PowerSGDState, powersgd_reduce
 from tfreduce.basis.contract import check_flag, values_of
 from tfreduce.buffers.compression import Compression
@@ -53,8 +53,8 @@ def check_update_options(average, accumulate_steps, on_nonfinite):
 
 
 def scales_loss(optimizer):
-    """bool: Keras' LossScaleOptimizer, which skips non-finite steps itself."""
-    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    """bool: Keras' LossScaleOptimizer (either Keras'), which skips non-finite steps itself."""
+    return kerases.scales_loss(optimizer)
 
 
 class TowerState:
@@ -327,7 +327,7 @@ def nonfinite_error(report, step, towers, cluster, compression=Compression.none)
       FloatingPointError naming the step, the first tower and variable.
     """
     num_towers = len(towers.devices)
-    names = [v.path for v in towers.trainable[0]]
+    names = [kerases.variable_name(v) for v in towers.trainable[0]]
     advice = ("no update was applied and the checkpoints stay as they were; lower the "
               "learning rate, or pass on_nonfinite='skip' to skip such steps")
     for k in range(num_towers):

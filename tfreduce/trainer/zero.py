@@ -44,6 +44,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from tfreduce.basis import kerases
 from tfreduce.basis.contract import shard_sizes
 from tfreduce.buffers.packing import buffer_order
 from tfreduce.doors.collectives import all_gather, reduce_scatter
@@ -109,6 +110,12 @@ def check_optimizer(optimizer, k, zero_stage):
     if not zero_stage:
         return
     inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if kerases.is_keras2(inner):
+        raise ValueError(
+            f"zero_stage > 0: tower {k}'s optimizer is a tf_keras (Keras 2) "
+            f"{type(inner).__name__}, whose slots are made and updated whole, one per "
+            f"variable; ZeRO updates shards with Keras 3's optimizers: use zero_stage=0, or "
+            f"keras.optimizers.{type(inner).__name__}")
     if not isinstance(inner, ELEMENTWISE):
         names = ", ".join(c.__name__ for c in ELEMENTWISE)
         raise ValueError(

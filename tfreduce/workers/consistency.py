@@ -19,6 +19,7 @@ import hashlib
 import numpy as np
 import tensorflow as tf
 
+from tfreduce.basis.kerases import variable_name
 from tfreduce.blocks.collective import CollectiveOptions, all_gather, in_function
 
 __all__ = ["CallMismatchError", "MessageError", "check_workers_agree", "check_same_call",
@@ -59,7 +60,8 @@ def _gather_text(cluster, text):
 
 def describe_variables(variables):
     """(name, "shape dtype") of each variable: what the workers of a cluster compare."""
-    return [(v.path, f"{tuple(v.shape)} {tf.as_dtype(v.dtype).name}") for v in variables]
+    return [(variable_name(v), f"{tuple(v.shape)} {tf.as_dtype(v.dtype).name}")
+            for v in variables]
 
 
 def check_workers_agree(cluster, towers, settings, variables):

@@ -1,0 +1,154 @@
+"""ReplicatedTrainer on tf_keras (Keras 2) models and optimizers, in a process of its own.
+
+``TF_USE_LEGACY_KERAS=1`` must be set before TensorFlow is imported, so
+tests/test_keras2.py runs this file as its own process. For each model (a
+Sequential without an Input, a subclassed model, a BatchNormalization CNN)
+it fits 2 epochs on 2 towers and on 1, and a run saved after the first
+epoch and resumed; then the refusals (ZeRO, mixed float16) and a
+deterministic run on 1 and 2 towers. Prints one JSON line of results.
+"""
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+
+os.environ["TF_USE_LEGACY_KERAS"] = "1"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+import tfreduce  # noqa: E402
+
+DEVICES = tfreduce.logical_devices(2)
+
+import tf_keras  # noqa: E402
+
+from tfreduce.trainer import ReplicatedTrainer  # noqa: E402
+
+
+def dense(units, seed, **options):
+    # Seeded: tf_keras draws unseeded weights from a counter of the ops made
+    # before, which differs between a trainer of 1 tower and one of 2.
+    return tf_keras.layers.Dense(
+        units, kernel_initializer=tf_keras.initializers.GlorotUniform(seed=seed), **options)
+
+
+class Subclassed(tf_keras.Model):
+    """A model of its own call, built on its first batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = dense(16, 1, activation="relu")
+        self.out = dense(3, 2)
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(x))
+
+
+def sequential():
+    return tf_keras.Sequential([dense(16, 1, activation="relu"), dense(3, 2)])
+
+
+def cnn():
+    return tf_keras.Sequential([
+        tf_keras.layers.Reshape((4, 4, 1), input_shape=(16,)),
+        tf_keras.layers.Conv2D(4, 3, padding="same"),
+        tf_keras.layers.BatchNormalization(),
+        tf_keras.layers.ReLU(),
+        tf_keras.layers.Flatten(),
+        dense(3, 2)])
+
+
+MODELS = {"sequential": sequential, "subclassed": Subclassed, "cnn": cnn}
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype("float32")
+    return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 1).astype("int32")
+
+
+def trainer(name, k, **options):
+    tf_keras.utils.set_random_seed(1)
+    return ReplicatedTrainer(
+        MODELS[name], tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        lambda: tf_keras.optimizers.Adam(1e-2), devices=DEVICES[:k], algorithm="flat",
+        **options)
+
+
+def weights(run):
+    return [v.numpy() for v in run.models[0].variables]
+
+
+def largest_difference(a, b):
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
+
+
+def fits(name):
+    """2 epochs on 2 towers and on 1; 1 epoch, saved, restored in a new trainer, 1 more."""
+    x, y = data()
+    two, one = trainer(name, 2), trainer(name, 1)
+    for run in (two, one):
+        run.fit(x, y, epochs=2, batch_size=16, shuffle=False, verbose=0)
+    folder = tempfile.mkdtemp()
+    first = trainer(name, 2)
+    first.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)
+    first.save(folder)
+    resumed = trainer(name, 2)
+    resumed.restore(folder)
+    resumed.fit(x, y, epochs=2, batch_size=16, shuffle=False, verbose=0)
+    return {"keras2": isinstance(two.models[0], tf_keras.Model),
+            "steps": two.step, "drift": float(two.check_replicas()),
+            "one_device": largest_difference(weights(two), weights(one)),
+            "resumed": largest_difference(weights(resumed), weights(two)),
+            "evaluate": two.evaluate(x, y), "predict_shape": list(two.predict(x).shape)}
+
+
+def refusals():
+    out = {}
+    for case, options in (("zero", {"zero_stage": 1}), ("compression", {"compression": "fp16"})):
+        try:
+            run = trainer("sequential", 2, **options)
+            x, y = data()
+            run.fit(x, y, batch_size=16, verbose=0)
+            out[case] = {"drift": float(run.check_replicas())}
+        except (TypeError, ValueError) as error:
+            out[case] = {"raised": type(error).__name__, "message": str(error)}
+    tf_keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        trainer("sequential", 2)
+        out["mixed"] = {"raised": None}
+    except (TypeError, ValueError) as error:
+        out["mixed"] = {"raised": type(error).__name__, "message": str(error)}
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
+    return out
+
+
+def deterministic():
+    """sha256 of the weights after 4 deterministic steps on 1 and on 2 towers."""
+    x, y = data()
+    hashes = []
+    for k in (1, 2):
+        run = trainer("cnn", k, deterministic=True, micro_batches=2)
+        for step in range(4):
+            run.train_step(x[16 * step:16 * step + 16], y[16 * step:16 * step + 16])
+        digest = hashlib.sha256()
+        for v in weights(run):
+            digest.update(v.tobytes())
+        hashes.append(digest.hexdigest())
+    return hashes
+
+
+def main():
+    result = {name: fits(name) for name in MODELS}
+    result["refusals"] = refusals()
+    result["deterministic"] = deterministic()  # last: op determinism stays on
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
