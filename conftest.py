@@ -117,3 +117,13 @@ class TwoWorkers(DefaultRunner):
     def runtest(self, test, args, **kwargs):
         _run_block(test, [sys.executable, "-m", "tfreduce.launch", "--workers", "2", "--timeout",
                           "150", "--preload", "tensorflow", "--"], timeout=200)
+
+
+@register_runner()
+class TwoFreshWorkers(DefaultRunner):
+    """Runs a block as two workers under the launcher, each a fresh Python (no TensorFlow
+    preloaded): for blocks that set the environment before TensorFlow starts."""
+
+    def runtest(self, test, args, **kwargs):
+        _run_block(test, [sys.executable, "-m", "tfreduce.launch", "--workers", "2", "--timeout",
+                          "200", "--"], timeout=260)

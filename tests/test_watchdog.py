@@ -608,6 +608,31 @@ def test_rounds_are_counted_in_a_traced_step_without_holding_it_back():
     assert not before & counting, before & counting
 
 
+def test_rounds_made_inside_a_v1_graph_count_the_eager_steps():
+    # hvd.init() inside `with tf.Graph().as_default()` (Horovod's graph-mode
+    # tests do so), then a tf.function run eagerly: its rounds count, and a
+    # tf.function traced inside a v1 graph is not counted.
+    import tensorflow as tf
+    from tfreduce.workers.rounds import CollectiveRounds
+
+    with tf.Graph().as_default():
+        rounds = CollectiveRounds("/device:CPU:0")
+
+    @tf.function
+    def step(x):
+        y = x + 1.0
+        rounds.mark([x], [y])
+        return y
+
+    assert rounds.read() == (0, 0, 0.0)
+    with tf.Graph().as_default():
+        step(tf.ones([2]))
+    assert rounds.read() == (0, 0, 0.0)
+    step(tf.ones([2]))
+    step(tf.ones([2]))
+    assert rounds.read()[:2] == (2, 2)
+
+
 FAULTS = Path(faults_worker.__file__)
 
 

@@ -4,8 +4,9 @@
 tests/test_keras2.py runs this file as its own process. For each model (a
 Sequential without an Input, a subclassed model, a BatchNormalization CNN)
 it fits 2 epochs on 2 towers and on 1, and a run saved after the first
-epoch and resumed; then the refusals (ZeRO, mixed float16) and a
-deterministic run on 1 and 2 towers. Prints one JSON line of results.
+epoch and resumed; then the refusals (ZeRO, mixed float16), TF Model
+Garden's two training steps under MirroredStrategy with
+tfreduce.CrossDeviceOps, and a deterministic run on 1 and 2 towers. Prints one JSON line of results.
 """
 
 import hashlib
@@ -142,8 +143,75 @@ def deterministic():
     return hashes
 
 
+def model_garden(explicit, cross_device_ops):
+    """TF Model Garden's two steps on 2 replicas of a MirroredStrategy, 3 steps of SGD.
+
+    explicit: official/modeling/grad_utils.py's minimize_using_explicit_allreduce
+    (the replica context's all-reduce, then apply_gradients with
+    experimental_aggregate_gradients=False); else its default, the
+    optimizer's own aggregation in apply_gradients. Returns (weights, the
+    number of tfreduce reductions the steps built)."""
+    import tensorflow as tf
+
+    built = []
+    original = tfreduce.Reduction.__call__
+
+    def counted(reduction, *args, **kwargs):
+        built.append(reduction)
+        return original(reduction, *args, **kwargs)
+
+    tfreduce.Reduction.__call__ = counted
+    try:
+        strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=cross_device_ops)
+        with strategy.scope():
+            model = sequential()
+            model.build((None, 16))
+            optimizer = tf_keras.optimizers.SGD(0.1, momentum=0.9)
+        x, y = data()
+        loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=tf_keras.losses.Reduction.NONE)
+
+        def replica_step(xs, ys):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(loss_fn(ys, model(xs, training=True))) / 16.0
+            grads = tape.gradient(loss, model.trainable_variables)
+            if explicit:
+                hints = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=0)
+                grads = tf.distribute.get_strategy().extended._replica_ctx_all_reduce(
+                    tf.distribute.ReduceOp.SUM, grads, hints)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables),
+                                          experimental_aggregate_gradients=False)
+            else:
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        @tf.function
+        def step(xs, ys):
+            strategy.run(replica_step, args=(xs, ys))
+
+        batches = strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(16).take(3))
+        for xs, ys in batches:
+            step(xs, ys)
+        return [v.numpy() for v in model.trainable_variables], len(built)
+    finally:
+        tfreduce.Reduction.__call__ = original
+
+
+def model_gardens():
+    """Each Model Garden step with tfreduce.CrossDeviceOps against TF's own ops."""
+    import tensorflow as tf
+
+    out = {}
+    for case, explicit in (("explicit", True), ("implicit", False)):
+        ours, reductions = model_garden(explicit, tfreduce.CrossDeviceOps("flat"))
+        theirs, _ = model_garden(explicit, tf.distribute.ReductionToOneDevice())
+        out[case] = {"vs_tf_ops": largest_difference(ours, theirs), "reductions": reductions}
+    return out
+
+
 def main():
     result = {name: fits(name) for name in MODELS}
+    result["model_garden"] = model_gardens()
     result["refusals"] = refusals()
     result["deterministic"] = deterministic()  # last: op determinism stays on
     print(json.dumps(result))

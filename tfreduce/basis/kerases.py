@@ -20,9 +20,9 @@ import sys
 
 import keras
 
-__all__ = ["LEGACY_ENV", "is_batch_normalization", "is_keras2", "is_model", "is_optimizer",
-           "keras_of", "legacy_keras", "loss_scaled", "scale_loss", "scales_loss", "slot_of",
-           "tf_variable", "variable_name"]
+__all__ = ["LEGACY_ENV", "is_batch_normalization", "is_keras2", "is_layer", "is_model",
+           "is_optimizer", "keras_of", "legacy_keras", "loss_scaled", "optimizer_variables",
+           "scale_loss", "scales_loss", "slot_of", "tf_keras", "tf_variable", "variable_name"]
 
 #: The variable that makes ``tf.keras`` Keras 2 (set before TensorFlow is imported).
 LEGACY_ENV = "TF_USE_LEGACY_KERAS"
@@ -37,6 +37,14 @@ def legacy_keras():
         except ImportError:
             return None
     return module
+
+
+def tf_keras():
+    """The Keras that ``tf.keras`` is: tf_keras under TF_USE_LEGACY_KERAS=1 (when it is
+    installed), else Keras 3. Horovod's Keras API took this one."""
+    if os.environ.get(LEGACY_ENV, "").lower() in ("1", "true"):
+        return legacy_keras() or keras
+    return keras
 
 
 def keras_of(obj):
@@ -64,6 +72,30 @@ def is_model(obj):
     """True for a Keras 3 or a tf_keras model."""
     keras_module = keras_of(obj)
     return keras_module is not None and isinstance(obj, keras_module.Model)
+
+
+def is_layer(obj):
+    """True for a layer (a model included) of either Keras."""
+    keras_module = keras_of(obj)
+    return keras_module is not None and isinstance(obj, keras_module.layers.Layer)
+
+
+def optimizer_variables(optimizer, variables):
+    """The variables of `optimizer` (any Keras), its slots for `variables` made first.
+
+    Keras 3 and tf_keras' optimizers build their slots in ``build``; Keras
+    2's legacy OptimizerV2 in ``_create_all_weights`` and lists them with
+    ``variables()``."""
+    if keras_of(optimizer) is keras:
+        if not optimizer.built:
+            optimizer.build(variables)
+        return list(optimizer.variables)
+    legacy = keras_of(optimizer)
+    if isinstance(optimizer, legacy.optimizers.Optimizer):
+        optimizer.build(variables)  # returns at once once built
+        return list(optimizer.variables)
+    optimizer._create_all_weights(variables)  # noqa: SLF001 - OptimizerV2's slot maker
+    return list(optimizer.variables())
 
 
 def is_optimizer(obj):

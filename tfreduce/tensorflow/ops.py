@@ -154,13 +154,13 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
                                   "anything else here); use Sum or Average")
     op = check_op(op, average, where)
     check_process_set(process_set, where)
-    check_dtypes(tensors, where)
-    if not tensors:
-        return []
     if op in _ELEMENTWISE and any(isinstance(t, tf.IndexedSlices) for t in tensors):
         raise NotImplementedError(
             f"{where}: op={op!r} does not reduce tf.IndexedSlices, only Sum and Average do "
             "(densify them first: tf.convert_to_tensor, or sparse_as_dense=True)")
+    check_dtypes(tensors, where)
+    if not tensors:
+        return []
     if session_graph():
         return in_session(
             lambda ts: _allreduce_list(ts, None, compression, op, prescale_factor,

@@ -6,9 +6,9 @@ training loops.
 
 import dataclasses
 
-import keras
 import tensorflow as tf
 
+from tfreduce.basis import kerases
 from tfreduce.buffers.compression import Compression, as_compressor
 from tfreduce.tensorflow.ops import (Average, check_op, check_process_set, global_process_set,
                                      grouped_allreduce)
@@ -240,13 +240,13 @@ def local_layers_of(local_layers, where):
     """`local_layers` as a list of Keras layers.
 
     Raises:
-      TypeError: an item that is not a keras.layers.Layer (named by position).
+      TypeError: an item that is not a layer of Keras 3 or tf_keras (named by position).
     """
     if local_layers is None:
         return []
     layers = list(local_layers) if isinstance(local_layers, (list, tuple)) else [local_layers]
     for n, layer in enumerate(layers):
-        if not isinstance(layer, keras.layers.Layer):
+        if not kerases.is_layer(layer):
             raise TypeError(f"{where}: local_layers[{n}] must be a keras.layers.Layer, got "
                             f"{type(layer).__name__}")
     return layers

@@ -59,26 +59,38 @@ class CollectiveRounds:
 
     def __init__(self, device):
         self.device = device
-        with tf.init_scope(), tf.device(device):
-            self._counts = tf.Variable(tf.zeros([3], tf.float64), trainable=False,
-                                       name="tfreduce_rounds")
+        # An eager variable whatever the caller's context: hvd.init() may run
+        # inside a tf.compat.v1 graph, where a variable would die with that
+        # graph. A new thread starts in TF2's eager mode.
+        made = []
+        maker = threading.Thread(target=lambda: made.append(self._make_counts()),
+                                 name="tfreduce-rounds-variable")
+        maker.start()
+        maker.join()
+        self._counts = made[0]
         self._timed = True  # False once a round was built under op determinism
         self._latest = None
         self._waits = collections.deque(maxlen=STRAGGLER_STEPS)
         self._reader = None
         self._lock = threading.Lock()
 
+    def _make_counts(self):
+        with tf.device(self.device):
+            return tf.Variable(tf.zeros([3], tf.float64), trainable=False,
+                               name="tfreduce_rounds")
+
     def mark(self, inputs, outputs):
         """Counts one round in the graph being traced: entered once `inputs`, left once `outputs`.
 
-        Nothing outside a ``tf.function`` (a ``tf.compat.v1`` graph has no
-        watchdog reading it).
+        Nothing outside a ``tf.function``, nor in one traced inside a
+        ``tf.compat.v1`` graph: no eager reader could read its counters.
 
         Args:
           inputs: list of tf.Tensor, what the round's collectives take.
           outputs: list of tf.Tensor, what they give.
         """
-        if not tf.inside_function() or not inputs or not outputs:
+        if (not tf.inside_function() or not inputs or not outputs
+                or not tf.compat.v1.executing_eagerly_outside_functions()):
             return
         timed = not tf_framework_config.is_op_determinism_enabled()
         self._timed = self._timed and timed

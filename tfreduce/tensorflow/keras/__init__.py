@@ -1,12 +1,15 @@
-"""Horovod's Keras API (``horovod.tensorflow.keras``) for Keras 3 on TensorFlow.
+"""Horovod's Keras API (``horovod.tensorflow.keras``) for Keras 3 and Keras 2 on TensorFlow.
 
 A Horovod Keras script moves to tfreduce by changing its import::
 
     import tfreduce.tensorflow.keras as hvd   # was: import horovod.tensorflow.keras as hvd
 
-``DistributedOptimizer`` wraps any Keras 3 optimizer; the callbacks
-broadcast the first state, average the logged metrics and warm the learning
-rate up. See docs/horovod.md.
+``DistributedOptimizer`` wraps any optimizer of Keras 3 or of tf_keras
+(Keras 2, both its optimizer families); the callbacks broadcast the first
+state, average the logged metrics and warm the learning rate up, and are
+callbacks of the Keras ``tf.keras`` is (Keras 2 under
+``TF_USE_LEGACY_KERAS=1``), as Horovod's; ``load_model`` reads a saved model
+with its optimizer distributed. See docs/horovod.md.
 """
 
 import tensorflow as tf
@@ -15,7 +18,8 @@ from tfreduce.buffers.compression import Compression
 from tfreduce.tensorflow import ops
 from tfreduce.tensorflow.keras import callbacks
 from tfreduce.tensorflow.keras.data import DistributedBatches
-from tfreduce.tensorflow.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
+from tfreduce.tensorflow.keras.optimizer import (DistributedOptimizer, PartialDistributedOptimizer,
+                                                 load_model)
 from tfreduce.tensorflow.ops import Average, Max, Min, ProcessSet, Product, Sum, global_process_set
 from tfreduce.tensorflow.process import (cross_rank, cross_size, init, is_initialized, local_rank,
                                          local_size, rank, shutdown, size)
@@ -25,7 +29,7 @@ __all__ = ["Average", "Compression", "DistributedBatches", "DistributedOptimizer
            "PartialDistributedOptimizer", "ProcessSet", "Product", "Sum",
            "SyncBatchNormalization", "allgather",
            "allreduce", "broadcast", "broadcast_global_variables", "callbacks", "cross_rank",
-           "cross_size", "global_process_set", "init", "is_initialized", "local_rank",
+           "cross_size", "global_process_set", "init", "is_initialized", "load_model", "local_rank",
            "local_size", "rank", "shutdown", "size"]
 
 

@@ -3,6 +3,11 @@
 One more of tfreduce's own: WorkerTimesCallback writes each worker's time
 inside its batches to TensorBoard, so a straggler shows there too.
 
+They are callbacks of the Keras ``tf.keras`` is when this module is
+imported (``basis.kerases.tf_keras``: Keras 2 under
+``TF_USE_LEGACY_KERAS=1``), as Horovod's were: each Keras' ``fit`` calls
+hooks that only its own ``Callback`` class has.
+
 Sources: Horovod's horovod.tensorflow.keras.callbacks; the warmup of Goyal et
 al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (2017):
 the learning rate rises linearly from initial_lr / size to initial_lr.
@@ -12,9 +17,9 @@ import os
 import time
 import warnings
 
-import keras
 import tensorflow as tf
 
+from tfreduce.basis import kerases
 from tfreduce.tensorflow.keras.data import follow_fit_epoch
 from tfreduce.tensorflow.keras.optimizer import describe_optimizer, own_sums
 from tfreduce.tensorflow.ops import allgather, broadcast, broadcast_variables, grouped_allreduce
@@ -22,11 +27,14 @@ from tfreduce.tensorflow.process import cluster, rank, size
 from tfreduce.workers.consistency import check_workers_agree, describe_variables
 from tfreduce.workers.progress import progress
 
+# The base of every callback here (see the module docstring).
+Callback = kerases.tf_keras().callbacks.Callback
+
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback", "WorkerTimesCallback"]
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class BroadcastGlobalVariablesCallback(Callback):
     """Makes every process start from root_rank's model and optimizer state.
 
     The variables of the model and of its optimizer are broadcast from
@@ -112,10 +120,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         optimizer = self.model.optimizer
         local = set(self._local)
         if optimizer is not None:
-            if not optimizer.built:
-                # Its slots too: a root that restored them sends them.
-                optimizer.build(self.model.trainable_variables)
-            variables += list(optimizer.variables)
+            # Its slots too, made now: a root that restored them sends them.
+            variables += kerases.optimizer_variables(optimizer, self.model.trainable_variables)
             if mid_cycle:
                 # After a batch, each process's own gradient sums of
                 # backward_passes_per_step hold its own batches: they stay.
@@ -137,7 +143,7 @@ def _check_same_epoch(epoch):
             "before BroadcastGlobalVariablesCallback, or give it to every rank")
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback(Callback):
     """Averages every epoch's logs over the processes, so every rank logs the same.
 
     At each epoch's end the numbers in ``logs`` (loss, metrics, validation
@@ -165,7 +171,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
             logs[name] = float(mean)
 
 
-class WorkerTimesCallback(keras.callbacks.Callback):
+class WorkerTimesCallback(Callback):
     """On rank 0: each worker's median ms inside its last fit batches, as TensorBoard scalars.
 
     The worker the others wait for (a straggler: slow input, a busy host)
@@ -231,7 +237,7 @@ class WorkerTimesCallback(keras.callbacks.Callback):
         self._writer.flush()
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(Callback):
     """Sets the learning rate to initial_lr * multiplier(epoch) between two epochs.
 
     Args:
@@ -296,7 +302,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
-            logs["learning_rate"] = float(keras.ops.convert_to_numpy(
+            logs["learning_rate"] = float(tf.convert_to_tensor(
                 self.model.optimizer.learning_rate))
 
 

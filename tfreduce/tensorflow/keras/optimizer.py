@@ -1,24 +1,35 @@
-"""DistributedOptimizer: any Keras 3 optimizer, its gradients all-reduced over the processes.
+"""DistributedOptimizer: any Keras optimizer, its gradients all-reduced over the processes.
 
 Source: Horovod's DistributedOptimizer (horovod.tensorflow.keras): a subclass
 of the optimizer's own class, made at run time and rebuilt from the
 optimizer's config, so ``model.compile``/``fit`` and saved models see the
-user's optimizer class.
+user's optimizer class. The reduction's settings live on that class, so its
+``from_config`` makes a distributed optimizer too. Keras 3's subclass
+reduces in ``apply`` (below); Keras 2's (tf_keras, both its optimizers) in
+the gradients' computation, as Horovod's Keras 2 one (``optimizer_keras2``).
 """
 
 import keras
 import tensorflow as tf
 
+from tfreduce.basis import kerases
 from tfreduce.buffers.compression import Compression
+from tfreduce.tensorflow.keras import optimizer_keras2
 from tfreduce.tensorflow.ops import Average, global_process_set
 from tfreduce.tensorflow.tape import GradientReduction, local_layers_of
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "describe_optimizer",
-           "own_sums"]
+           "distributed_class", "load_model", "own_sums"]
 
 
-def _distributed_class(base):
-    """The subclass of optimizer class `base` whose apply() all-reduces first."""
+def _distributed_class(base, settings):
+    """The subclass of Keras 3 optimizer class `base` whose apply() all-reduces first.
+
+    `settings`: the class attributes (see optimizer_keras2.distributed_class)."""
+
+    def __init__(self, *args, **kwargs):
+        base.__init__(self, *args, **kwargs)
+        self._tfreduce_local = set()  # ids of the variables registered as local
 
     def build(self, variables):
         base.build(self, variables)
@@ -65,9 +76,9 @@ def _distributed_class(base):
         # Every process takes the same branch: the counts move in step.
         tf.cond(tf.equal(count % passes, 0), update, lambda: tf.constant(False))
 
-    return type(base.__name__, (base,), {"build": build, "apply": apply,
-                                         "register_local_var": register_local_var,
-                                         "__module__": base.__module__})
+    members = {"__init__": __init__, "build": build, "apply": apply,
+               "register_local_var": register_local_var, "__module__": base.__module__}
+    return type(base.__name__, (base,), {**members, **settings})
 
 
 @tf.autograph.experimental.do_not_convert
@@ -76,11 +87,19 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
                          average_aggregated_gradients=False, num_groups=0, groups=None,
                          process_set=global_process_set, scale_local_gradients=True):
-    """A copy of a Keras 3 optimizer whose updates use gradients all-reduced over every process.
+    """A copy of a Keras optimizer whose updates use gradients all-reduced over every process.
 
     Pass it to ``model.compile``; ``fit`` (and custom ``train_step``s that
     call ``apply_gradients``) then reduce each step's gradients in the
-    traced step, packed and compressed as asked, before the update. A
+    traced step, packed and compressed as asked, before the update.
+
+    A Keras 2 optimizer (tf_keras: ``optimizers.Optimizer`` or the legacy
+    ``OptimizerV2``) is reduced where Keras 2 computes the gradients,
+    ``compute_gradients``/``_compute_gradients`` (so ``minimize``, ``fit``
+    and ``train_on_batch``), as Horovod's; its ``iterations`` counts every
+    call with backward_passes_per_step > 1, as Horovod's, and its
+    ``_agg_helper.counter`` the calls since the last update
+    (``optimizer_keras2``). What follows is of Keras 3's. A
     ``LossScaleOptimizer`` decides on the reduced gradients, the same on
     every process; under the mixed_float16 policy an optimizer that is not
     one is wrapped in one here, as ``compile`` would do outside.
@@ -96,7 +115,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
 
     Args:
       optimizer: a keras.optimizers.Optimizer (Keras 3), LossScaleOptimizer
-        included.
+        included; or a tf_keras optimizer, not a LossScaleOptimizer (tf_keras'
+        compile wraps the distributed one under mixed_float16).
       name: str, the new optimizer's name (default: the optimizer's).
       device_dense: Horovod's device hint (unused).
       device_sparse: as device_dense.
@@ -121,24 +141,18 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
       the new optimizer.
 
     Raises:
-      TypeError: optimizer is not a Keras 3 optimizer (a Keras 2 or
-        tf.compat.v1 one is named).
+      TypeError: optimizer is not a Keras optimizer (a tf.compat.v1 one
+        is named), or a tf_keras LossScaleOptimizer.
       ValueError: backward_passes_per_step < 1, an unsupported op, groups
         or process set.
     """
     del device_dense, device_sparse
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"DistributedOptimizer needs a Keras 3 optimizer "
-                        f"(keras.optimizers.Adam(...)), got {type(optimizer).__module__}."
-                        f"{type(optimizer).__name__}")
-    if isinstance(backward_passes_per_step, bool) or not isinstance(
-            backward_passes_per_step, int) or backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step must be an int >= 1, got "
-                         f"{backward_passes_per_step!r}")
-    reduction = GradientReduction.from_horovod(
-        "DistributedOptimizer", compression, sparse_as_dense, op, gradient_predivide_factor,
-        num_groups, groups, process_set)
-    if (keras.mixed_precision.global_policy().name == "mixed_float16"
+    keras_module = _keras_of_optimizer(optimizer)
+    settings = _settings("DistributedOptimizer", compression, sparse_as_dense,
+                         gradient_predivide_factor, op, backward_passes_per_step,
+                         average_aggregated_gradients, num_groups, groups, process_set,
+                         scale_local_gradients)
+    if (keras_module is keras and keras.mixed_precision.global_policy().name == "mixed_float16"
             and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
         # As compile would, but inside: the scale must decide on the reduced
         # gradients, the same on every process (compile's outer wrapper
@@ -147,13 +161,104 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
-    distributed = _distributed_class(type(optimizer)).from_config(config)
-    distributed._tfreduce_reduction = reduction
-    distributed._tfreduce_passes_per_step = backward_passes_per_step
-    distributed._tfreduce_average_aggregated = bool(average_aggregated_gradients)
-    distributed._tfreduce_local = set()  # ids of the variables registered as local
-    distributed._tfreduce_scale_local = bool(scale_local_gradients)
-    return distributed
+    return distributed_class(type(optimizer), settings).from_config(config)
+
+
+def _keras_of_optimizer(optimizer):
+    """The Keras of `optimizer` (keras or tf_keras), checked as DistributedOptimizer takes it."""
+    keras_module = kerases.keras_of(optimizer)
+    families = () if keras_module is None else (keras_module.optimizers.Optimizer,) + (
+        () if keras_module is keras else (keras_module.optimizers.legacy.Optimizer,))
+    if not isinstance(optimizer, families):
+        raise TypeError(f"DistributedOptimizer needs a Keras optimizer "
+                        f"(keras.optimizers.Adam(...)), got {type(optimizer).__module__}."
+                        f"{type(optimizer).__name__}")
+    if keras_module is not keras and kerases.scales_loss(optimizer):
+        raise TypeError("DistributedOptimizer: give tf_keras' LossScaleOptimizer the "
+                        "distributed optimizer, not the other way round: "
+                        "LossScaleOptimizer(DistributedOptimizer(opt)) (compile does so under "
+                        "the mixed_float16 policy)")
+    return keras_module
+
+
+def _settings(where, compression, sparse_as_dense, gradient_predivide_factor, op,
+              backward_passes_per_step, average_aggregated_gradients, num_groups, groups,
+              process_set, scale_local_gradients):
+    """The distributed class's attributes from Horovod's arguments, checked."""
+    if isinstance(backward_passes_per_step, bool) or not isinstance(
+            backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an int >= 1, got "
+                         f"{backward_passes_per_step!r}")
+    reduction = GradientReduction.from_horovod(
+        where, compression, sparse_as_dense, op, gradient_predivide_factor,
+        num_groups, groups, process_set)
+    return {"_tfreduce_reduction": reduction,
+            "_tfreduce_passes_per_step": backward_passes_per_step,
+            "_tfreduce_average_aggregated": bool(average_aggregated_gradients),
+            "_tfreduce_scale_local": bool(scale_local_gradients)}
+
+
+def distributed_class(base, settings):
+    """The distributed subclass of optimizer class `base` (of Keras 3 or tf_keras)."""
+    if issubclass(base, keras.optimizers.Optimizer):
+        return _distributed_class(base, settings)
+    return optimizer_keras2.distributed_class(base, settings)
+
+
+class _SavedOptimizer:
+    """Reads a saved optimizer as the distributed subclass of the class it was saved from.
+
+    One Keras 2 name ("Adam") is two classes: the current optimizer and the
+    legacy OptimizerV2, which a config marks with ``is_legacy_optimizer``
+    (absent: legacy, as Keras 2 reads it)."""
+
+    def __init__(self, current, legacy):
+        self._current, self._legacy = current, legacy
+
+    def from_config(self, config, custom_objects=None):
+        old = self._legacy is not None and config.get("is_legacy_optimizer", True)
+        return (self._legacy if old else self._current).from_config(config, custom_objects)
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None,
+               compression=Compression.none):
+    """A saved model whose optimizer comes back as a DistributedOptimizer (Horovod's load_model).
+
+    Loaded by the Keras that ``tf.keras`` is (``kerases.tf_keras``): every
+    optimizer class of that Keras, and each of `custom_optimizers`, is read
+    as its distributed subclass, so the optimizer's saved state comes back
+    inside the distributed optimizer.
+
+    Args:
+      filepath: str, a model saved by that Keras' ``model.save``.
+      custom_optimizers: list of optimizer classes of the user's own.
+      custom_objects: dict, as Keras' load_model takes it.
+      compression: as DistributedOptimizer's.
+
+    Returns:
+      the model.
+
+    Raises:
+      what Keras' load_model raises; ValueError: a bad compression.
+    """
+    keras_module = kerases.tf_keras()
+    settings = _settings("load_model", compression, False, 1.0, Average, 1, False, 0, None,
+                         global_process_set, True)
+    legacy = None if keras_module is keras else keras_module.optimizers.legacy  # OptimizerV2
+    objects = {}
+    for name, current in vars(keras_module.optimizers).items():
+        if (isinstance(current, type) and issubclass(current, keras_module.optimizers.Optimizer)
+                and current is not keras_module.optimizers.Optimizer
+                and not issubclass(current, keras_module.mixed_precision.LossScaleOptimizer)):
+            old = getattr(legacy, name, None)
+            reader = _SavedOptimizer(distributed_class(current, settings),
+                                     None if old is None else distributed_class(old, settings))
+            # Keras 2's h5 reader looks optimizers up by lower-case name.
+            objects[name] = objects[name.lower()] = reader
+    for custom in custom_optimizers or []:
+        objects[custom.__name__] = distributed_class(custom, settings)
+    objects.update(custom_objects or {})
+    return keras_module.models.load_model(filepath, custom_objects=objects)
 
 
 @tf.autograph.experimental.do_not_convert
