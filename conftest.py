@@ -71,7 +71,8 @@ def pytest_collection_modifyitems(items):
     """A block that starts two worker processes, or is marked Slow, is slow: the quick
     tier leaves it out."""
     for item in items:
-        if getattr(item, "runner_name", None) in ("TwoWorkers", "Slow", "OwnProcess"):
+        if getattr(item, "runner_name", None) in ("TwoWorkers", "TwoFreshWorkers",
+                                                  "ElasticWorkers", "Slow", "OwnProcess"):
             item.add_marker(pytest.mark.slow)
 
 
@@ -117,6 +118,15 @@ class TwoWorkers(DefaultRunner):
     def runtest(self, test, args, **kwargs):
         _run_block(test, [sys.executable, "-m", "tfreduce.launch", "--workers", "2", "--timeout",
                           "150", "--preload", "tensorflow", "--"], timeout=200)
+
+
+@register_runner()
+class ElasticWorkers(DefaultRunner):
+    """Runs a block as an elastic job of 2 workers (``--workers 2:2``), bounded in time."""
+
+    def runtest(self, test, args, **kwargs):
+        _run_block(test, [sys.executable, "-m", "tfreduce.launch", "--workers", "2:2",
+                          "--timeout", "150", "--preload", "tensorflow", "--"], timeout=200)
 
 
 @register_runner()

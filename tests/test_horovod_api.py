@@ -526,3 +526,67 @@ def test_each_local_rank_sees_its_own_gpu():
     assert done.returncode == 0, done.stderr[-2000:]
     local_rank, chosen = json.loads(done.stdout.strip().splitlines()[-1])
     assert local_rank == 1 and chosen == ["/physical_device:GPU:1"]
+
+
+def test_an_elastic_keras_states_restore_undoes_what_came_after_its_last_commit(one_process):
+    # Horovod's semantics on one process: sync takes rank 0's (here its own)
+    # state as the commit; restore goes back to the last commit; commit keeps
+    # what is there now, the optimizer's slots included.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    model.compile(optimizer, "mse")
+    model.fit(np.ones((4, 2)), np.ones((4, 2)), verbose=0)
+    state = hvdk.elastic.KerasState(model, batch=3, epoch=1)
+    state.sync()
+    first = [v.numpy() for v in model.variables + optimizer.variables]
+    model.fit(np.ones((4, 2)), np.zeros((4, 2)), verbose=0)
+    state.batch, state.epoch = 7, 2
+    state.restore()
+    assert (state.batch, state.epoch) == (3, 1)
+    for v, value in zip(model.variables + optimizer.variables, first):
+        np.testing.assert_array_equal(v.numpy(), value)
+    model.fit(np.ones((4, 2)), np.zeros((4, 2)), verbose=0)
+    state.batch = 9
+    state.commit()
+    second = [v.numpy() for v in model.variables + optimizer.variables]
+    model.fit(np.ones((4, 2)), np.ones((4, 2)), verbose=0)
+    state.restore()
+    assert state.batch == 9 and not np.array_equal(second[0], first[0])
+    for v, value in zip(model.variables + optimizer.variables, second):
+        np.testing.assert_array_equal(v.numpy(), value)
+    calls = []
+    state.register_reset_callbacks([lambda: calls.append(hvd.size())])
+    state.on_reset()
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: hvd.elastic.TensorFlowKerasState(keras.Sequential([keras.layers.Dense(2)])),
+     ValueError, "TensorFlowKerasState: build the model first (model.build(input_shape), or "
+                 "call it on a batch)"),
+    (lambda: hvd.elastic.TensorFlowState([]), ValueError,
+     "TensorFlowState needs the list of variables (TF2 has no global variables) and no "
+     "session"),
+    (lambda: hvdk.elastic.CommitStateCallback(None, batches_per_commit=0), ValueError,
+     "CommitStateCallback: batches_per_commit must be an int >= 1, got 0"),
+], ids=["unbuilt-model", "no-variables", "commit-every-0"])
+def test_elastic_states_refuse_what_they_cannot_keep(one_process, make, error, message):
+    with pytest.raises(error) as info:
+        make()
+    assert str(info.value) == message
+
+
+def test_an_object_state_outside_the_elastic_launcher_runs_its_function_once(one_process):
+    state = hvd.elastic.ObjectState(epoch=0, seen=[])
+
+    @hvd.elastic.run
+    def train(state, epochs):
+        for state.epoch in range(state.epoch, epochs):
+            state.seen.append(state.epoch)
+            state.commit()  # no launcher: saved in memory, no host update
+        return "done"
+
+    assert train(state, 3) == "done" and state.seen == [0, 1, 2]
+    state.seen.append(99)
+    state.restore()
+    assert state.seen == [0, 1, 2] and state.epoch == 2

@@ -23,6 +23,10 @@ TORCHELASTIC_RESTART_COUNT), so a training script resumes from its latest
 checkpoint when it is > 0. Ctrl-C, SIGTERM and ``--timeout`` (which counts
 the restarts too) never restart.
 
+With ``--workers MIN:MAX`` the job is elastic (``tfreduce.workers.elastic_launch``):
+it goes on without a lost worker from the last ``hvd.elastic`` commit,
+and takes in new slots at the next one (docs/elastic.md).
+
 With ``--preload tensorflow`` the launcher imports TensorFlow once and forks
 each worker from itself (``tfreduce.preload``): the workers, and every
 restart, skip their own import (about 9 s of CPU each on a 2-core host).
@@ -45,6 +49,7 @@ from tfreduce import preload
 from tfreduce.basis.ports import free_ports
 from tfreduce.basis.startup import VERBOSE_ENV, ArgumentParser
 from tfreduce.basis.tf_config import worker_tf_config as tf_config
+from tfreduce.workers import elastic_launch
 from tfreduce.workers.agent import AGENT_ENV, Agent
 from tfreduce.workers.watchdog import DEFAULT_STALL_SECONDS, EXIT_CODE, STALL_ENV
 
@@ -101,7 +106,8 @@ class _Workers:
     ``preload.program``) each worker is forked from this process, else exec'd.
     """
 
-    def __init__(self, command, addresses, restart, log, prog=None, agent=None):
+    def __init__(self, command, addresses, restart, log, prog=None, agent=None,
+                 environments=None):
         self._log = log
         self.addresses = addresses
         self.procs = []
@@ -110,6 +116,7 @@ class _Workers:
         for i in range(len(addresses)):
             env = dict(os.environ, TF_CONFIG=tf_config(addresses, i), PYTHONUNBUFFERED="1")
             env[_RESTART_COUNT] = str(restart)
+            env.update(environments[i] if environments else {})
             if agent is not None:
                 env[AGENT_ENV] = agent
             try:
@@ -193,8 +200,9 @@ def parse_args(argv):
         description="Run N workers of a TF_CONFIG multi-worker program on this "
                     "machine: python -m tfreduce.launch --workers 2 -- python train.py",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--workers", type=int, required=True, metavar="N",
-                        help="number of worker processes")
+    parser.add_argument("--workers", type=elastic_launch.worker_counts, required=True,
+                        metavar="N|MIN:MAX", help="number of worker processes; MIN:MAX "
+                        "runs an elastic job (tfreduce.workers.elastic_launch)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address the workers reach each other at (TF's server "
                              "itself listens on all interfaces)")
@@ -224,6 +232,7 @@ def parse_args(argv):
     parser.add_argument("--verbose", action="store_true",
                         help=f"set {VERBOSE_ENV}=1 for the workers: tfreduce's commands "
                              f"then show TensorFlow's start-up and C++ log lines")
+    elastic_launch.add_arguments(parser)
     if "--" in argv:
         cut = argv.index("--")
         options, command = argv[:cut], argv[cut + 1:]
@@ -233,8 +242,7 @@ def parse_args(argv):
     if not command:
         parser.error("give the command to run after '--', e.g. "
                      "'--workers 2 -- python train.py'")
-    if args.workers < 1:
-        parser.error(f"--workers must be >= 1, got {args.workers}")
+    elastic_launch.check_arguments(parser, args)
     if args.grace < 0:
         parser.error(f"--grace must be >= 0 seconds, got {args.grace}")
     if args.timeout is not None and args.timeout <= 0:
@@ -335,6 +343,13 @@ def _run(args, interrupted, log):
         log(f"preloaded {', '.join(args.preload)} in {time.monotonic() - run_start:.1f}s")
     agent = Agent(args.host)
     try:
+        if args.elastic:
+            return elastic_launch.run(
+                args, interrupted, log, run_start,
+                lambda generation, addresses, environments: _Workers(
+                    args.command, addresses, generation, log, args.program, agent.address,
+                    environments),
+                lambda: _stop_request(args, interrupted, run_start), agent)
         return _starts(args, interrupted, log, run_start, agent)
     finally:
         agent.close()

@@ -21,7 +21,8 @@ import sys
 import keras
 
 __all__ = ["LEGACY_ENV", "is_batch_normalization", "is_keras2", "is_layer", "is_model",
-           "is_optimizer", "keras_of", "legacy_keras", "loss_scaled", "optimizer_variables",
+           "is_optimizer", "keras_of", "legacy_keras", "loss_scaled", "optimizer_built",
+           "optimizer_variables",
            "scale_loss", "scales_loss", "slot_of", "tf_keras", "tf_variable", "variable_name"]
 
 #: The variable that makes ``tf.keras`` Keras 2 (set before TensorFlow is imported).
@@ -40,9 +41,12 @@ def legacy_keras():
 
 
 def tf_keras():
-    """The Keras that ``tf.keras`` is: tf_keras under TF_USE_LEGACY_KERAS=1 (when it is
-    installed), else Keras 3. Horovod's Keras API took this one."""
-    if os.environ.get(LEGACY_ENV, "").lower() in ("1", "true"):
+    """The Keras that ``tf.keras`` is: tf_keras when TensorFlow was imported under
+    TF_USE_LEGACY_KERAS=1 (TensorFlow decides it then, once), else Keras 3. Horovod's Keras
+    API took this one."""
+    import tensorflow as tf
+
+    if getattr(tf.keras, "__name__", "").startswith("tf_keras"):
         return legacy_keras() or keras
     return keras
 
@@ -78,6 +82,15 @@ def is_layer(obj):
     """True for a layer (a model included) of either Keras."""
     keras_module = keras_of(obj)
     return keras_module is not None and isinstance(obj, keras_module.layers.Layer)
+
+
+def optimizer_built(optimizer):
+    """True once `optimizer` (any Keras) has made its variables (slots)."""
+    if keras_of(optimizer) is keras:
+        return bool(optimizer.built)
+    if isinstance(optimizer, keras_of(optimizer).optimizers.Optimizer):
+        return bool(getattr(optimizer, "_built", False))
+    return bool(optimizer.weights)  # OptimizerV2's appear with its slots
 
 
 def optimizer_variables(optimizer, variables):

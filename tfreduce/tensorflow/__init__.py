@@ -25,7 +25,7 @@ from tfreduce.tensorflow.process import (ccl_built, cross_rank, cross_size, cuda
 from tfreduce.tensorflow.scatter import alltoall, grouped_reducescatter, reducescatter
 from tfreduce.tensorflow.sync_batch_norm import SyncBatchNormalization
 from tfreduce.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape
-from tfreduce.tensorflow import util
+from tfreduce.tensorflow import elastic, util
 
 _executing_eagerly = util._executing_eagerly  # Horovod's name (private there too), which its scripts call
 
@@ -34,7 +34,7 @@ __all__ = ["Adasum", "Average", "Compression", "DistributedGradientTape", "Max",
            "ProcessSet", "Product", "Sum", "SyncBatchNormalization",
            "allgather", "allgather_object", "allreduce", "alltoall", "broadcast", "broadcast_",
            "broadcast_global_variables", "broadcast_object", "broadcast_variables",
-           "cross_rank", "cross_size", "global_process_set", "grouped_allgather",
+           "cross_rank", "elastic", "cross_size", "global_process_set", "grouped_allgather",
            "grouped_allreduce", "grouped_reducescatter", "init", "is_initialized", "join",
            "local_rank", "local_rank_op", "local_size", "local_size_op", "rank", "rank_op",
            "reducescatter", "shutdown", "size", "size_op", "ccl_built", "cuda_built",

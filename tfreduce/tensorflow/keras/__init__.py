@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tfreduce.buffers.compression import Compression
 from tfreduce.tensorflow import ops
-from tfreduce.tensorflow.keras import callbacks
+from tfreduce.tensorflow.keras import callbacks, elastic
 from tfreduce.tensorflow.keras.data import DistributedBatches
 from tfreduce.tensorflow.keras.optimizer import (DistributedOptimizer, PartialDistributedOptimizer,
                                                  load_model)
@@ -29,7 +29,7 @@ __all__ = ["Average", "Compression", "DistributedBatches", "DistributedOptimizer
            "PartialDistributedOptimizer", "ProcessSet", "Product", "Sum",
            "SyncBatchNormalization", "allgather",
            "allreduce", "broadcast", "broadcast_global_variables", "callbacks", "cross_rank",
-           "cross_size", "global_process_set", "init", "is_initialized", "load_model", "local_rank",
+           "cross_size", "elastic", "global_process_set", "init", "is_initialized", "load_model", "local_rank",
            "local_size", "rank", "shutdown", "size"]
 
 

@@ -1,0 +1,83 @@
+"""A Horovod elastic custom loop, one worker of a job under ``tfreduce-launch --workers MIN:MAX``.
+
+Run by tests/test_elastic.py. A Dense model learns from global batches of
+12 rows, the same for any number of workers (each takes its rows by rank
+and size); ``hvd.elastic.TensorFlowKerasState`` keeps the model, the
+optimizer and the step, committed after every step. Options make one
+worker kill itself (``--kill-id ID --kill-step S``, in the first
+generation) or rank 0 add a slot to the discovery file at a step
+(``--grow-file PATH --grow-step S``); ``--sleep`` slows the steps. Every worker prints one line per
+step, ``step G R N S`` (generation, rank, size, step), and rank 0 prints
+the final weights as JSON.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import tfreduce.tensorflow as hvd
+from tfreduce.workers import generations
+
+GLOBAL_BATCH = 12
+
+
+def batch(step):
+    rng = np.random.default_rng(step)
+    x = rng.normal(size=(GLOBAL_BATCH, 3)).astype(np.float32)
+    return x, (x @ np.array([[1.0], [-2.0], [0.5]], np.float32)).astype(np.float32)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--kill-id", type=int, default=-1)
+    parser.add_argument("--kill-step", type=int, default=-1)
+    parser.add_argument("--grow-file", default=None)
+    parser.add_argument("--grow-step", type=int, default=-1)
+    parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
+    args = parser.parse_args()
+    hvd.init()
+    worker = generations.elastic_worker()
+    model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(
+        1, kernel_initializer="zeros")])
+    optimizer = tf.keras.optimizers.SGD(0.1, momentum=0.5)
+    state = hvd.elastic.TensorFlowKerasState(model, optimizer, step=0)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < args.steps:
+            if (worker.generation == 0 and worker.worker_id == args.kill_id
+                    and state.step == args.kill_step):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if args.grow_file and hvd.rank() == 0 and state.step == args.grow_step:
+                with open(args.grow_file, "w") as f:
+                    f.write("127.0.0.1:3\n")
+            x, y = batch(state.step)
+            rows = np.array_split(np.arange(GLOBAL_BATCH), hvd.size())[hvd.rank()]
+            train_step(x[rows], y[rows])
+            time.sleep(args.sleep)
+            state.step += 1
+            print(f"step {worker.generation} {hvd.rank()} {hvd.size()} {state.step}",
+                  flush=True)
+            state.commit()
+
+    train(state)
+    if hvd.rank() == 0:
+        print(json.dumps({"weights": [w.tolist() for w in model.get_weights()]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""The launcher's elastic mode: a job of MIN to MAX workers that goes on as workers come and go.
+
+    tfreduce-launch --workers 2:4 --host-discovery-script ./hosts.sh -- python train.py
+
+runs the job as generations (``tfreduce.workers.generations``): clusters of
+a fixed size, each started from the members of the last. A worker that
+exits non-zero, is killed or is named frozen by a watchdog leaves the job:
+the launcher stops the others at once (their last commits are on disk) and
+starts the next generation with the survivors, ranked by age (the oldest
+is rank 0), plus workers for free slots up to MAX. Each survivor reads its
+commit back and ``hvd.elastic.run`` syncs rank 0's to everyone, so the job
+rolls back to its last commit and goes on. A slot whose worker failed sits
+out the next generations for ``--slot-cooldown`` seconds, then returns as
+a new slot; after ``--blacklist-after`` failures it is left out for good,
+and the launcher says so.
+
+Slots come from ``--host-discovery-script``, Horovod's format: it prints
+one ``host:slots`` line per host, and runs every few seconds. New slots
+join at the workers' next commit (a host update, which every worker sees
+at the same commit); a slot that disappears stops its worker, as a loss.
+Without a script there are MAX slots on ``--host``. This launcher starts
+workers on this machine only: a discovery line for another host is named
+and skipped (on several machines, start one job per machine's slots or use
+a scheduler's launcher).
+
+Below MIN workers the job waits for slots, saying so, for at most
+``--elastic-timeout`` seconds, then ends, naming the directory that keeps
+the last commits.
+
+Standard library only, like the launcher.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+from tfreduce.basis.ports import free_ports
+from tfreduce.workers import generations
+from tfreduce.workers.watchdog import EXIT_CODE
+
+__all__ = ["add_arguments", "check_arguments", "run", "worker_counts"]
+
+# Seconds between two runs of the discovery script.
+DISCOVERY_EVERY = 3.0
+_LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+_POLL_SECONDS = 0.1
+# After a first failure, how long the launcher gathers the others before it judges.
+_SETTLE_SECONDS = 1.0
+
+
+def worker_counts(text):
+    """--workers' value: "N" (an int) or "MIN:MAX" (a tuple of two ints).
+
+    Raises:
+      ValueError: anything else (argparse names the option).
+    """
+    if ":" not in text:
+        return int(text)
+    low, _, high = text.partition(":")
+    return int(low), int(high)
+
+
+def add_arguments(parser):
+    """The elastic options of the launcher's parser."""
+    parser.add_argument("--min-workers", type=int, default=None, metavar="MIN",
+                        help="elastic: the fewest workers the job goes on with (Horovod's "
+                             "--min-np); also --workers MIN:MAX")
+    parser.add_argument("--max-workers", type=int, default=None, metavar="MAX",
+                        help="elastic: the most workers (Horovod's --max-np)")
+    parser.add_argument("--host-discovery-script", default=None, metavar="PATH",
+                        help="elastic: a program printing one 'host:slots' line per host, "
+                             f"run every {DISCOVERY_EVERY:g}s (Horovod's format)")
+    parser.add_argument("--elastic-timeout", type=float, default=600.0, metavar="S",
+                        help="elastic: how long the job waits below MIN workers")
+    parser.add_argument("--slot-cooldown", type=float, default=30.0, metavar="S",
+                        help="elastic: how long a slot whose worker failed sits out")
+    parser.add_argument("--blacklist-after", type=int, default=3, metavar="N",
+                        help="elastic: a slot whose workers failed N times is left out")
+
+
+def check_arguments(parser, args):
+    """Resolves --workers, --min-workers and --max-workers into args.workers (the most),
+    args.min_workers and args.elastic; parser.error on a bad combination."""
+    spread = isinstance(args.workers, tuple)
+    low, high = args.workers if spread else (args.workers, args.workers)
+    low = args.min_workers if args.min_workers is not None else low
+    high = args.max_workers if args.max_workers is not None else high
+    args.elastic = (spread or args.min_workers is not None or args.max_workers is not None
+                    or args.host_discovery_script is not None)
+    if not args.elastic and low < 1:
+        parser.error(f"--workers must be >= 1, got {low}")
+    if not 1 <= low <= high:
+        parser.error(f"the workers must satisfy 1 <= MIN <= MAX, got MIN={low}, MAX={high}")
+    if args.elastic and args.restarts:
+        parser.error("--restarts is for a fixed-size job; an elastic job (--workers MIN:MAX) "
+                     "re-forms after every loss")
+    if args.elastic and args.blacklist_after < 1:
+        parser.error(f"--blacklist-after must be >= 1, got {args.blacklist_after}")
+    args.workers, args.min_workers = high, low
+
+
+class _Slots:
+    """The slots the job may use: the discovery script's, or MAX on the launcher's host."""
+
+    def __init__(self, args, log):
+        self._script, self._log = args.host_discovery_script, log
+        self._static = [f"{args.host}:{n}" for n in range(args.workers)]
+        self._named = set()  # hosts already named as skipped
+
+    def current(self):
+        """list of str slots, "host:n", in the discovery's order."""
+        if self._script is None:
+            return list(self._static)
+        try:
+            done = subprocess.run([self._script], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            self._log(f"host discovery {self._script!r} failed ({error}); no slots this time")
+            return []
+        slots = []
+        for line in done.stdout.split():
+            host, _, count = line.rpartition(":")
+            if host not in _LOCAL_HOSTS or not count.isdigit():
+                if line not in self._named:
+                    self._named.add(line)
+                    self._log(f"host discovery: {line!r} skipped: this launcher starts "
+                              "workers on this machine only ('127.0.0.1:SLOTS')")
+                continue
+            slots += [f"{host}:{n}" for n in range(int(count))]
+        return slots
+
+
+class _Job:
+    """The members, in age order, and what the launcher knows of the slots."""
+
+    def __init__(self, args, log):
+        self.args, self.log = args, log
+        self.members = []  # [worker id, slot], oldest first
+        self.next_id = 0
+        self.failures = {}  # slot -> failures so far
+        self.resting = {}  # slot -> time it may return
+        self.updates = 0  # host updates written
+        self.announced = set()  # slots a host update announced, joining at the next generation
+        self.removed = set()  # member indices stopped because their slot is gone
+
+    def usable(self, slots):
+        now = time.monotonic()
+        return [s for s in slots if self.failures.get(s, 0) < self.args.blacklist_after
+                and self.resting.get(s, 0.0) <= now]
+
+    def fill(self, slots):
+        """Drops members whose slot is gone; adds members for free slots up to MAX."""
+        slots = self.usable(slots)
+        self.announced, self.removed = set(), set()
+        self.members = [m for m in self.members if m[1] in slots]
+        taken = {m[1] for m in self.members}
+        for slot in slots:
+            if len(self.members) >= self.args.workers:
+                break
+            if slot not in taken:
+                self.members.append([self.next_id, slot])
+                self.next_id += 1
+
+    def lose(self, index, how):
+        """Member `index` failed: it leaves, its slot rests or is left out (not when the
+        discovery removed the slot)."""
+        worker_id, slot = self.members.pop(index)
+        if index in self.removed:
+            return
+        count = self.failures[slot] = self.failures.get(slot, 0) + 1
+        if count >= self.args.blacklist_after:
+            self.log(f"slot {slot} failed {count} times (worker {worker_id} {how}): left out "
+                     "of the job")
+        else:
+            self.resting[slot] = time.monotonic() + self.args.slot_cooldown
+
+
+def run(args, interrupted, log, run_start, start, stop_request, agent):
+    """Runs the elastic job; returns the launcher's exit code.
+
+    Args:
+      args: the launcher's arguments (check_arguments done).
+      interrupted: list, the signals the launcher received.
+      log: function of str, the launcher's log.
+      run_start: float, time.monotonic() when the run began.
+      start: function(generation, addresses, environments) -> the launcher's
+        workers (``launch._Workers``), environments one dict per worker.
+      stop_request: function() -> (code, reason) when a signal or --timeout
+        ends the run, else None.
+      agent: the launcher's ``workers.agent.Agent`` (the watchdogs' reports).
+    """
+    directory = generations.make_directory()
+    job, slots = _Job(args, log), _Slots(args, log)
+    generation, code = 0, 0
+    while True:
+        job.fill(slots.current())
+        code = _wait_for_minimum(job, slots, args, log, stop_request)
+        if code is not None:
+            log(f"the last commits are kept in {directory}")
+            return code
+        workers = _start(job, generation, directory, start, log)
+        outcome, code = _supervise(job, workers, slots, directory, log, stop_request,
+                                   interrupted, agent)
+        if outcome == "done":
+            shutil.rmtree(directory, ignore_errors=True)
+            log(f"all workers finished after {time.monotonic() - run_start:.1f}s "
+                f"({generation} re-forming{'s' if generation != 1 else ''})")
+            return 0
+        if outcome == "stop":
+            return code
+        generation += 1
+
+
+def _wait_for_minimum(job, slots, args, log, stop_request):
+    """None once the job has MIN members; else waits (bounded) and returns an exit code."""
+    if len(job.members) >= args.min_workers:
+        return None
+    log(f"{len(job.members)} worker{'s' if len(job.members) != 1 else ''} available, fewer than "
+        f"the minimum {args.min_workers}: waiting up to {args.elastic_timeout:g}s for slots")
+    deadline = time.monotonic() + args.elastic_timeout
+    while time.monotonic() < deadline:
+        stop = stop_request()
+        if stop:
+            log(f"{stop[1]}: stopping")
+            return stop[0]
+        time.sleep(min(DISCOVERY_EVERY, max(0.0, deadline - time.monotonic())))
+        job.fill(slots.current())
+        if len(job.members) >= args.min_workers:
+            return None
+    log(f"still {len(job.members)} worker{'s' if len(job.members) != 1 else ''} after "
+        f"{args.elastic_timeout:g}s, fewer than the minimum {args.min_workers}: the job ends")
+    return 1
+
+
+def _start(job, generation, directory, start, log):
+    host = job.args.host
+    addresses = [f"{host}:{p}" if ":" not in host else f"[{host}]:{p}"
+                 for p in free_ports(len(job.members), host)]
+    environments = [{generations.DIR_ENV: directory, generations.ID_ENV: str(worker_id),
+                     generations.GENERATION_ENV: str(generation)}
+                    for worker_id, _ in job.members]
+    ids = ", ".join(f"{worker_id} ({slot})" for worker_id, slot in job.members)
+    log(f"generation {generation}: {len(job.members)} workers, ids {ids}, at "
+        f"{', '.join(addresses)}")
+    return start(generation, addresses, environments)
+
+
+def _supervise(job, workers, slots, directory, log, stop_request, interrupted, agent):
+    """Waits for one generation. Returns ("done", 0), ("stop", code) or ("reform", None)."""
+    args = job.args
+    next_discovery = time.monotonic() + DISCOVERY_EVERY
+    leaving = None  # when the first worker left to re-form
+    try:
+        while True:
+            lost = _lost(job, workers, agent)
+            if lost:
+                for index, how in _settled(job, workers, agent, lost):
+                    log(f"worker {job.members[index][0]} (rank {index}) {how}: the job "
+                        "re-forms from the last commit")
+                    job.lose(index, how)
+                return "reform", None
+            codes = [p.poll() for p in workers.procs]
+            if all(c is not None for c in codes):
+                return ("reform", None) if generations.RESHAPE_CODE in codes else ("done", 0)
+            if generations.RESHAPE_CODE in codes:
+                leaving = leaving or time.monotonic()
+                if time.monotonic() - leaving > args.grace:
+                    return "reform", None
+            stop = stop_request()
+            if stop:
+                log(f"{stop[1]}: stopping every worker")
+                if interrupted:
+                    workers.signal_all(interrupted[0])
+                return "stop", stop[0]
+            if time.monotonic() >= next_discovery:
+                next_discovery = time.monotonic() + DISCOVERY_EVERY
+                _discover(job, slots.current(), directory, log, workers)
+            time.sleep(_POLL_SECONDS)
+    finally:
+        workers.stop(0.0)
+
+
+def _lost(job, workers, agent):
+    """[(member index, how)] of the workers that failed, were named frozen or lost their slot."""
+    lost = []
+    frozen = {i: by for i, (by, _) in agent.named(workers.addresses).items()}
+    for i, proc in enumerate(workers.procs):
+        code = proc.poll()
+        if i in frozen and code is None:
+            workers.signal(i, signal.SIGKILL)
+            lost.append((i, f"was named frozen by worker {frozen[i]}'s watchdog"))
+        elif i in job.removed and code is not None:
+            lost.append((i, "lost its slot"))
+        elif code not in (None, 0, generations.RESHAPE_CODE):
+            how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+                   else f"exited with code {code}")
+            lost.append((i, how if code != EXIT_CODE else f"{how} (its watchdog)"))
+    return lost
+
+
+def _settled(job, workers, agent, lost):
+    """The members lost, once the failures settled (_SETTLE_SECONDS, or all exited): those
+    killed by a signal, named frozen or without a slot; the workers whose error followed
+    such a death are its collateral (their collective failed), not lost. Latest first."""
+    found = dict(lost)
+    deadline = time.monotonic() + _SETTLE_SECONDS
+    while time.monotonic() < deadline and any(p.poll() is None for p in workers.procs):
+        time.sleep(_POLL_SECONDS)
+        found.update(dict(_lost(job, workers, agent)))
+    first = {i: how for i, how in found.items()
+             if workers.procs[i].returncode is None or workers.procs[i].returncode < 0
+             or i in job.removed or "frozen" in how}
+    return sorted((first or found).items(), reverse=True)
+
+
+def _discover(job, slots, directory, log, workers):
+    """New usable slots: a host update (the workers re-form at their next commit); a
+    member's slot gone: that worker is stopped (a loss that does not count against it)."""
+    for i, (worker_id, slot) in enumerate(job.members):
+        if slot not in slots and i not in job.removed:
+            log(f"slot {slot} is gone from the discovery: stopping worker {worker_id}")
+            job.removed.add(i)
+            workers.signal(i, signal.SIGKILL)
+    taken = {m[1] for m in job.members} | job.announced
+    room = job.args.workers - len(job.members) - len(job.announced)
+    new = [s for s in job.usable(slots) if s not in taken][:max(room, 0)]
+    if new and not job.removed:
+        job.updates += 1
+        job.announced.update(new)
+        generations.write_hosts_updates(directory, job.updates)
+        log(f"slot{'s' if len(new) > 1 else ''} {', '.join(new)} added: the workers re-form "
+            "at their next commit")

@@ -1,0 +1,134 @@
+"""What an elastic launcher and its workers share: generations, commits and host updates.
+
+An elastic job (``tfreduce-launch --workers MIN:MAX``) runs as a sequence of
+generations. Each generation is one cluster of a fixed size; when a worker
+is lost, or slots are added or removed, the launcher stops the generation
+and starts the next at the new size. The survivors keep their identity: a
+worker's id (``TFREDUCE_WORKER_ID``) stays across generations, and its
+rank is its age among the members (the oldest worker is rank 0).
+
+What survives a generation is each worker's last commit: the state its
+``hvd.elastic`` State saved (``tfreduce.tensorflow.elastic``), written
+here as one file per worker id in the job's directory
+(``TFREDUCE_ELASTIC_DIR``, in memory under /dev/shm where it exists). A
+commit is written to a temporary name and renamed over the last one, so a
+worker killed while it writes leaves its previous commit whole. In the
+next generation each survivor reads its own commit back, and rank 0's is
+broadcast to every worker, new ones included.
+
+Host updates: the launcher bumps a counter in the directory's
+``hosts-updated`` file when it has slots to add. A worker reads it at each
+commit; the workers agree on the largest count they read (one small
+all-reduce), so all of them see the update at the same commit and leave
+with ``RESHAPE_CODE``, which asks the launcher to start the next
+generation.
+
+Standard library only (the launcher imports it).
+"""
+
+import os
+import tempfile
+
+__all__ = ["DIR_ENV", "GENERATION_ENV", "ID_ENV", "RESHAPE_CODE", "ElasticWorker",
+           "elastic_worker", "hosts_updates", "make_directory", "read_commit", "write_commit",
+           "write_hosts_updates"]
+
+#: The directory of the job's commits and host updates.
+DIR_ENV = "TFREDUCE_ELASTIC_DIR"
+#: This worker's id, the same in every generation it is part of.
+ID_ENV = "TFREDUCE_WORKER_ID"
+#: The generation: 0 at the job's start, then one more at every re-forming.
+GENERATION_ENV = "TFREDUCE_GENERATION"
+#: The exit code of a worker that leaves so the job re-forms (its commit is written).
+RESHAPE_CODE = 76
+
+_HOSTS_FILE = "hosts-updated"
+
+
+class ElasticWorker:
+    """This process's place in an elastic job (``elastic_worker()``).
+
+    Attributes:
+      directory: str, the job's directory.
+      worker_id: int, this worker's id across generations.
+      generation: int, 0 at the first start.
+    """
+
+    def __init__(self, directory, worker_id, generation):
+        self.directory, self.worker_id, self.generation = directory, worker_id, generation
+
+    def read_commit(self):
+        """This worker's last commit (bytes), or None when it has none."""
+        return read_commit(self.directory, self.worker_id)
+
+    def write_commit(self, payload):
+        """Replaces this worker's commit by `payload` (bytes), atomically."""
+        write_commit(self.directory, self.worker_id, payload)
+
+    def hosts_updates(self):
+        """The launcher's count of host updates so far (int)."""
+        return hosts_updates(self.directory)
+
+
+def elastic_worker(environ=None):
+    """This process's ElasticWorker when an elastic launcher started it, else None.
+
+    Raises:
+      ValueError: the environment has the directory but a bad id or generation.
+    """
+    environ = os.environ if environ is None else environ
+    directory = environ.get(DIR_ENV)
+    if not directory:
+        return None
+    try:
+        return ElasticWorker(directory, int(environ[ID_ENV]), int(environ[GENERATION_ENV]))
+    except (KeyError, ValueError) as error:
+        raise ValueError(f"{DIR_ENV} is set, but {ID_ENV}={environ.get(ID_ENV)!r} and "
+                         f"{GENERATION_ENV}={environ.get(GENERATION_ENV)!r} must be ints: "
+                         f"the elastic launcher sets all three") from error
+
+
+def make_directory(parent=None):
+    """A new job directory: under /dev/shm (memory) where it exists, else the temp dir."""
+    if parent is None and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        parent = "/dev/shm"
+    return tempfile.mkdtemp(prefix="tfreduce-elastic-", dir=parent)
+
+
+def _commit_path(directory, worker_id):
+    return os.path.join(directory, f"worker-{worker_id}.commit")
+
+
+def write_commit(directory, worker_id, payload):
+    """Writes worker `worker_id`'s commit (bytes): to a temporary file, renamed over the last."""
+    path = _commit_path(directory, worker_id)
+    partial = f"{path}.partial"
+    with open(partial, "wb") as f:
+        f.write(payload)
+    os.replace(partial, path)
+
+
+def read_commit(directory, worker_id):
+    """Worker `worker_id`'s last commit (bytes), or None."""
+    try:
+        with open(_commit_path(directory, worker_id), "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def write_hosts_updates(directory, count):
+    """The launcher's side: `count` host updates so far (int), written atomically."""
+    path = os.path.join(directory, _HOSTS_FILE)
+    with open(f"{path}.partial", "w") as f:
+        f.write(str(count))
+    os.replace(f"{path}.partial", path)
+
+
+def hosts_updates(directory):
+    """The count of host updates the launcher wrote (0 before any)."""
+    try:
+        with open(os.path.join(directory, _HOSTS_FILE)) as f:
+            return int(f.read() or 0)
+    except FileNotFoundError:
+        return 0
