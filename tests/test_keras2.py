@@ -110,6 +110,7 @@ def test_horovods_keras_api_on_keras_2_trains_two_processes_as_one(tmp_path):
         assert got["loop"] == {"x": (1.0 - 2 * 0.5 * 3 * mean_c).tolist(),
                                "mine": (1.0 - 2 * 0.5 * 3 * c / 2).tolist(),
                                "iterations": 7, "counter": 1}
+        assert got["tape_vs_one_process"] < 1e-6, got["tape_vs_one_process"]
         assert {k: got["load"][k] for k in ("distributed", "optimizer", "slots_equal")} == {
             "distributed": True, "optimizer": "SGD", "slots_equal": True}
     assert found[0]["load"]["weights"] == found[1]["load"]["weights"]

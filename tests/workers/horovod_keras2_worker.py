@@ -11,6 +11,7 @@ Run by tests/test_keras2.py under ``tfreduce-launch --workers 2`` with
 - loop: ``_compute_gradients`` and ``apply_gradients`` in a tf.function
   with backward_passes_per_step=3, a gradient that differs by rank and a
   variable registered local;
+- tape: DistributedGradientTape in a tf.function, against one process;
 - load: rank 0 saves the SGD model; both load it with ``hvd.load_model``
   and train one more epoch.
 
@@ -26,6 +27,7 @@ os.environ["TF_USE_LEGACY_KERAS"] = "1"
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import tfreduce.tensorflow as hvd_tf  # noqa: E402
 import tfreduce.tensorflow.keras as hvd  # noqa: E402
 
 keras = tf.keras
@@ -84,6 +86,35 @@ def loop(rank):
             "counter": int(optimizer._agg_helper.counter.numpy())}
 
 
+def tape_step(net, optimizer, distributed):
+    def step(xs, ys):
+        with tf.GradientTape() as t:
+            loss = tf.reduce_mean(tf.square(net(xs) - ys))
+        t = hvd_tf.DistributedGradientTape(t) if distributed else t
+        grads = t.gradient(loss, net.trainable_variables)
+        optimizer.apply_gradients(zip(grads, net.trainable_variables))
+
+    return tf.function(step, autograph=False)
+
+
+def tape(rank):
+    """DistributedGradientTape in a tf.function, a tf_keras model and optimizer, 4 steps:
+    the largest difference from one process on the whole batches."""
+    x, y = data()
+    runs = []
+    for distributed in (True, False):
+        net = model()
+        net.build((None, 5))
+        step = tape_step(net, keras.optimizers.SGD(0.1), distributed)
+        for n in range(STEPS):
+            if distributed:
+                step(x[n, rank], y[n, rank])
+            else:
+                step(x[n].reshape(-1, 5), y[n].reshape(-1, 2))
+        runs.append(net.get_weights())
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(*runs))
+
+
 def load(trained, rank, directory):
     path = os.path.join(directory, "model.h5")
     if rank == 0:
@@ -108,7 +139,7 @@ def main():
     sgd, found_sgd = fitted(lambda: keras.optimizers.SGD(0.1, momentum=0.9), rank)
     _, found_adam = fitted(lambda: keras.optimizers.legacy.Adam(0.01), rank)
     found = {"rank": rank, "keras2": "tf_keras" in type(sgd).__module__, "sgd": found_sgd,
-             "legacy_adam": found_adam, "loop": loop(rank),
+             "legacy_adam": found_adam, "loop": loop(rank), "tape_vs_one_process": tape(rank),
              "load": load(sgd, rank, sys.argv[1])}
     print(json.dumps(found), flush=True)
 

@@ -166,11 +166,13 @@ def parse_args(argv):
                         help="train mode: timed rounds per contender; default %(default)s")
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="skip the run that checks values and pruning")
-    parser.add_argument("--fault", choices=("freeze", "lag", "vanish", "clean", "cost"),
+    parser.add_argument("--fault", choices=("freeze", "lag", "vanish", "clean", "cost",
+                                            "recover"),
                         default="freeze",
                         help="faults mode: what rank 1 does at --fault-step: SIGSTOP, 50 ms "
                              "more per step, a clean exit while rank 0 waits, or nothing; "
                              "cost: clean runs with the watchdog on and off, alternately; "
+                             "recover: an elastic job of 3 loses one, the time to go on; "
                              "default %(default)s")
     parser.add_argument("--fault-loop", choices=("tape", "eager", "fit"), default="tape",
                         help="faults mode: Horovod's DistributedGradientTape in a tf.function, "
@@ -180,6 +182,9 @@ def parse_args(argv):
                         help="faults mode: the step rank 1 acts at; default %(default)s")
     parser.add_argument("--fault-steps", type=_positive_int, default=300, metavar="N",
                         help="faults mode: steps of each run; default %(default)s")
+    parser.add_argument("--commit-every", type=_positive_int, default=10, metavar="N",
+                        help="faults mode, recover: steps between two commits; default "
+                             "%(default)s")
     parser.add_argument("--runs", type=_positive_int, default=30,
                         help="faults mode: launches, each from fresh processes; default "
                              "%(default)s")
