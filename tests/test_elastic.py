@@ -91,14 +91,18 @@ def test_a_killed_worker_leaves_and_the_survivors_go_on_from_the_last_commit():
 
 
 @pytest.mark.slow
-def test_a_slot_added_to_the_discovery_joins_at_the_next_commit(tmp_path):
+@pytest.mark.parametrize("when", [("--grow-step", 4), ("--grow-at-start",)],
+                         ids=["mid-training", "while-starting"])
+def test_a_slot_added_to_the_discovery_joins_at_the_next_commit(tmp_path, when):
+    # Also when the slot is announced before the generation's state exists:
+    # the update counts from the generation's start, not from the state's.
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1:2\n")
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {hosts}\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     code, out, err = run_job(("--workers", "2:3", "--host-discovery-script", str(script)),
-                             ("--steps", 60, "--grow-file", hosts, "--grow-step", 4, "--sleep", 0.1))
+                             ("--steps", 60, "--grow-file", hosts, *when, "--sleep", 0.1))
     assert code == 0, err[-3000:]
     assert "[launch] slot 127.0.0.1:2 added: the workers re-form at their next commit" in err
     assert "tfreduce elastic: the job's hosts changed at a commit: it re-forms" in err
@@ -161,8 +165,10 @@ def test_a_commit_replaces_the_last_one_whole(tmp_path):
     assert generations.read_commit(str(tmp_path), 4) is None
     worker = generations.elastic_worker({generations.DIR_ENV: str(tmp_path),
                                          generations.ID_ENV: "3",
-                                         generations.GENERATION_ENV: "1"})
+                                         generations.GENERATION_ENV: "1",
+                                         generations.UPDATES_ENV: "1"})
     assert (worker.worker_id, worker.generation, worker.read_commit()) == (3, 1, b"second")
+    assert worker.updates_at_start == 1
     assert worker.hosts_updates() == 0
     generations.write_hosts_updates(str(tmp_path), 2)
     assert worker.hosts_updates() == 2

@@ -6,7 +6,8 @@ and size); ``hvd.elastic.TensorFlowKerasState`` keeps the model, the
 optimizer and the step, committed after every step. Options make one
 worker kill itself (``--kill-id ID --kill-step S``, in the first
 generation) or rank 0 add a slot to the discovery file at a step
-(``--grow-file PATH --grow-step S``); ``--sleep`` slows the steps. Every worker prints one line per
+(``--grow-file PATH --grow-step S``, or before the state exists with
+``--grow-at-start``); ``--sleep`` slows the steps. Every worker prints one line per
 step, ``step G R N S`` (generation, rank, size, step), and rank 0 prints
 the final weights as JSON.
 """
@@ -40,9 +41,16 @@ def main():
     parser.add_argument("--grow-file", default=None)
     parser.add_argument("--grow-step", type=int, default=-1)
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
+    parser.add_argument("--grow-at-start", action="store_true",
+                        help="rank 0 adds the slot before the state exists, then all wait 4 s")
     args = parser.parse_args()
     hvd.init()
     worker = generations.elastic_worker()
+    if args.grow_at_start and worker.generation == 0:
+        if hvd.rank() == 0:
+            with open(args.grow_file, "w") as f:
+                f.write("127.0.0.1:3\n")
+        time.sleep(4.0)  # the launcher announces the slot before the state is made
     model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(
         1, kernel_initializer="zeros")])
     optimizer = tf.keras.optimizers.SGD(0.1, momentum=0.5)

@@ -74,10 +74,10 @@ class State:
 
     def __init__(self):
         self._reset_callbacks = []
-        self._updates_seen = 0  # host updates this job has re-formed for
         self._worker = generations.elastic_worker()
-        if self._worker is not None:
-            self._updates_seen = self._worker.hosts_updates()
+        # The host updates this generation was started with: one after them
+        # re-forms it, even if it came while this process was starting.
+        self._updates_seen = 0 if self._worker is None else self._worker.updates_at_start
 
     def register_reset_callbacks(self, callbacks):
         """Adds functions of no argument, called after each re-forming once the new size is

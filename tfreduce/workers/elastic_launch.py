@@ -238,7 +238,8 @@ def _start(job, generation, directory, start, log):
     addresses = [f"{host}:{p}" if ":" not in host else f"[{host}]:{p}"
                  for p in free_ports(len(job.members), host)]
     environments = [{generations.DIR_ENV: directory, generations.ID_ENV: str(worker_id),
-                     generations.GENERATION_ENV: str(generation)}
+                     generations.GENERATION_ENV: str(generation),
+                     generations.UPDATES_ENV: str(job.updates)}
                     for worker_id, _ in job.members]
     ids = ", ".join(f"{worker_id} ({slot})" for worker_id, slot in job.members)
     log(f"generation {generation}: {len(job.members)} workers, ids {ids}, at "

@@ -17,8 +17,9 @@ next generation each survivor reads its own commit back, and rank 0's is
 broadcast to every worker, new ones included.
 
 Host updates: the launcher bumps a counter in the directory's
-``hosts-updated`` file when it has slots to add. A worker reads it at each
-commit; the workers agree on the largest count they read (one small
+``hosts-updated`` file when it has slots to add, and gives each generation
+the count it started with (``TFREDUCE_HOSTS_UPDATES``). A worker reads the
+file at each commit; the workers agree on the largest count they read (one small
 all-reduce), so all of them see the update at the same commit and leave
 with ``RESHAPE_CODE``, which asks the launcher to start the next
 generation.
@@ -29,7 +30,7 @@ Standard library only (the launcher imports it).
 import os
 import tempfile
 
-__all__ = ["DIR_ENV", "GENERATION_ENV", "ID_ENV", "RESHAPE_CODE", "ElasticWorker",
+__all__ = ["DIR_ENV", "GENERATION_ENV", "ID_ENV", "RESHAPE_CODE", "UPDATES_ENV", "ElasticWorker",
            "elastic_worker", "hosts_updates", "make_directory", "read_commit", "write_commit",
            "write_hosts_updates"]
 
@@ -39,6 +40,8 @@ DIR_ENV = "TFREDUCE_ELASTIC_DIR"
 ID_ENV = "TFREDUCE_WORKER_ID"
 #: The generation: 0 at the job's start, then one more at every re-forming.
 GENERATION_ENV = "TFREDUCE_GENERATION"
+#: The count of host updates when this generation started (updates after it re-form it).
+UPDATES_ENV = "TFREDUCE_HOSTS_UPDATES"
 #: The exit code of a worker that leaves so the job re-forms (its commit is written).
 RESHAPE_CODE = 76
 
@@ -52,10 +55,13 @@ class ElasticWorker:
       directory: str, the job's directory.
       worker_id: int, this worker's id across generations.
       generation: int, 0 at the first start.
+      updates_at_start: int, the host updates the launcher had written when
+        this generation started: a count above it is an update for this one.
     """
 
-    def __init__(self, directory, worker_id, generation):
+    def __init__(self, directory, worker_id, generation, updates_at_start=0):
         self.directory, self.worker_id, self.generation = directory, worker_id, generation
+        self.updates_at_start = updates_at_start
 
     def read_commit(self):
         """This worker's last commit (bytes), or None when it has none."""
@@ -81,7 +87,8 @@ def elastic_worker(environ=None):
     if not directory:
         return None
     try:
-        return ElasticWorker(directory, int(environ[ID_ENV]), int(environ[GENERATION_ENV]))
+        return ElasticWorker(directory, int(environ[ID_ENV]), int(environ[GENERATION_ENV]),
+                             int(environ.get(UPDATES_ENV, 0)))
     except (KeyError, ValueError) as error:
         raise ValueError(f"{DIR_ENV} is set, but {ID_ENV}={environ.get(ID_ENV)!r} and "
                          f"{GENERATION_ENV}={environ.get(GENERATION_ENV)!r} must be ints: "

@@ -75,10 +75,13 @@ class CommitStateCallback(Callback):
 
 
 class UpdateBatchStateCallback(Callback):
-    """Keeps ``state.batch`` at the last batch done, and resumes an epoch at it.
+    """Keeps ``state.batch`` at the last batch done (its index, as Horovod's).
 
-    When ``fit`` knows its steps per epoch, the first epoch after a
-    re-forming runs only the steps it had left.
+    At each epoch's start it sets ``params["steps"]`` to the steps the
+    epoch has left, as Horovod's does. Keras 3's ``fit`` does not read its
+    steps back from there, so under Keras 3 the first epoch after a
+    re-forming runs whole: pass ``steps_per_epoch`` less ``state.batch``
+    to that ``fit`` to resume inside the epoch.
     """
 
     def __init__(self, state):
