@@ -176,3 +176,47 @@ def test_a_commit_replaces_the_last_one_whole(tmp_path):
                                          "must be ints"):
         generations.elastic_worker({generations.DIR_ENV: "d", generations.ID_ENV: "x",
                                     generations.GENERATION_ENV: "1"})
+
+
+def discovery(tmp_path, text):
+    hosts = tmp_path / "hosts"
+    hosts.write_text(text)
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return hosts, script
+
+
+@pytest.mark.slow
+def test_a_host_removed_from_the_discovery_leaves_at_the_next_commit(tmp_path):
+    hosts, script = discovery(tmp_path, "localhost:1\n127.0.0.1:2\n")
+    code, out, err = run_job(("--workers", "2:3", "--host-discovery-script", str(script),
+                              "--discovery-interval", "0.5"),
+                             ("--steps", 40, "--grow-file", hosts, "--grow-step", 4,
+                              "--hosts-text", "127.0.0.1:2", "--sleep", 0.1))
+    assert code == 0, err[-3000:]
+    assert ("[launch] slot localhost:0 is gone from the discovery: worker 0 leaves at the next "
+            "commit") in err
+    assert re.search(r"\[launch\] generation 1: 2 workers, ids 1 \(127\.0\.0\.1:0\), 2 "
+                     r"\(127\.0\.0\.1:1\)", err)
+    seen = steps_of(out)
+    assert [s for _, _, _, s in seen] == list(range(1, 41))  # nothing rolls back
+    kernel, bias = final_weights(out)
+    want_kernel, want_bias = expected_weights(40)
+    np.testing.assert_allclose(kernel, want_kernel, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_failed_workers_host_sits_out_and_a_reset_limit_ends_the_job(tmp_path):
+    # Two hosts: the killed worker's whole host rests (Horovod's blacklist).
+    _, script = discovery(tmp_path, "localhost:1\n127.0.0.1:2\n")
+    code, out, err = run_job(("--workers", "1:3", "--host-discovery-script", str(script)),
+                             ("--kill-id", 2, "--kill-step", 3))
+    assert code == 0, err[-3000:]
+    assert re.search(r"\[launch\] generation 1: 1 worker, ids 0 \(localhost:0\)", err), err
+    # The same job with --reset-limit 0 ends at its first re-forming.
+    code, out, err = run_job(("--workers", "1:3", "--host-discovery-script", str(script),
+                              "--reset-limit", "0"), ("--kill-id", 2, "--kill-step", 3))
+    assert code == 1
+    assert re.search(r"\[launch\] --reset-limit 0 reached: the job would re-form once more; it "
+                     r"ends, and the last commits are kept in \S+", err), err

@@ -5,7 +5,7 @@ Run by tests/test_elastic.py. A Dense model learns from global batches of
 and size); ``hvd.elastic.TensorFlowKerasState`` keeps the model, the
 optimizer and the step, committed after every step. Options make one
 worker kill itself (``--kill-id ID --kill-step S``, in the first
-generation) or rank 0 add a slot to the discovery file at a step
+generation) or rank 0 rewrite the discovery file at a step (``--hosts-text``)
 (``--grow-file PATH --grow-step S``, or before the state exists with
 ``--grow-at-start``); ``--sleep`` slows the steps. Every worker prints one line per
 step, ``step G R N S`` (generation, rank, size, step), and rank 0 prints
@@ -40,6 +40,8 @@ def main():
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--grow-file", default=None)
     parser.add_argument("--grow-step", type=int, default=-1)
+    parser.add_argument("--hosts-text", default="127.0.0.1:3",
+                        help="what --grow-file gets (lines of host:slots)")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
     parser.add_argument("--grow-at-start", action="store_true",
                         help="rank 0 adds the slot before the state exists, then all wait 4 s")
@@ -49,7 +51,7 @@ def main():
     if args.grow_at_start and worker.generation == 0:
         if hvd.rank() == 0:
             with open(args.grow_file, "w") as f:
-                f.write("127.0.0.1:3\n")
+                f.write(args.hosts_text.replace(",", "\n") + "\n")
         time.sleep(4.0)  # the launcher announces the slot before the state is made
     model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(
         1, kernel_initializer="zeros")])
@@ -72,7 +74,7 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.grow_file and hvd.rank() == 0 and state.step == args.grow_step:
                 with open(args.grow_file, "w") as f:
-                    f.write("127.0.0.1:3\n")
+                    f.write(args.hosts_text.replace(",", "\n") + "\n")
             x, y = batch(state.step)
             rows = np.array_split(np.arange(GLOBAL_BATCH), hvd.size())[hvd.rank()]
             train_step(x[rows], y[rows])

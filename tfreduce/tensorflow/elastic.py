@@ -113,6 +113,12 @@ class State:
             self._updates_seen = count
             raise HostsUpdatedInterrupt()
 
+    @property
+    def _host_messages(self):
+        """Horovod's queue of host updates, which its elastic test scripts poll:
+        ``empty()`` is False once the launcher has an update this generation has not seen."""
+        return _HostMessages(self)
+
     def save(self):
         raise NotImplementedError
 
@@ -136,6 +142,17 @@ class State:
         self._load_payload(pickle.loads(data))
         self.restore()
         return True
+
+
+class _HostMessages:
+    """State._host_messages: only ``empty()``."""
+
+    def __init__(self, state):
+        self._state = state
+
+    def empty(self):
+        worker = self._state._worker
+        return worker is None or worker.hosts_updates() <= self._state._updates_seen
 
 
 class ObjectState(State):

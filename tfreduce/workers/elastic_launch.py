@@ -9,19 +9,26 @@ the launcher stops the others at once (their last commits are on disk) and
 starts the next generation with the survivors, ranked by age (the oldest
 is rank 0), plus workers for free slots up to MAX. Each survivor reads its
 commit back and ``hvd.elastic.run`` syncs rank 0's to everyone, so the job
-rolls back to its last commit and goes on. A slot whose worker failed sits
-out the next generations for ``--slot-cooldown`` seconds, then returns as
-a new slot; after ``--blacklist-after`` failures it is left out for good,
-and the launcher says so.
+rolls back to its last commit and goes on. Of failures that come together,
+the first and those killed by a signal count; a later error is taken for
+the collateral of the first (its collective failed).
+
+A failed worker's host sits out for ``--slot-cooldown`` seconds, as
+Horovod's blacklist does (its slot alone when every slot is on one host,
+since resting that host would end the job), then returns as new slots;
+after ``--blacklist-after`` failures a slot is left out for good, and the
+launcher says so. ``--reset-limit N`` ends the job after N re-formings.
 
 Slots come from ``--host-discovery-script``, Horovod's format: it prints
-one ``host:slots`` line per host, and runs every few seconds. New slots
-join at the workers' next commit (a host update, which every worker sees
-at the same commit); a slot that disappears stops its worker, as a loss.
-Without a script there are MAX slots on ``--host``. This launcher starts
-workers on this machine only: a discovery line for another host is named
-and skipped (on several machines, start one job per machine's slots or use
-a scheduler's launcher).
+one ``host:slots`` line per host, and runs every ``--discovery-interval``
+seconds. Slots added, or a member's slot removed, are a host update: the
+workers re-form at their next commit (every worker sees it at the same
+commit), with the new slots and without the removed ones. Without a script
+there are MAX slots on ``--host``. Each worker gets Horovod's
+``HOROVOD_HOSTNAME`` (its slot's host) and ``HOROVOD_RANK`` (the rank it
+started with). This launcher starts workers on this machine only: a
+discovery line for another host is named and skipped (on several machines,
+start one job per machine's slots or use a scheduler's launcher).
 
 Below MIN workers the job waits for slots, saying so, for at most
 ``--elastic-timeout`` seconds, then ends, naming the directory that keeps
@@ -70,8 +77,12 @@ def add_arguments(parser):
     parser.add_argument("--max-workers", type=int, default=None, metavar="MAX",
                         help="elastic: the most workers (Horovod's --max-np)")
     parser.add_argument("--host-discovery-script", default=None, metavar="PATH",
-                        help="elastic: a program printing one 'host:slots' line per host, "
-                             f"run every {DISCOVERY_EVERY:g}s (Horovod's format)")
+                        help="elastic: a program printing one 'host:slots' line per host "
+                             "(Horovod's format)")
+    parser.add_argument("--discovery-interval", type=float, default=DISCOVERY_EVERY,
+                        metavar="S", help="elastic: seconds between two runs of the discovery")
+    parser.add_argument("--reset-limit", type=int, default=None, metavar="N",
+                        help="elastic: end the job after N re-formings (Horovod's)")
     parser.add_argument("--elastic-timeout", type=float, default=600.0, metavar="S",
                         help="elastic: how long the job waits below MIN workers")
     parser.add_argument("--slot-cooldown", type=float, default=30.0, metavar="S",
@@ -96,6 +107,8 @@ def check_arguments(parser, args):
     if args.elastic and args.restarts:
         parser.error("--restarts is for a fixed-size job; an elastic job (--workers MIN:MAX) "
                      "re-forms after every loss")
+    if args.elastic and not args.discovery_interval > 0:
+        parser.error(f"--discovery-interval must be > 0 seconds, got {args.discovery_interval}")
     if args.elastic and args.blacklist_after < 1:
         parser.error(f"--blacklist-after must be >= 1, got {args.blacklist_after}")
     args.workers, args.min_workers = high, low
@@ -136,44 +149,50 @@ class _Job:
 
     def __init__(self, args, log):
         self.args, self.log = args, log
-        self.members = []  # [worker id, slot], oldest first
+        self.members = []  # [worker id, slot, rank in its first generation], oldest first
         self.next_id = 0
         self.failures = {}  # slot -> failures so far
-        self.resting = {}  # slot -> time it may return
+        self.resting = {}  # slot or host -> time it may return
         self.updates = 0  # host updates written
-        self.announced = set()  # slots a host update announced, joining at the next generation
-        self.removed = set()  # member indices stopped because their slot is gone
+        self.announced = set()  # slots a host update announced (added or removed)
+        self.hosts = set()  # the hosts of the last discovery
 
     def usable(self, slots):
         now = time.monotonic()
         return [s for s in slots if self.failures.get(s, 0) < self.args.blacklist_after
-                and self.resting.get(s, 0.0) <= now]
+                and self.resting.get(s, 0.0) <= now
+                and self.resting.get(_host(s), 0.0) <= now]
 
     def fill(self, slots):
         """Drops members whose slot is gone; adds members for free slots up to MAX."""
+        self.hosts = {_host(s) for s in slots}
         slots = self.usable(slots)
-        self.announced, self.removed = set(), set()
+        self.announced = set()
         self.members = [m for m in self.members if m[1] in slots]
         taken = {m[1] for m in self.members}
         for slot in slots:
             if len(self.members) >= self.args.workers:
                 break
             if slot not in taken:
-                self.members.append([self.next_id, slot])
+                self.members.append([self.next_id, slot, len(self.members)])
                 self.next_id += 1
 
     def lose(self, index, how):
-        """Member `index` failed: it leaves, its slot rests or is left out (not when the
-        discovery removed the slot)."""
-        worker_id, slot = self.members.pop(index)
-        if index in self.removed:
-            return
+        """Member `index` failed: it leaves, and its host rests (Horovod's rule), or its slot
+        alone when every slot is on one host; after --blacklist-after failures its slot is
+        left out."""
+        worker_id, slot, _ = self.members.pop(index)
         count = self.failures[slot] = self.failures.get(slot, 0) + 1
         if count >= self.args.blacklist_after:
             self.log(f"slot {slot} failed {count} times (worker {worker_id} {how}): left out "
                      "of the job")
         else:
-            self.resting[slot] = time.monotonic() + self.args.slot_cooldown
+            rests = _host(slot) if len(self.hosts) > 1 else slot
+            self.resting[rests] = time.monotonic() + self.args.slot_cooldown
+
+
+def _host(slot):
+    return slot.rpartition(":")[0]
 
 
 def run(args, interrupted, log, run_start, start, stop_request, agent):
@@ -210,6 +229,10 @@ def run(args, interrupted, log, run_start, start, stop_request, agent):
         if outcome == "stop":
             return code
         generation += 1
+        if args.reset_limit is not None and generation > args.reset_limit:
+            log(f"--reset-limit {args.reset_limit} reached: the job would re-form once more; it "
+                f"ends, and the last commits are kept in {directory}")
+            return 1
 
 
 def _wait_for_minimum(job, slots, args, log, stop_request):
@@ -224,7 +247,7 @@ def _wait_for_minimum(job, slots, args, log, stop_request):
         if stop:
             log(f"{stop[1]}: stopping")
             return stop[0]
-        time.sleep(min(DISCOVERY_EVERY, max(0.0, deadline - time.monotonic())))
+        time.sleep(min(args.discovery_interval, max(0.0, deadline - time.monotonic())))
         job.fill(slots.current())
         if len(job.members) >= args.min_workers:
             return None
@@ -237,12 +260,15 @@ def _start(job, generation, directory, start, log):
     host = job.args.host
     addresses = [f"{host}:{p}" if ":" not in host else f"[{host}]:{p}"
                  for p in free_ports(len(job.members), host)]
+    # Horovod's HOROVOD_HOSTNAME and HOROVOD_RANK (the rank a worker started with).
     environments = [{generations.DIR_ENV: directory, generations.ID_ENV: str(worker_id),
                      generations.GENERATION_ENV: str(generation),
-                     generations.UPDATES_ENV: str(job.updates)}
-                    for worker_id, _ in job.members]
-    ids = ", ".join(f"{worker_id} ({slot})" for worker_id, slot in job.members)
-    log(f"generation {generation}: {len(job.members)} workers, ids {ids}, at "
+                     generations.UPDATES_ENV: str(job.updates), "HOROVOD_HOSTNAME": _host(slot),
+                     "HOROVOD_RANK": str(first_rank)}
+                    for worker_id, slot, first_rank in job.members]
+    ids = ", ".join(f"{worker_id} ({slot})" for worker_id, slot, _ in job.members)
+    log(f"generation {generation}: {len(job.members)} worker{'s' if len(job.members) > 1 else ''}"
+        f", ids {ids}, at "
         f"{', '.join(addresses)}")
     return start(generation, addresses, environments)
 
@@ -250,7 +276,7 @@ def _start(job, generation, directory, start, log):
 def _supervise(job, workers, slots, directory, log, stop_request, interrupted, agent):
     """Waits for one generation. Returns ("done", 0), ("stop", code) or ("reform", None)."""
     args = job.args
-    next_discovery = time.monotonic() + DISCOVERY_EVERY
+    next_discovery = time.monotonic() + args.discovery_interval
     leaving = None  # when the first worker left to re-form
     try:
         while True:
@@ -275,15 +301,15 @@ def _supervise(job, workers, slots, directory, log, stop_request, interrupted, a
                     workers.signal_all(interrupted[0])
                 return "stop", stop[0]
             if time.monotonic() >= next_discovery:
-                next_discovery = time.monotonic() + DISCOVERY_EVERY
-                _discover(job, slots.current(), directory, log, workers)
+                next_discovery = time.monotonic() + args.discovery_interval
+                _discover(job, slots.current(), directory, log)
             time.sleep(_POLL_SECONDS)
     finally:
         workers.stop(0.0)
 
 
 def _lost(job, workers, agent):
-    """[(member index, how)] of the workers that failed, were named frozen or lost their slot."""
+    """[(member index, how)] of the workers that failed or were named frozen."""
     lost = []
     frozen = {i: by for i, (by, _) in agent.named(workers.addresses).items()}
     for i, proc in enumerate(workers.procs):
@@ -291,8 +317,6 @@ def _lost(job, workers, agent):
         if i in frozen and code is None:
             workers.signal(i, signal.SIGKILL)
             lost.append((i, f"was named frozen by worker {frozen[i]}'s watchdog"))
-        elif i in job.removed and code is not None:
-            lost.append((i, "lost its slot"))
         elif code not in (None, 0, generations.RESHAPE_CODE):
             how = (f"was killed by {signal.Signals(-code).name}" if code < 0
                    else f"exited with code {code}")
@@ -301,34 +325,38 @@ def _lost(job, workers, agent):
 
 
 def _settled(job, workers, agent, lost):
-    """The members lost, once the failures settled (_SETTLE_SECONDS, or all exited): those
-    killed by a signal, named frozen or without a slot; the workers whose error followed
-    such a death are its collateral (their collective failed), not lost. Latest first."""
-    found = dict(lost)
+    """The members lost, once the failures settled (_SETTLE_SECONDS, or all exited): the
+    first found, and those killed by a signal or named frozen meanwhile; a worker whose
+    error came later is the collateral of a first death (its collective failed), not
+    lost. Latest first."""
+    first = dict(lost)
     deadline = time.monotonic() + _SETTLE_SECONDS
     while time.monotonic() < deadline and any(p.poll() is None for p in workers.procs):
         time.sleep(_POLL_SECONDS)
-        found.update(dict(_lost(job, workers, agent)))
-    first = {i: how for i, how in found.items()
-             if workers.procs[i].returncode is None or workers.procs[i].returncode < 0
-             or i in job.removed or "frozen" in how}
-    return sorted((first or found).items(), reverse=True)
+        for i, how in _lost(job, workers, agent):
+            code = workers.procs[i].returncode
+            if i not in first and (code is None or code < 0 or "frozen" in how):
+                first[i] = how
+    return sorted(first.items(), reverse=True)
 
 
-def _discover(job, slots, directory, log, workers):
-    """New usable slots: a host update (the workers re-form at their next commit); a
-    member's slot gone: that worker is stopped (a loss that does not count against it)."""
-    for i, (worker_id, slot) in enumerate(job.members):
-        if slot not in slots and i not in job.removed:
-            log(f"slot {slot} is gone from the discovery: stopping worker {worker_id}")
-            job.removed.add(i)
-            workers.signal(i, signal.SIGKILL)
-    taken = {m[1] for m in job.members} | job.announced
-    room = job.args.workers - len(job.members) - len(job.announced)
-    new = [s for s in job.usable(slots) if s not in taken][:max(room, 0)]
-    if new and not job.removed:
-        job.updates += 1
-        job.announced.update(new)
-        generations.write_hosts_updates(directory, job.updates)
+def _discover(job, slots, directory, log):
+    """A host update when the discovery adds usable slots (up to MAX) or drops a member's:
+    the workers re-form at their next commit, without the dropped ones (as Horovod)."""
+    taken = {m[1] for m in job.members}
+    gone = [m for m in job.members if m[1] not in slots and m[1] not in job.announced]
+    room = job.args.workers - len(job.members) - len(
+        [s for s in job.announced if s not in taken])
+    new = [s for s in job.usable(slots) if s not in taken and s not in job.announced]
+    new = new[:max(room + len(gone), 0)]
+    if not new and not gone:
+        return
+    job.updates += 1
+    job.announced.update(new + [m[1] for m in gone])
+    generations.write_hosts_updates(directory, job.updates)
+    if new:
         log(f"slot{'s' if len(new) > 1 else ''} {', '.join(new)} added: the workers re-form "
             "at their next commit")
+    for worker_id, slot, _ in gone:
+        log(f"slot {slot} is gone from the discovery: worker {worker_id} leaves at the next "
+            "commit")
