@@ -220,3 +220,22 @@ def test_a_failed_workers_host_sits_out_and_a_reset_limit_ends_the_job(tmp_path)
     assert code == 1
     assert re.search(r"\[launch\] --reset-limit 0 reached: the job would re-form once more; it "
                      r"ends, and the last commits are kept in \S+", err), err
+
+
+@pytest.mark.slow
+def test_a_second_failure_during_the_recovery_is_one_more_re_forming():
+    # Worker 3 dies at step 5; in the generation that follows, worker 2 dies
+    # at its first step, before any new commit: the job re-forms again from
+    # the same commit and finishes on 2 workers, nothing lost.
+    code, out, err = run_job(("--workers", "2:4", "--slot-cooldown", "600"),
+                             ("--kill-id", 3, "--kill-step", 5, "--kill-again", "1:2:5"))
+    assert code == 0, err[-3000:]
+    assert "[launch] worker 3 (rank 3) was killed by SIGKILL" in err
+    assert "[launch] worker 2 (rank 2) was killed by SIGKILL" in err
+    assert re.search(r"\[launch\] generation 2: 2 workers, ids 0 \(127\.0\.0\.1:0\), 1 "
+                     r"\(127\.0\.0\.1:1\)", err)
+    assert "(2 re-formings)" in err
+    assert [s for _, _, _, s in steps_of(out)] == list(range(1, 13))
+    kernel, bias = final_weights(out)
+    want_kernel, want_bias = expected_weights(12)
+    np.testing.assert_allclose(kernel, want_kernel, atol=1e-5)

@@ -5,7 +5,7 @@ Run by tests/test_elastic.py. A Dense model learns from global batches of
 and size); ``hvd.elastic.TensorFlowKerasState`` keeps the model, the
 optimizer and the step, committed after every step. Options make one
 worker kill itself (``--kill-id ID --kill-step S``, in the first
-generation) or rank 0 rewrite the discovery file at a step (``--hosts-text``)
+generation; ``--kill-again GEN:ID:STEP`` a second) or rank 0 rewrite the discovery file at a step (``--hosts-text``)
 (``--grow-file PATH --grow-step S``, or before the state exists with
 ``--grow-at-start``); ``--sleep`` slows the steps. Every worker prints one line per
 step, ``step G R N S`` (generation, rank, size, step), and rank 0 prints
@@ -38,6 +38,9 @@ def main():
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--kill-id", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=-1)
+    parser.add_argument("--kill-generation", type=int, default=0)
+    parser.add_argument("--kill-again", default=None, metavar="GEN:ID:STEP",
+                        help="a second kill: worker ID at STEP of generation GEN")
     parser.add_argument("--grow-file", default=None)
     parser.add_argument("--grow-step", type=int, default=-1)
     parser.add_argument("--hosts-text", default="127.0.0.1:3",
@@ -69,8 +72,10 @@ def main():
     @hvd.elastic.run
     def train(state):
         while state.step < args.steps:
-            if (worker.generation == 0 and worker.worker_id == args.kill_id
-                    and state.step == args.kill_step):
+            kills = [(args.kill_generation, args.kill_id, args.kill_step)]
+            if args.kill_again:
+                kills.append(tuple(int(n) for n in args.kill_again.split(":")))
+            if (worker.generation, worker.worker_id, state.step) in kills:
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.grow_file and hvd.rank() == 0 and state.step == args.grow_step:
                 with open(args.grow_file, "w") as f:

@@ -68,9 +68,13 @@ class CommitStateCallback(Callback):
         self._left -= 1
         if self._left == 0:
             self._left = self.batches_per_commit
-            self.state.commit()
+            self.commit()
 
     def on_epoch_end(self, epoch, logs=None):
+        self.commit()
+
+    def commit(self):
+        """Commits the state (Horovod's hook: a subclass may count or time its commits)."""
         self.state.commit()
 
 
