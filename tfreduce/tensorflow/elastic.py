@@ -120,12 +120,15 @@ class State:
         return _HostMessages(self)
 
     def save(self):
+        """Copies the state to memory (what ``restore`` goes back to)."""
         raise NotImplementedError
 
     def restore(self):
+        """Sets the state back to the last ``save`` (or ``sync``)."""
         raise NotImplementedError
 
     def sync(self):
+        """Gives every worker rank 0's state (a collective: every worker calls it)."""
         raise NotImplementedError
 
     def _payload(self):

@@ -267,8 +267,8 @@ def _start(job, generation, directory, start, log):
                      "HOROVOD_RANK": str(first_rank)}
                     for worker_id, slot, first_rank in job.members]
     ids = ", ".join(f"{worker_id} ({slot})" for worker_id, slot, _ in job.members)
-    log(f"generation {generation}: {len(job.members)} worker{'s' if len(job.members) > 1 else ''}"
-        f", ids {ids}, at "
+    plural = "s" if len(job.members) > 1 else ""
+    log(f"generation {generation}: {len(job.members)} worker{plural}, ids {ids}, at "
         f"{', '.join(addresses)}")
     return start(generation, addresses, environments)
 
@@ -318,10 +318,16 @@ def _lost(job, workers, agent):
             workers.signal(i, signal.SIGKILL)
             lost.append((i, f"was named frozen by worker {frozen[i]}'s watchdog"))
         elif code not in (None, 0, generations.RESHAPE_CODE):
-            how = (f"was killed by {signal.Signals(-code).name}" if code < 0
-                   else f"exited with code {code}")
+            how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
             lost.append((i, how if code != EXIT_CODE else f"{how} (its watchdog)"))
     return lost
+
+
+def _signal_name(number):
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _settled(job, workers, agent, lost):
