@@ -239,3 +239,17 @@ def test_a_second_failure_during_the_recovery_is_one_more_re_forming():
     kernel, bias = final_weights(out)
     want_kernel, want_bias = expected_weights(12)
     np.testing.assert_allclose(kernel, want_kernel, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_stopped_elastic_job_says_where_its_commits_are():
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "tfreduce.launch", "--workers", "1:2",
+                           "--timeout", "1", "--", sys.executable, "-c",
+                           "import time; time.sleep(60)"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 124, done.stderr
+    assert "[launch] --timeout 1s reached: stopping every worker" in done.stderr
+    assert re.search(r"\[launch\] the last commits are kept in \S+tfreduce-elastic-",
+                     done.stderr), done.stderr

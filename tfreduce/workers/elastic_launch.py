@@ -227,6 +227,7 @@ def run(args, interrupted, log, run_start, start, stop_request, agent):
                 f"({generation} re-forming{'s' if generation != 1 else ''})")
             return 0
         if outcome == "stop":
+            log(f"the last commits are kept in {directory}")
             return code
         generation += 1
         if args.reset_limit is not None and generation > args.reset_limit:
