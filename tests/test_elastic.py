@@ -9,9 +9,11 @@ NumPy's SGD with momentum on the same global batches, whatever the sizes
 the job ran at.
 """
 
+import json
 import os
 import re
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,14 +28,11 @@ from tfreduce.workers.elastic_launch import _Slots
 WORKER = Path(__file__).parent / "workers" / "elastic_worker.py"
 
 
-def elastic_job(*options, timeout=200):
-    command = [sys.executable, "-m", "tfreduce.launch", *options, "--timeout", str(timeout),
-               "--preload", "tensorflow", "--", sys.executable, str(WORKER)]
-    return command
-
-
 def run_job(launcher, worker_args=(), timeout=200):
-    command = elastic_job(*launcher, timeout=timeout) + [str(a) for a in worker_args]
+    """The elastic worker under the launcher with `launcher`'s options: (code, stdout, stderr)."""
+    command = [sys.executable, "-m", "tfreduce.launch", *launcher, "--timeout", str(timeout),
+               "--preload", "tensorflow", "--", sys.executable, str(WORKER),
+               *[str(a) for a in worker_args]]
     done = zygote.run(command, timeout=timeout + 30, cwd=Path(__file__).parent.parent)
     return done.returncode, done.stdout, done.stderr
 
@@ -63,10 +62,18 @@ def steps_of(out):
 
 
 def final_weights(out):
-    import json
     line = re.search(r'\[worker 0\] (\{"weights".*)', out).group(1)
     kernel, bias = json.loads(line)["weights"]
     return np.array(kernel), bias[0]
+
+
+def discovery(tmp_path, text):
+    hosts = tmp_path / "hosts"
+    hosts.write_text(text)
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return hosts, script
 
 
 @pytest.mark.slow
@@ -96,11 +103,7 @@ def test_a_killed_worker_leaves_and_the_survivors_go_on_from_the_last_commit():
 def test_a_slot_added_to_the_discovery_joins_at_the_next_commit(tmp_path, when):
     # Also when the slot is announced before the generation's state exists:
     # the update counts from the generation's start, not from the state's.
-    hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.1:2\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    hosts, script = discovery(tmp_path, "127.0.0.1:2\n")
     code, out, err = run_job(("--workers", "2:3", "--host-discovery-script", str(script)),
                              ("--steps", 60, "--grow-file", hosts, *when, "--sleep", 0.1))
     assert code == 0, err[-3000:]
@@ -178,15 +181,6 @@ def test_a_commit_replaces_the_last_one_whole(tmp_path):
                                     generations.GENERATION_ENV: "1"})
 
 
-def discovery(tmp_path, text):
-    hosts = tmp_path / "hosts"
-    hosts.write_text(text)
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    return hosts, script
-
-
 @pytest.mark.slow
 def test_a_host_removed_from_the_discovery_leaves_at_the_next_commit(tmp_path):
     hosts, script = discovery(tmp_path, "localhost:1\n127.0.0.1:2\n")
@@ -243,8 +237,6 @@ def test_a_second_failure_during_the_recovery_is_one_more_re_forming():
 
 @pytest.mark.slow
 def test_a_stopped_elastic_job_says_where_its_commits_are():
-    import subprocess
-
     done = subprocess.run([sys.executable, "-m", "tfreduce.launch", "--workers", "1:2",
                            "--timeout", "1", "--", sys.executable, "-c",
                            "import time; time.sleep(60)"],

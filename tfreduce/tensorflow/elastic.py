@@ -43,7 +43,7 @@ import tensorflow as tf
 from tfreduce.basis import kerases
 from tfreduce.tensorflow.functions import broadcast_object
 from tfreduce.tensorflow.ops import Max, allreduce, broadcast_variables
-from tfreduce.tensorflow.process import rank, size
+from tfreduce.tensorflow.process import size
 from tfreduce.workers import generations
 from tfreduce.workers.failures import WorkerLostError
 
@@ -167,13 +167,13 @@ class ObjectState(State):
 
     Args:
       bcast_object: function(obj) -> rank 0's obj (default: broadcast_object).
-      get_rank: function() -> this worker's rank (default: rank).
+      get_rank: Horovod's argument, unused (the sync is rank 0's by definition).
       **kwargs: the values, picklable.
     """
 
     def __init__(self, bcast_object=None, get_rank=None, **kwargs):
+        del get_rank
         self._bcast_object = bcast_object or broadcast_object
-        self._get_rank = get_rank or rank
         self._saved_state = copy.deepcopy(kwargs)
         self._set_attrs()
         super().__init__()

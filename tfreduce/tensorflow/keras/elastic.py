@@ -32,9 +32,6 @@ __all__ = ["CommitStateCallback", "HostsUpdatedInterrupt", "KerasState", "Object
 class KerasState(TensorFlowKerasState):
     """A Keras model, its optimizer (default: the model's) and values (TensorFlowKerasState)."""
 
-    def __init__(self, model, optimizer=None, **kwargs):
-        super().__init__(model, optimizer=optimizer, **kwargs)
-
 
 class CommitStateCallback(Callback):
     """Commits `state` every `batches_per_commit` batches and at each epoch's end.
