@@ -1,4 +1,4 @@
-"""What a built trainer shows of itself: traces, replica drift, state, step graphs."""
+"""What a trainer shows of itself: its step and cluster, traces, replica drift, state, step graphs."""
 
 
 class Inspection:
@@ -6,8 +6,24 @@ class Inspection:
 
     They read the trainer's built step functions through ``self._built(what)``,
     which ReplicatedTrainer defines: the StepFunctions, or a ValueError naming
-    ``what`` when no batch has built the models yet.
+    ``what`` when no batch has built the models yet; and its ``_step``
+    counter and ``_cluster``.
     """
+
+    @property
+    def step(self):
+        """int: the number of training steps taken so far."""
+        return int(self._step.numpy())
+
+    @property
+    def cluster(self):
+        """The started tfreduce.Cluster, or None in a single process."""
+        return None if self._cluster.is_local else self._cluster
+
+    @property
+    def is_chief(self):
+        """bool: rank 0 of the cluster, or True in a single process."""
+        return self._cluster.is_chief
 
     def tracing_counts(self):
         """How many times each step function was traced: 1 each, unless inputs vary.

@@ -172,11 +172,6 @@ class ReplicatedTrainer(Inspection):
             self._build(None)
 
     @property
-    def step(self):
-        """int: the number of training steps taken so far."""
-        return int(self._step.numpy())
-
-    @property
     def fault_hook(self):
         """None, or fn(step, phase) every training step calls (the class docstring)."""
         return self._fault_hook
@@ -187,16 +182,6 @@ class ReplicatedTrainer(Inspection):
             raise TypeError(f"fault_hook must be None or a function (step, phase), got "
                             f"{type(hook).__name__} {hook!r}")
         self._fault_hook = hook
-
-    @property
-    def cluster(self):
-        """The started tfreduce.Cluster, or None in a single process."""
-        return None if self._cluster.is_local else self._cluster
-
-    @property
-    def is_chief(self):
-        """bool: rank 0 of the cluster, or True in a single process."""
-        return self._cluster.is_chief
 
     def _build(self, x):
         """Builds towers, checkpoint and StepFunctions (returned); x builds unbuilt models."""
