@@ -174,10 +174,11 @@ def parse_args(argv):
                              "cost: clean runs with the watchdog on and off, alternately; "
                              "recover: an elastic job of 3 loses one, the time to go on; "
                              "default %(default)s")
-    parser.add_argument("--fault-loop", choices=("tape", "eager", "fit"), default="tape",
+    parser.add_argument("--fault-loop", choices=("tape", "eager", "fit", "trainer"),
+                        default="tape",
                         help="faults mode: Horovod's DistributedGradientTape in a tf.function, "
-                             "the same eagerly, or fit with DistributedOptimizer; default "
-                             "%(default)s")
+                             "the same eagerly, fit with DistributedOptimizer, or (recover "
+                             "only) ReplicatedTrainer.fit; default %(default)s")
     parser.add_argument("--fault-step", type=_positive_int, default=30, metavar="S",
                         help="faults mode: the step rank 1 acts at; default %(default)s")
     parser.add_argument("--fault-steps", type=_positive_int, default=300, metavar="N",
@@ -217,6 +218,11 @@ def parse_args(argv):
         parser.error("--overlap runs the train mode, without --zero-stage")
     if args.deterministic and (args.mode != "train" or args.zero_stage or args.overlap):
         parser.error("--deterministic runs the train mode, without --zero-stage or --overlap")
+    if (args.fault_loop == "trainer") != (args.fault == "recover") and args.fault_loop in (
+            "trainer", "eager"):
+        parser.error(f"--fault-loop {args.fault_loop} runs "
+                     f"{'only' if args.fault_loop == 'trainer' else 'every fault but'} "
+                     f"--fault recover, not --fault {args.fault}")
     if args.devices is None:
         args.devices = 2 if args.mode == "multiworker" else 8
     if args.warmup < 0:

@@ -5,7 +5,9 @@ Run by ``tfreduce.bench.faults_mode`` (``--fault recover``) under
 28x28 images (global batch 64, split by rank), trained with Horovod's
 elastic API, in a ``DistributedGradientTape`` loop (``--loop tape``) or
 ``fit`` with ``DistributedOptimizer`` and the elastic callbacks (``--loop
-fit``), committing every ``--commit-every`` steps. Worker 2 kills itself
+fit``), or ``ReplicatedTrainer.fit`` (``--loop trainer``, its commits timed
+as the steps that commit less the others), committing every
+``--commit-every`` steps. Worker 2 kills itself
 with SIGKILL at ``--kill-step`` in the first generation, after printing
 ``act kill <unix time>``. Rank 0 prints ``step <generation> <step> <unix
 time>`` after each step, and at the end ``cost <seconds per commit>
@@ -13,6 +15,7 @@ time>`` after each step, and at the end ``cost <seconds per commit>
 """
 
 import argparse
+import json
 import os
 import signal
 import statistics
@@ -26,6 +29,11 @@ from tfreduce.trainer.models import image_cnn
 from tfreduce.workers import generations
 
 GLOBAL_BATCH = 64
+
+
+def _rank():
+    """This worker's rank in its generation (the launcher's TF_CONFIG, for every loop)."""
+    return json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 
 
 def _batch(step, rank, size):
@@ -52,7 +60,7 @@ class _Clock:
 
     def after(self, step):
         self.steps.append(time.perf_counter() - self.last)
-        if hvd.rank() == 0:
+        if _rank() == 0:
             print(f"step {self.worker.generation} {step} {time.time():.3f}", flush=True)
 
     def timing(self, state):
@@ -127,20 +135,53 @@ def _fit(args, clock, model, optimizer, loss_fn):
     train(state)
 
 
+def _trainer(args, clock, loss_fn):
+    import tfreduce
+
+    # The trainer starts its cluster (cluster="auto") before it makes the model.
+    trainer = tfreduce.ReplicatedTrainer(lambda: image_cnn((28, 28, 1), 10), loss_fn,
+                                         lambda: tf.keras.optimizers.SGD(0.01, momentum=0.9))
+    times = {True: [], False: []}  # commits or not -> seconds of those steps
+
+    def hook(step, phase):
+        if phase == "start":
+            clock.before(step)
+        else:
+            clock.after(step)
+            times[step % args.commit_every == 0].append(clock.steps.pop())
+
+    trainer.fault_hook = hook
+    rng = np.random.default_rng(0)
+    x = rng.random((GLOBAL_BATCH * 10, 28, 28, 1), np.float32)
+    y = rng.integers(0, 10, GLOBAL_BATCH * 10)
+    trainer.fit(x, y, epochs=args.steps // 10, batch_size=GLOBAL_BATCH, shuffle=False,
+                commit_every=args.commit_every, verbose=0)
+    if times[True] and times[False]:
+        clock.commits.append(max(statistics.median(times[True])
+                                 - statistics.median(times[False]), 0.0))
+        clock.steps.extend(times[False])
+
+
+_LOOPS = {"tape": _tape, "fit": _fit}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--loop", choices=("tape", "fit"), default="tape")
+    parser.add_argument("--loop", choices=(*_LOOPS, "trainer"), default="tape")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--kill-step", type=int, default=30)
     parser.add_argument("--commit-every", type=int, default=1)
     args = parser.parse_args(argv)
-    hvd.init()
     clock = _Clock(args, generations.elastic_worker())
-    model = image_cnn((28, 28, 1), 10)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)
-    (_tape if args.loop == "tape" else _fit)(args, clock, model, optimizer, loss_fn)
-    if hvd.rank() == 0 and clock.commits:
+    if args.loop == "trainer":
+        _trainer(args, clock, loss_fn)
+    else:
+        hvd.init()
+        model = image_cnn((28, 28, 1), 10)
+        optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+        _LOOPS[args.loop](args, clock, model, optimizer, loss_fn)
+    if _rank() == 0 and clock.commits:
         print(f"cost {statistics.median(clock.commits):.6f} "
               f"{statistics.median(clock.steps[1:] or clock.steps):.6f}", flush=True)
 

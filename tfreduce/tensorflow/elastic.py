@@ -35,7 +35,6 @@ docs/elastic.rst): the same classes, methods and semantics.
 import copy
 import functools
 import pickle
-import sys
 
 import numpy as np
 import tensorflow as tf
@@ -360,19 +359,11 @@ def run(func):
         except HostsUpdatedInterrupt:
             if worker is None:
                 raise
-            _leave(f"the job's hosts changed at a commit: it re-forms (worker "
-                   f"{worker.worker_id}, generation {worker.generation})")
+            generations.leave(f"the job's hosts changed at a commit: it re-forms (worker "
+                              f"{worker.worker_id}, generation {worker.generation})")
         except (WorkerLostError, tf.errors.UnavailableError, tf.errors.AbortedError) as error:
             if worker is None:
                 raise
-            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            _leave(f"a peer was lost ({type(error).__name__}: {first[:200]}): the job "
-                   f"re-forms from the last commit (worker {worker.worker_id}, generation "
-                   f"{worker.generation})")
+            generations.leave(generations.lost_peer(error, worker))
 
     return wrapper
-
-
-def _leave(why):
-    print(f"tfreduce elastic: {why}", file=sys.stderr, flush=True)
-    raise SystemExit(generations.RESHAPE_CODE)

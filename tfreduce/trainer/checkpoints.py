@@ -83,7 +83,7 @@ class TrainerCheckpoint:
         if self._tower_state is not None:
             self._tower_state.reset()
 
-    def save(self, path):
+    def save(self, path, every_worker=False):
         """Writes checkpoint `ckpt-<n>` under `path` with a fresh n; returns its prefix.
 
         tf.train.CheckpointManager writes the checkpoint's files and only then
@@ -92,10 +92,13 @@ class TrainerCheckpoint:
 
         Args:
           path: str, checkpoint directory (created if missing).
+          every_worker: bool, every worker of a cluster writes (an elastic
+            commit, each to its own path); False: rank 0 only.
 
         Returns:
           str, the prefix written; None on the other workers of a cluster
-          (with ZeRO they take part: their shards are gathered).
+          unless every_worker (with ZeRO they take part: their shards are
+          gathered).
 
         Raises:
           FloatingPointError: a variable the checkpoint holds (model,
@@ -107,7 +110,8 @@ class TrainerCheckpoint:
             self._optimizer_state.gather(self._options.devices, self._options.exact_reduction,
                                          self._options.cluster)
         try:
-            return self._write(path) if self._options.cluster.is_chief else None
+            writes = every_worker or self._options.cluster.is_chief
+            return self._write(path) if writes else None
         finally:
             self._optimizer_state.release()
 

@@ -47,6 +47,8 @@ class FitHooks:
         (towertimes.TowerTimes.medians).
       watchdog: this worker's tfreduce.workers.watchdog.Watchdog, or None (one
         process, or stall_seconds=0).
+      commit: fn(), the elastic commit at each epoch's end (trainer.elastic;
+        nothing outside the elastic launcher).
     """
 
     run_step: Callable
@@ -58,6 +60,7 @@ class FitHooks:
     rank: int
     tower_medians: Callable
     watchdog: object
+    commit: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +188,7 @@ def _fit_epochs(trainer, hooks, run, validation_data, checkpoint_dir, callbacks,
         # kill lands; an epoch recorded but not saved is run and recorded again.
         for callback in callbacks:
             callback(epoch + 1, logs)
+        hooks.commit()
         if checkpoint_dir is not None and stop is None:
             trainer.save(checkpoint_dir)  # on a stop, the interrupt handler saves
         if stop is not None:

@@ -7,6 +7,7 @@ from tfreduce.trainer.inspection import Inspection
 from tfreduce.trainer.loop import FitHooks, evaluate_loop, fit_loop, predict_loop
 from tfreduce.trainer.losses import per_example_loss_fn, takes_class_indices
 from tfreduce.trainer.determinism import check_batch_for_micro_batches
+from tfreduce.trainer.elastic import ElasticFit
 from tfreduce.trainer.options import (StepOptions, check_trainer_options, deterministic_options,
                                       trainer_reduction)
 from tfreduce.trainer.signals import StopRequest
@@ -157,6 +158,9 @@ class ReplicatedTrainer(Inspection):
             accumulate_steps=accumulate_steps, on_nonfinite=on_nonfinite, powersgd=powersgd,
             zero_stage=zero_stage)
         self._options.check()  # devices it cannot use fail here, not at the first step
+        self._elastic = ElasticFit.of_this_process(  # does nothing without the elastic launcher
+            lambda folder: self._checkpoint.save(folder, every_worker=True), self._restore_prefix)
+        self._elastic.check_sizes(self._options, micro_batches)
         self._options = deterministic_options(self._options, micro_batches)
         self._bcast_period = bcast_period
         self.models, self.optimizers = create_replicas(model_fn, optimizer_fn, self.devices,
@@ -211,7 +215,8 @@ class ReplicatedTrainer(Inspection):
             self._options.micro_batches // self._cluster.num_workers or None)
         check_batch_for_micro_batches(int(batch), self._options.micro_batches)
         loss, correct, stops, skipped = self._built_steps(x).train(
-            x, y, batch, self._stop_request.requested)
+            x, y, batch, self._elastic.flag(self._stop_request.requested))
+        stops = self._elastic.after_step(self, stops)  # commits, or leaves to re-form
         self.skipped_steps += int(skipped)
         if self._bcast_period and self.step % self._bcast_period == 0:
             self._steps.broadcast()
@@ -257,7 +262,7 @@ class ReplicatedTrainer(Inspection):
 
     def fit(self, x, y=None, *, sample_weight=None, epochs=1, batch_size=32, shuffle=True,
             seed=0, validation_data=None, logdir=None, checkpoint_dir=None, callbacks=(),
-            verbose=1, profile_steps=None):
+            verbose=1, profile_steps=None, commit_every=None):
         """Trains until `epochs` epochs are done, counting restored ones.
 
         The epoch and batch to start from follow from the step counter, so
@@ -278,6 +283,8 @@ class ReplicatedTrainer(Inspection):
         arguments; batches are global (split over all T = W * K towers), only
         rank 0 writes summaries and checkpoints and shows progress, and a
         successful fit ends with `Cluster.finish()` (waits for every worker).
+        Under the elastic launcher (``--workers MIN:MAX``) fit commits and
+        resumes itself as workers come and go (trainer/elastic.py).
 
         Args:
           x: np.ndarray [examples, ...] of inputs, or any structure of them
@@ -311,6 +318,9 @@ class ReplicatedTrainer(Inspection):
             profile_batch) to run under TF's profiler; writes
             logdir/timeline.json.gz (Chrome trace) and .png (trainer/profiling.py;
             a window the run does not reach: a UserWarning, no timeline).
+          commit_every: None or int N >= 1: under the elastic launcher every
+            worker commits after each N steps (and each epoch: None commits
+            after epochs only); unused without it.
 
         Returns:
           dict of lists, one entry per epoch run by this call: "epoch",
@@ -321,7 +331,8 @@ class ReplicatedTrainer(Inspection):
 
         Raises:
           ValueError: bad arrays or dataset, batch_size smaller than T, an
-            infinite dataset, verbose not 0, 1 or 2, bad profile_steps.
+            infinite dataset, verbose not 0, 1 or 2, bad profile_steps or
+            commit_every (TypeError when not an int).
           KeyboardInterrupt: re-raised after the checkpoint is written.
         """
         hooks = FitHooks(
@@ -331,13 +342,14 @@ class ReplicatedTrainer(Inspection):
             # The graphs once the first batch has built them (a model without an Input).
             graphs=lambda: self._steps.graphs(), rank=self._cluster.rank,
             tower_medians=lambda: self._steps.tower_times.medians(),
-            watchdog=self._cluster.watchdog)
-        return fit_loop(
-            self, hooks, x, y, sample_weight, self._options.total_towers, epochs=epochs,
-            batch_size=batch_size,
-            shuffle=shuffle, seed=seed, validation_data=validation_data, logdir=logdir,
-            checkpoint_dir=checkpoint_dir, callbacks=callbacks, verbose=verbose,
-            profile_steps=profile_steps)
+            watchdog=self._cluster.watchdog,
+            commit=lambda: self._elastic.commit(self))
+        with self._elastic.fitting(self, commit_every):
+            return fit_loop(
+                self, hooks, x, y, sample_weight, self._options.total_towers, epochs=epochs,
+                batch_size=batch_size, shuffle=shuffle, seed=seed,
+                validation_data=validation_data, logdir=logdir, checkpoint_dir=checkpoint_dir,
+                callbacks=callbacks, verbose=verbose, profile_steps=profile_steps)
 
     def evaluate(self, x, y=None, batch_size=256, sample_weight=None):
         """Mean loss and accuracy over a dataset, each batch split across the towers.
@@ -423,7 +435,10 @@ class ReplicatedTrainer(Inspection):
             does not match this trainer's model.
         """
         # The other ranks ("") receive rank 0's values with the broadcast.
-        prefix = find_prefix(path) if self.is_chief else ""
+        return self._restore_prefix(find_prefix(path) if self.is_chief else "")
+
+    def _restore_prefix(self, prefix):
+        """restore of checkpoint `prefix` on rank 0 ("" on the others, and on rank 0 for none)."""
         if self._steps is None:
             # The counters now, for fit; the rest once a batch builds the models.
             read_counters(prefix, self._step, self._epoch_totals, self._cluster)

@@ -30,6 +30,9 @@ started with). This launcher starts workers on this machine only: a
 discovery line for another host is named and skipped (on several machines,
 start one job per machine's slots or use a scheduler's launcher).
 
+``--worker-counts 1,2,4`` limits the sizes the job forms (deterministic=True
+runs on T = M, M/2, ... towers): slots beyond the size wait as spares.
+
 Below MIN workers the job waits for slots, saying so, for at most
 ``--elastic-timeout`` seconds, then ends, naming the directory that keeps
 the last commits.
@@ -47,7 +50,7 @@ from tfreduce.basis.ports import free_ports
 from tfreduce.workers import generations
 from tfreduce.workers.watchdog import EXIT_CODE
 
-__all__ = ["add_arguments", "check_arguments", "run", "worker_counts"]
+__all__ = ["add_arguments", "check_arguments", "run", "size_list", "worker_counts"]
 
 # Seconds between two runs of the discovery script.
 DISCOVERY_EVERY = 3.0
@@ -67,6 +70,18 @@ def worker_counts(text):
         return int(text)
     low, _, high = text.partition(":")
     return int(low), int(high)
+
+
+def size_list(text):
+    """--worker-counts' value: "1,2,4" -> (1, 2, 4), ascending, each >= 1.
+
+    Raises:
+      ValueError: not a comma-separated list of positive ints.
+    """
+    sizes = sorted({int(n) for n in text.split(",")})
+    if not sizes or sizes[0] < 1:
+        raise ValueError(text)
+    return tuple(sizes)
 
 
 def add_arguments(parser):
@@ -89,6 +104,9 @@ def add_arguments(parser):
                         help="elastic: how long a slot whose worker failed sits out")
     parser.add_argument("--blacklist-after", type=int, default=3, metavar="N",
                         help="elastic: a slot whose workers failed N times is left out")
+    parser.add_argument("--worker-counts", type=size_list, default=None, metavar="N,N,...",
+                        help="elastic: the only sizes the job forms (e.g. 1,2,4 for "
+                             "deterministic=True); the slots beyond wait as spares")
 
 
 def check_arguments(parser, args):
@@ -111,6 +129,12 @@ def check_arguments(parser, args):
         parser.error(f"--discovery-interval must be > 0 seconds, got {args.discovery_interval}")
     if args.elastic and args.blacklist_after < 1:
         parser.error(f"--blacklist-after must be >= 1, got {args.blacklist_after}")
+    if args.worker_counts is not None:
+        if not args.elastic:
+            parser.error("--worker-counts is for an elastic job (--workers MIN:MAX)")
+        if not any(low <= n <= high for n in args.worker_counts):
+            parser.error(f"--worker-counts {','.join(map(str, args.worker_counts))} has no size "
+                         f"between MIN={low} and MAX={high}")
     args.workers, args.min_workers = high, low
 
 
@@ -156,6 +180,21 @@ class _Job:
         self.updates = 0  # host updates written
         self.announced = set()  # slots a host update announced (added or removed)
         self.hosts = set()  # the hosts of the last discovery
+        self.spares = []  # usable slots the sizes leave unused this generation
+        self.available = 0  # usable slots at the last fill
+
+    def ready(self):
+        """True when the members are a size the job may form."""
+        return len(self.members) in self.sizes()
+
+    def sizes(self):
+        """The sizes the job may form, ascending (--worker-counts within MIN..MAX)."""
+        counts = self.args.worker_counts or range(1, self.args.workers + 1)
+        return [n for n in counts if self.args.min_workers <= n <= self.args.workers]
+
+    def size_for(self, available):
+        """The largest size the job may form from `available` workers (0: none)."""
+        return max([n for n in self.sizes() if n <= available], default=0)
 
     def usable(self, slots):
         now = time.monotonic()
@@ -170,12 +209,20 @@ class _Job:
         self.announced = set()
         self.members = [m for m in self.members if m[1] in slots]
         taken = {m[1] for m in self.members}
-        for slot in slots:
-            if len(self.members) >= self.args.workers:
+        free = [s for s in slots if s not in taken]
+        self.available = len(self.members) + len(free)
+        size = self.size_for(self.available)
+        if size:
+            # A size below the survivors': the youngest wait as spares. No
+            # size at all: the survivors keep their age while the job waits.
+            self.members = self.members[:size]
+        for slot in free:
+            if len(self.members) >= size:
                 break
-            if slot not in taken:
-                self.members.append([self.next_id, slot, len(self.members)])
-                self.next_id += 1
+            self.members.append([self.next_id, slot, len(self.members)])
+            self.next_id += 1
+        taken = {m[1] for m in self.members}
+        self.spares = [s for s in slots if s not in taken] if self.args.worker_counts else []
 
     def lose(self, index, how):
         """Member `index` failed: it leaves, and its host rests (Horovod's rule), or its slot
@@ -238,10 +285,9 @@ def run(args, interrupted, log, run_start, start, stop_request, agent):
 
 def _wait_for_minimum(job, slots, args, log, stop_request):
     """None once the job has MIN members; else waits (bounded) and returns an exit code."""
-    if len(job.members) >= args.min_workers:
+    if job.ready():
         return None
-    log(f"{len(job.members)} worker{'s' if len(job.members) != 1 else ''} available, fewer than "
-        f"the minimum {args.min_workers}: waiting up to {args.elastic_timeout:g}s for slots")
+    log(f"{_short(job)}: waiting up to {args.elastic_timeout:g}s for slots")
     deadline = time.monotonic() + args.elastic_timeout
     while time.monotonic() < deadline:
         stop = stop_request()
@@ -250,11 +296,18 @@ def _wait_for_minimum(job, slots, args, log, stop_request):
             return stop[0]
         time.sleep(min(args.discovery_interval, max(0.0, deadline - time.monotonic())))
         job.fill(slots.current())
-        if len(job.members) >= args.min_workers:
+        if job.ready():
             return None
-    log(f"still {len(job.members)} worker{'s' if len(job.members) != 1 else ''} after "
-        f"{args.elastic_timeout:g}s, fewer than the minimum {args.min_workers}: the job ends")
+    log(f"still {_short(job, f' after {args.elastic_timeout:g}s')}: the job ends")
     return 1
+
+
+def _short(job, after=" available"):
+    """Why the job cannot form: "1 worker available, fewer than the minimum 2"."""
+    count = f"{job.available} worker{'s' if job.available != 1 else ''}{after}"
+    if job.available >= job.args.min_workers:
+        return f"{count}, none of --worker-counts {','.join(map(str, job.sizes()))} within them"
+    return f"{count}, fewer than the minimum {job.args.min_workers}"
 
 
 def _start(job, generation, directory, start, log):
@@ -264,49 +317,75 @@ def _start(job, generation, directory, start, log):
     # Horovod's HOROVOD_HOSTNAME and HOROVOD_RANK (the rank a worker started with).
     environments = [{generations.DIR_ENV: directory, generations.ID_ENV: str(worker_id),
                      generations.GENERATION_ENV: str(generation),
-                     generations.UPDATES_ENV: str(job.updates), "HOROVOD_HOSTNAME": _host(slot),
+                     generations.UPDATES_ENV: str(job.updates),
+                     generations.COUNTS_ENV: ",".join(map(str, job.sizes())),
+                     "HOROVOD_HOSTNAME": _host(slot),
                      "HOROVOD_RANK": str(first_rank)}
                     for worker_id, slot, first_rank in job.members]
     ids = ", ".join(f"{worker_id} ({slot})" for worker_id, slot, _ in job.members)
     plural = "s" if len(job.members) > 1 else ""
     log(f"generation {generation}: {len(job.members)} worker{plural}, ids {ids}, at "
         f"{', '.join(addresses)}")
+    if job.spares:
+        log(f"slot{'s' if len(job.spares) > 1 else ''} {', '.join(job.spares)} "
+            f"{'wait as spares' if len(job.spares) > 1 else 'waits as a spare'}: the job "
+            f"forms only --worker-counts {','.join(map(str, job.sizes()))}")
     return start(generation, addresses, environments)
 
 
 def _supervise(job, workers, slots, directory, log, stop_request, interrupted, agent):
     """Waits for one generation. Returns ("done", 0), ("stop", code) or ("reform", None)."""
+    outcome = ("stop", 1)
+    try:
+        outcome = _watch(job, workers, slots, directory, log, stop_request, interrupted, agent)
+        return outcome
+    finally:
+        if outcome[0] == "reform":  # the survivors' commits are whole on disk, and one may
+            workers.signal_all(signal.SIGKILL)  # wait in a collective with the lost: no grace
+        workers.stop(0.0)
+
+
+def _watch(job, workers, slots, directory, log, stop_request, interrupted, agent):
+    """_supervise's loop, until the generation is done, stopped or re-forms."""
     args = job.args
     next_discovery = time.monotonic() + args.discovery_interval
     leaving = None  # when the first worker left to re-form
-    try:
-        while True:
-            lost = _lost(job, workers, agent)
-            if lost:
-                for index, how in _settled(job, workers, agent, lost):
-                    log(f"worker {job.members[index][0]} (rank {index}) {how}: the job "
-                        "re-forms from the last commit")
-                    job.lose(index, how)
-                return "reform", None
+    while True:
+        lost = _lost(job, workers, agent)
+        fatal = generations.read_fatal(directory) if lost else None
+        if fatal:
+            log(f"{fatal}: the job cannot go on at any size; it ends")
+            return "stop", 1
+        if lost:
+            settled = _settled(job, workers, agent, lost)
             codes = [p.poll() for p in workers.procs]
-            if all(c is not None for c in codes):
-                return ("reform", None) if generations.RESHAPE_CODE in codes else ("done", 0)
-            if generations.RESHAPE_CODE in codes:
-                leaving = leaving or time.monotonic()
-                if time.monotonic() - leaving > args.grace:
-                    return "reform", None
-            stop = stop_request()
-            if stop:
-                log(f"{stop[1]}: stopping every worker")
-                if interrupted:
-                    workers.signal_all(interrupted[0])
-                return "stop", stop[0]
-            if time.monotonic() >= next_discovery:
-                next_discovery = time.monotonic() + args.discovery_interval
-                _discover(job, slots.current(), directory, log)
-            time.sleep(_POLL_SECONDS)
-    finally:
-        workers.stop(0.0)
+            if all(c is not None and c > 0 and c != generations.RESHAPE_CODE for c in codes):
+                # Horovod's rule: the script fails wherever it runs.
+                log(f"every worker failed (exit codes {', '.join(map(str, codes))}): the job "
+                    "ends")
+                return "stop", codes[0]
+            for index, how in settled:
+                log(f"worker {job.members[index][0]} (rank {index}) {how}: the job "
+                    "re-forms from the last commit")
+                job.lose(index, how)
+            return "reform", None
+        codes = [p.poll() for p in workers.procs]
+        if all(c is not None for c in codes):
+            return ("reform", None) if generations.RESHAPE_CODE in codes else ("done", 0)
+        if generations.RESHAPE_CODE in codes:
+            leaving = leaving or time.monotonic()
+            if time.monotonic() - leaving > args.grace:
+                return "reform", None
+        stop = stop_request()
+        if stop:
+            log(f"{stop[1]}: stopping every worker")
+            if interrupted:
+                workers.signal_all(interrupted[0])
+            return "stop", stop[0]
+        if time.monotonic() >= next_discovery:
+            next_discovery = time.monotonic() + args.discovery_interval
+            _discover(job, slots.current(), directory, log)
+        time.sleep(_POLL_SECONDS)
 
 
 def _lost(job, workers, agent):
@@ -352,10 +431,11 @@ def _discover(job, slots, directory, log):
     the workers re-form at their next commit, without the dropped ones (as Horovod)."""
     taken = {m[1] for m in job.members}
     gone = [m for m in job.members if m[1] not in slots and m[1] not in job.announced]
-    room = job.args.workers - len(job.members) - len(
-        [s for s in job.announced if s not in taken])
+    staying = len([m for m in job.members if m[1] in slots])
+    pending = len([s for s in job.announced if s not in taken])
     new = [s for s in job.usable(slots) if s not in taken and s not in job.announced]
-    new = new[:max(room + len(gone), 0)]
+    # As many as make the next size the job may form (all, up to MAX, by default).
+    new = new[:max(job.size_for(staying + pending + len(new)) - staying - pending, 0)]
     if not new and not gone:
         return
     job.updates += 1

@@ -24,15 +24,23 @@ all-reduce), so all of them see the update at the same commit and leave
 with ``RESHAPE_CODE``, which asks the launcher to start the next
 generation.
 
+Sizes: the launcher tells each worker the sizes the job may form
+(``TFREDUCE_WORKER_COUNTS``), so a script that can run at some sizes only
+(``ReplicatedTrainer(deterministic=True)``) finds out at the start. A
+worker that finds the job cannot go on at any size writes why to the
+directory (``give_up``) before it fails; the launcher then ends the job
+with that message instead of re-forming it.
+
 Standard library only (the launcher imports it).
 """
 
 import os
+import sys
 import tempfile
 
-__all__ = ["DIR_ENV", "GENERATION_ENV", "ID_ENV", "RESHAPE_CODE", "UPDATES_ENV", "ElasticWorker",
-           "elastic_worker", "hosts_updates", "make_directory", "read_commit", "write_commit",
-           "write_hosts_updates"]
+__all__ = ["COUNTS_ENV", "DIR_ENV", "GENERATION_ENV", "ID_ENV", "RESHAPE_CODE", "UPDATES_ENV",
+           "ElasticWorker", "elastic_worker", "hosts_updates", "leave", "lost_peer", "make_directory",
+           "read_commit", "read_fatal", "write_commit", "write_fatal", "write_hosts_updates"]
 
 #: The directory of the job's commits and host updates.
 DIR_ENV = "TFREDUCE_ELASTIC_DIR"
@@ -42,10 +50,13 @@ ID_ENV = "TFREDUCE_WORKER_ID"
 GENERATION_ENV = "TFREDUCE_GENERATION"
 #: The count of host updates when this generation started (updates after it re-form it).
 UPDATES_ENV = "TFREDUCE_HOSTS_UPDATES"
+#: The sizes (worker counts) the job may form, comma-separated ("2,3,4").
+COUNTS_ENV = "TFREDUCE_WORKER_COUNTS"
 #: The exit code of a worker that leaves so the job re-forms (its commit is written).
 RESHAPE_CODE = 76
 
 _HOSTS_FILE = "hosts-updated"
+_FATAL_FILE = "fatal"
 
 
 class ElasticWorker:
@@ -57,11 +68,13 @@ class ElasticWorker:
       generation: int, 0 at the first start.
       updates_at_start: int, the host updates the launcher had written when
         this generation started: a count above it is an update for this one.
+      sizes: tuple of ints, the worker counts the job may form (ascending),
+        or None when the launcher did not say.
     """
 
-    def __init__(self, directory, worker_id, generation, updates_at_start=0):
+    def __init__(self, directory, worker_id, generation, updates_at_start=0, sizes=None):
         self.directory, self.worker_id, self.generation = directory, worker_id, generation
-        self.updates_at_start = updates_at_start
+        self.updates_at_start, self.sizes = updates_at_start, sizes
 
     def read_commit(self):
         """This worker's last commit (bytes), or None when it has none."""
@@ -75,6 +88,10 @@ class ElasticWorker:
         """The launcher's count of host updates so far (int)."""
         return hosts_updates(self.directory)
 
+    def give_up(self, message):
+        """Tells the launcher the job cannot go on at any size (str `message`, why)."""
+        write_fatal(self.directory, f"worker {self.worker_id}: {message}")
+
 
 def elastic_worker(environ=None):
     """This process's ElasticWorker when an elastic launcher started it, else None.
@@ -87,8 +104,10 @@ def elastic_worker(environ=None):
     if not directory:
         return None
     try:
+        sizes = environ.get(COUNTS_ENV)
+        sizes = tuple(int(n) for n in sizes.split(",")) if sizes else None
         return ElasticWorker(directory, int(environ[ID_ENV]), int(environ[GENERATION_ENV]),
-                             int(environ.get(UPDATES_ENV, 0)))
+                             int(environ.get(UPDATES_ENV, 0)), sizes)
     except (KeyError, ValueError) as error:
         raise ValueError(f"{DIR_ENV} is set, but {ID_ENV}={environ.get(ID_ENV)!r} and "
                          f"{GENERATION_ENV}={environ.get(GENERATION_ENV)!r} must be ints: "
@@ -139,3 +158,34 @@ def hosts_updates(directory):
             return int(f.read() or 0)
     except FileNotFoundError:
         return 0
+
+
+def write_fatal(directory, message):
+    """Says why the job cannot go on (str), for the launcher to end it with."""
+    path = os.path.join(directory, _FATAL_FILE)
+    with open(f"{path}.partial", "w") as f:
+        f.write(message)
+    os.replace(f"{path}.partial", path)
+
+
+def read_fatal(directory):
+    """The message a worker gave up with (``write_fatal``), or None."""
+    try:
+        with open(os.path.join(directory, _FATAL_FILE)) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def lost_peer(error, worker):
+    """Why a worker leaves after exception `error` of a lost peer (one line, str)."""
+    text = str(error).strip()
+    first = text.splitlines()[0][:200] if text else ""
+    return (f"a peer was lost ({type(error).__name__}: {first}): the job re-forms from the last "
+            f"commit (worker {worker.worker_id}, generation {worker.generation})")
+
+
+def leave(why):
+    """Ends this worker with RESHAPE_CODE, saying `why` on stderr: the job re-forms."""
+    print(f"tfreduce elastic: {why}", file=sys.stderr, flush=True)
+    raise SystemExit(RESHAPE_CODE)
