@@ -28,10 +28,10 @@ from tfreduce.workers.elastic_launch import _Slots
 WORKER = Path(__file__).parent / "workers" / "elastic_worker.py"
 
 
-def run_job(launcher, worker_args=(), timeout=200):
-    """The elastic worker under the launcher with `launcher`'s options: (code, stdout, stderr)."""
+def run_job(launcher, worker_args=(), timeout=200, worker=WORKER):
+    """`worker` under the launcher with `launcher`'s options: (code, stdout, stderr)."""
     command = [sys.executable, "-m", "tfreduce.launch", *launcher, "--timeout", str(timeout),
-               "--preload", "tensorflow", "--", sys.executable, str(WORKER),
+               "--preload", "tensorflow", "--", sys.executable, str(worker),
                *[str(a) for a in worker_args]]
     done = zygote.run(command, timeout=timeout + 30, cwd=Path(__file__).parent.parent)
     return done.returncode, done.stdout, done.stderr

@@ -11,7 +11,6 @@ launcher gives its workers.
 
 import json
 import re
-import stat
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import keras
 import numpy as np
 import pytest
 
+import test_elastic
 import tfreduce
 import zygote
 from tfreduce import launch
@@ -29,13 +29,9 @@ WORKER = Path(__file__).parent / "workers" / "elastic_trainer_worker.py"
 ELASTIC = ["--workers", "2:4", "--worker-counts", "1,2,4"]
 
 
-def run_job(launcher, worker_args=(), timeout=200):
+def run_job(launcher, worker_args=()):
     """The worker under the launcher with `launcher`'s options: (code, stdout, stderr)."""
-    command = [sys.executable, "-m", "tfreduce.launch", *launcher, "--timeout", str(timeout),
-               "--preload", "tensorflow", "--", sys.executable, str(WORKER),
-               *[str(a) for a in worker_args]]
-    done = zygote.run(command, timeout=timeout + 30, cwd=Path(__file__).parent.parent)
-    return done.returncode, done.stdout, done.stderr
+    return test_elastic.run_job(launcher, worker_args, worker=WORKER)
 
 
 def result(out):
@@ -74,11 +70,7 @@ def test_a_deterministic_fit_that_loses_a_worker_ends_on_the_bits_of_the_uninter
 
 @pytest.mark.slow
 def test_a_deterministic_fit_that_gains_workers_ends_on_the_same_bits(tmp_path, uninterrupted):
-    hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.1:3\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    hosts, script = test_elastic.discovery(tmp_path, "127.0.0.1:3\n")
     code, out, err = run_job(
         ELASTIC + ["--host-discovery-script", str(script), "--discovery-interval", "0.5"],
         ["--grow-file", hosts, "--grow-step", "10", "--hosts-text", "127.0.0.1:4",
@@ -165,20 +157,31 @@ def trainer():
         lambda: keras.optimizers.SGD(0.05, momentum=0.5), devices=["/cpu:0"], cluster=None)
 
 
+def assert_same_weights(a, b):
+    for got, want in zip(a.models[0].get_weights(), b.models[0].get_weights(), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def as_worker(monkeypatch, directory, worker_id, generation):
     monkeypatch.setenv(generations.DIR_ENV, str(directory))
     monkeypatch.setenv(generations.ID_ENV, str(worker_id))
     monkeypatch.setenv(generations.GENERATION_ENV, str(generation))
 
 
-def test_a_re_formed_generation_resumes_from_the_newest_commit_of_any_worker(
-        tmp_path, monkeypatch, capsys):
+def uninterrupted_and_committed(tmp_path, monkeypatch):
+    """A trainer after 3 epochs uninterrupted; worker 0 of generation 0 commits 2 epochs."""
     x, y = data()
     alone = trainer()
     alone.fit(x, y, epochs=3, batch_size=8, verbose=0)
     as_worker(monkeypatch, tmp_path, 0, 0)
-    first = trainer()
-    first.fit(x, y, epochs=2, batch_size=8, verbose=0, commit_every=4)
+    trainer().fit(x, y, epochs=2, batch_size=8, verbose=0, commit_every=4)
+    return alone
+
+
+def test_a_re_formed_generation_resumes_from_the_newest_commit_of_any_worker(
+        tmp_path, monkeypatch, capsys):
+    x, y = data()
+    alone = uninterrupted_and_committed(tmp_path, monkeypatch)
     # Commits after steps 4, 6 (an epoch), 8 and 12 (an epoch too, one commit): 3 kept.
     assert sorted(p.name for p in (tmp_path / "trainer-0").glob("*.index")) == [
         "ckpt-2.index", "ckpt-3.index", "ckpt-4.index"]
@@ -188,8 +191,7 @@ def test_a_re_formed_generation_resumes_from_the_newest_commit_of_any_worker(
     second.fit(x, y, epochs=3, batch_size=8, verbose=0, commit_every=4)
     assert "generation 1 resumes at step 12 from " in capsys.readouterr().err
     assert second.step == 18
-    for got, want in zip(second.models[0].get_weights(), alone.models[0].get_weights()):
-        np.testing.assert_array_equal(got, want)
+    assert_same_weights(second, alone)
 
 
 def test_a_host_update_commits_the_step_and_leaves_to_re_form(tmp_path, monkeypatch, capsys):
@@ -217,3 +219,19 @@ def test_without_the_elastic_launcher_commit_every_is_checked_and_unused(tmp_pat
         t.fit(x, y, epochs=1, batch_size=8, verbose=0, commit_every=2.0)
     t.fit(x, y, epochs=1, batch_size=8, verbose=0, commit_every=2)
     assert t.step == 6 and list(tmp_path.iterdir()) == []
+
+
+def test_a_commit_cut_short_by_a_kill_is_passed_over_for_the_one_before(
+        tmp_path, monkeypatch, capsys):
+    x, y = data()
+    alone = uninterrupted_and_committed(tmp_path, monkeypatch)
+    # Worker 0 was killed while it wrote its commit of step 12: a truncated file.
+    data_file = next((tmp_path / "trainer-0").glob("ckpt-4.data-*"))
+    data_file.write_bytes(data_file.read_bytes()[:10])
+    as_worker(monkeypatch, tmp_path, 1, 1)
+    second = trainer()
+    second.fit(x, y, epochs=3, batch_size=8, verbose=0, commit_every=4)
+    err = capsys.readouterr().err
+    assert re.search(r"trainer-0/ckpt-4 is damaged \(.+\); using \S+trainer-0/ckpt-3", err)
+    assert "generation 1 resumes at step 8 from " in err
+    assert_same_weights(second, alone)
