@@ -160,6 +160,27 @@ def test_multiworker_mode_two_workers_through_the_launcher(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_crossprocess_mode_times_every_contender_in_the_same_processes(tmp_path, capsys):
+    from tfreduce.bench import crossprocess_mode
+
+    result = run(tmp_path, "--mode", "crossprocess", "--sizes", "4KiB,64KiB", "--steps", "2",
+                 "--warmup", "0")
+    mpirun, why = crossprocess_mode._mpirun()
+    names = ["tfreduce traced", "tfreduce eager", "TF CollectiveReduceV2"]
+    assert list(result["median_ms"]) == names + (["MPI (mpi4py)"] if mpirun else [])
+    assert result["left_out"] == ({} if mpirun else {"MPI (mpi4py)": why})
+    assert result["config"] == {"workers": 2, "sizes": [4096, 65536], "rounds": 2,
+                                "launcher": "mpirun" if mpirun else "tfreduce.launch"}
+    for name, by in result["median_ms"].items():
+        assert all(by[size] > 0 and len(result["times_ms"][name][size]) == 2
+                   for size in ("4096", "65536")), name
+    out = capsys.readouterr().out
+    assert "float32 all-reduce across 2 processes on 127.0.0.1" in out
+    assert re.search(r"eager / traced +\d+\.\d\d +\d+\.\d\d", out)
+    assert re.search(r"traced / TF's op +\d+\.\d\d +\d+\.\d\d", out)
+
+
+@pytest.mark.slow
 def test_allreduce_mode_predicts_on_presets_and_the_host(tmp_path, capsys):
     result = run(tmp_path, "--model", "synthetic", "--num-tensors", "4", "--total-bytes",
                  "16KB", "--devices", "2", "--steps", "2", "--warmup", "1",

@@ -20,7 +20,8 @@ from tfreduce.bench.workloads import keras_application
 __all__ = ["MODES", "main", "parse_args"]
 
 #: ``--mode`` values; mode M runs ``tfreduce.bench.M_mode`` (run, print_result).
-MODES = ("allreduce", "train", "scaling", "soak", "multiworker", "collective", "faults")
+MODES = ("allreduce", "train", "scaling", "soak", "multiworker", "collective", "faults",
+         "crossprocess")
 
 
 def _parse_list(text, convert, what):
@@ -66,7 +67,9 @@ def parse_args(argv):
                              "processes on 127.0.0.1 through the launcher, the per-tensor "
                              "collective against tfreduce, fp16 and PowerSGD; collective: "
                              "the --collective list against tf.distribute and plain ops; "
-                             "faults: --runs fault drills of 2 workers (--fault)")
+                             "faults: --runs fault drills of 2 workers (--fault); "
+                             "crossprocess: one all-reduce across --workers processes, "
+                             "tfreduce traced and eager, TF's op and MPI, per --sizes")
     parser.add_argument("--collective", default=None, metavar="NAME[,NAME]",
                         type=lambda s: _parse_list(s, str, "--collective"),
                         help=f"collective mode (implied): any of {','.join(COLLECTIVES)}; "
@@ -75,8 +78,12 @@ def parse_args(argv):
                         help="number of devices (towers); default 8, multiworker mode 2 "
                              "per worker")
     parser.add_argument("--workers", type=_positive_int, default=2, metavar="W",
-                        help="multiworker mode: worker processes on 127.0.0.1; default "
-                             "%(default)s")
+                        help="multiworker and crossprocess modes: processes on 127.0.0.1; "
+                             "default %(default)s")
+    parser.add_argument("--sizes", default=None, metavar="BYTES[,BYTES]",
+                        type=lambda s: _parse_list(s, parse_bytes, "--sizes"),
+                        help="crossprocess mode: the all-reduce sizes; default "
+                             "4KiB,256KiB,4MiB,32MiB")
     parser.add_argument("--powersgd-rank", type=_positive_int, default=4, metavar="R",
                         help="multiworker mode: rank of the PowerSGD contender; default "
                              "%(default)s")
