@@ -237,11 +237,21 @@ def test_a_second_failure_during_the_recovery_is_one_more_re_forming():
 
 @pytest.mark.slow
 def test_a_stopped_elastic_job_says_where_its_commits_are():
+    commit_then_wait = ("import os, time; from tfreduce.workers import generations as g; "
+                        "g.write_commit(os.environ[g.DIR_ENV], int(os.environ[g.ID_ENV]), b'x'); "
+                        "time.sleep(60)")
+    done = subprocess.run([sys.executable, "-m", "tfreduce.launch", "--workers", "1:2",
+                           "--timeout", "3", "--", sys.executable, "-c", commit_then_wait],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 124, done.stderr
+    assert "[launch] --timeout 3s reached: stopping every worker" in done.stderr
+    kept = re.search(r"\[launch\] the last commits are kept in (\S+tfreduce-elastic-\S+)",
+                     done.stderr)
+    assert kept, done.stderr
+    assert sorted(os.listdir(kept.group(1))) == ["worker-0.commit", "worker-1.commit"]
+    # Stopped before any commit: nothing is kept, and the directory is gone.
     done = subprocess.run([sys.executable, "-m", "tfreduce.launch", "--workers", "1:2",
                            "--timeout", "1", "--", sys.executable, "-c",
                            "import time; time.sleep(60)"],
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 124, done.stderr
-    assert "[launch] --timeout 1s reached: stopping every worker" in done.stderr
-    assert re.search(r"\[launch\] the last commits are kept in \S+tfreduce-elastic-",
-                     done.stderr), done.stderr
+    assert done.returncode == 124 and "kept in" not in done.stderr, done.stderr

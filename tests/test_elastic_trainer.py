@@ -95,6 +95,7 @@ def test_sizes_a_deterministic_fit_cannot_run_at_end_the_job_with_the_fix():
             "job may form 3 worker(s) of 1 tower(s): start it with tfreduce-launch "
             "--worker-counts 1,2: the job cannot go on at any size; it ends") in err
     assert "generation 1" not in err
+    assert "kept in" not in err  # no commit was made: the job's directory is removed
 
 
 def test_a_job_whose_every_worker_fails_ends_at_once():
@@ -103,7 +104,7 @@ def test_a_job_whose_every_worker_fails_ends_at_once():
          sys.executable, "-c", "import sys; sys.exit(3)"], timeout=90)
     assert done.returncode == 3
     assert "[launch] every worker failed (exit codes 3, 3, 3): the job ends" in done.stderr
-    assert "generation 1" not in done.stderr
+    assert "generation 1" not in done.stderr and "kept in" not in done.stderr
 
 
 def job(argv):

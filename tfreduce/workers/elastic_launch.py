@@ -40,6 +40,7 @@ the last commits.
 Standard library only, like the launcher.
 """
 
+import os
 import shutil
 import signal
 import time
@@ -157,7 +158,7 @@ def run(args, interrupted, log, run_start, start, stop_request, agent):
         job.fill(slots.current())
         code = _wait_for_minimum(job, slots, args, log, stop_request)
         if code is not None:
-            log(f"the last commits are kept in {directory}")
+            _keep(directory, log)
             return code
         workers = _start(job, generation, directory, start, log)
         outcome, code = _supervise(job, workers, slots, directory, log, stop_request,
@@ -168,13 +169,22 @@ def run(args, interrupted, log, run_start, start, stop_request, agent):
                 f"({generation} re-forming{'s' if generation != 1 else ''})")
             return 0
         if outcome == "stop":
-            log(f"the last commits are kept in {directory}")
+            _keep(directory, log)
             return code
         generation += 1
         if args.reset_limit is not None and generation > args.reset_limit:
             log(f"--reset-limit {args.reset_limit} reached: the job would re-form once more; it "
                 f"ends, and the last commits are kept in {directory}")
             return 1
+
+
+def _keep(directory, log):
+    """A job that ends unfinished: says where its commits are kept, or removes a directory
+    that holds none (the job ended before any commit)."""
+    if any(name.startswith(("worker-", "trainer-")) for name in os.listdir(directory)):
+        log(f"the last commits are kept in {directory}")
+    else:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _wait_for_minimum(job, slots, args, log, stop_request):
