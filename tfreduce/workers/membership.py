@@ -75,13 +75,15 @@ class Job:
         return max([n for n in self.sizes() if n <= available], default=0)
 
     def usable(self, slots):
+        """The slots of `slots` neither left out nor resting."""
         now = time.monotonic()
         return [s for s in slots if self.failures.get(s, 0) < self.args.blacklist_after
                 and self.resting.get(s, 0.0) <= now
                 and self.resting.get(host(s), 0.0) <= now]
 
     def fill(self, slots):
-        """Drops members whose slot is gone; adds members for free slots up to MAX."""
+        """Drops members whose slot is gone; adds members for free slots up to the largest
+        size the job may form (``size_for``); the usable slots left over are spares."""
         self.hosts = {host(s) for s in slots}
         slots = self.usable(slots)
         self.announced = set()
@@ -117,4 +119,5 @@ class Job:
 
 
 def host(slot):
+    """The host of a slot "host:n"."""
     return slot.rpartition(":")[0]
