@@ -29,5 +29,8 @@ setup(
         # Keras 2 (tf_keras), for models and optimizers of it (docs/training.md).
         "keras2": ["tf-keras"],
         "examples": ["scikit-learn", "mlxtend", "matplotlib"],
+        # mpirun's processes find each other over MPI (needs an MPI, e.g.
+        # Debian's openmpi-bin and libopenmpi-dev, to build).
+        "mpi": ["mpi4py"],
     },
 )

@@ -27,7 +27,7 @@ LAYERS = {
     "primitives": 4, "collective": 4, "traffic": 4, "stage": 4, "timeline": 4,
     "frame": 5, "replicated": 5, "hierarchical": 5, "ring": 5, "nccl_ops": 5, "tree": 5,
     "registry": 5, "costmodel": 5, "profiler": 5, "hostprobe": 5, "planner": 5, "powersgd": 5,
-    "failures": 5, "cluster": 5, "localcluster": 5, "crossworker": 5, "consistency": 5,
+    "failures": 5, "cluster": 5, "localcluster": 5, "environment": 5, "crossworker": 5, "consistency": 5,
     "rounds": 5,
     "reduction": 6, "collective_build": 6,
     "allreduce": 7, "multiworker": 7, "collectives": 7, "stepmodel": 7,
@@ -41,7 +41,8 @@ LAYERS = {
 # stage; the cluster uses the failure probes and counts its rounds; the watchdog, its
 # heartbeats, the launcher's agent, the straggler rule and this process's
 # progress, which keeps the straggler rule's window of step times;
-# the cross-worker stage sums in the deterministic tree.
+# the cross-worker stage sums in the deterministic tree; an mpirun's TF_CONFIG
+# takes free ports; the environment's cluster is a Cluster.
 SAME_LAYER = {
     ("stage", "primitives"), ("shards", "contract"),
     ("cluster", "failures"), ("cluster", "rounds"), ("costmodel", "hostprobe"),
@@ -50,6 +51,7 @@ SAME_LAYER = {
     ("watchdog", "stragglers"), ("watchdog", "progress"), ("progress", "stragglers"),
     ("watchdog", "heartbeats"), ("watchdog", "agent"),
     ("launch", "preload"), ("choices", "collective_rules"), ("crossworker", "tree"),
+    ("tf_config", "ports"), ("environment", "cluster"),
 }
 
 

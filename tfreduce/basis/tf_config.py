@@ -10,7 +10,8 @@ process's task::
 This module parses and checks it (``parse_tf_config``), writes it
 (``worker_tf_config``, what the launcher gives each worker) and derives it
 from a SLURM job step's variables (``slurm_tf_config``, as TF's
-SlurmClusterResolver does). It uses the standard library only, so that
+SlurmClusterResolver does) or from the processes ``mpirun`` started
+(``mpirun_tf_config``). It uses the standard library only, so that
 ``python -m tfreduce.launch`` starts without importing TensorFlow.
 """
 
@@ -19,9 +20,11 @@ import os
 import re
 import socket
 
+from tfreduce.basis.ports import free_ports
+
 __all__ = ["JOBS", "parse_address", "check_cluster_spec", "parse_tf_config",
            "worker_tf_config", "check_port", "slurm_tf_config", "expand_hostlist",
-           "expand_tasks_per_node", "SLURM_PORT_BASE"]
+           "expand_tasks_per_node", "SLURM_PORT_BASE", "mpirun_size", "mpirun_tf_config"]
 
 #: The port of a node's first task under SLURM; its task i listens on base + i.
 SLURM_PORT_BASE = 8888
@@ -306,3 +309,49 @@ def slurm_tf_config(environ=None, port_base=SLURM_PORT_BASE):
     workers = [f"{host}:{port_base + i}" for host, count in zip(nodes, tasks)
                for i in range(count)]
     return {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
+
+
+def mpirun_size(environ=None):
+    """The number of processes ``mpirun`` started with this one, or None outside mpirun.
+
+    Reads Open MPI's OMPI_COMM_WORLD_SIZE, or PMI_SIZE (MPICH, Intel MPI).
+
+    Raises:
+      ValueError: the variable is not an int.
+    """
+    environ = os.environ if environ is None else environ
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if environ.get(name):
+            try:
+                return int(environ[name])
+            except ValueError:
+                raise ValueError(f"{name}={environ[name]!r} is not a number of "
+                                 "processes") from None
+    return None
+
+
+def mpirun_tf_config(comm):
+    """The TF_CONFIG of this process among those of an MPI communicator (mpi4py's).
+
+    The processes all-gather their host names over MPI; the first process on
+    each host picks distinct free ports for that host's processes, and those
+    are all-gathered too: rank r of the communicator is worker r. When all
+    share one host, the addresses are 127.0.0.1 (the cluster stays on
+    loopback); otherwise each host's name as ``socket.gethostname()`` gives it.
+
+    Args:
+      comm: an mpi4py communicator (Get_rank, allgather), e.g. MPI.COMM_WORLD.
+
+    Returns:
+      dict, a TF_CONFIG for ``parse_tf_config``.
+    """
+    rank, names = comm.Get_rank(), comm.allgather(socket.gethostname())
+    hosts = ["127.0.0.1"] * len(names) if len(set(names)) == 1 else names
+    on_host = {}
+    for r, name in enumerate(names):
+        on_host.setdefault(name, []).append(r)
+    mine = on_host[names[rank]]
+    chosen = comm.allgather(free_ports(len(mine), hosts[rank]) if rank == mine[0] else None)
+    ports = [chosen[on_host[name][0]][on_host[name].index(r)] for r, name in enumerate(names)]
+    return {"cluster": {"worker": [f"{h}:{p}" for h, p in zip(hosts, ports)]},
+            "task": {"type": "worker", "index": comm.Get_rank()}}

@@ -1,9 +1,9 @@
-"""One process of ``tfreduce-bench --mode crossprocess``: a float32 all-reduce across processes, four ways.
+"""One process of ``tfreduce-bench --mode crossprocess``: one float32 all-reduce, four ways.
 
 Run by ``tfreduce.bench.crossprocess_mode`` under ``tfreduce.launch
---workers W``, or under ``mpirun -np W`` (then rank 0 picks the TF cluster's
-ports and sends them over MPI, and every process sets its TF_CONFIG before
-``hvd.init()``). For each size, in rounds that interleave the contenders:
+--workers W``, or under ``mpirun -np W`` (``hvd.init()`` then forms the TF
+cluster of mpirun's processes). For each size, in rounds that interleave
+the contenders:
 
 - "tfreduce traced": ``hvd.allreduce(x, op=hvd.Sum)`` in a ``tf.function``;
 - "tfreduce eager": the same call eagerly (metrics and custom loops), which
@@ -20,14 +20,13 @@ out, as JSON.
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
 import numpy as np
 
-from tfreduce.basis.ports import free_ports
+from tfreduce.basis.tf_config import mpirun_size
 
 #: The instance keys of the raw op's calls, one per size: below the ranges
 #: the cluster (from 2**30) and the eager calls (from 3 * 2**29) draw from.
@@ -36,22 +35,13 @@ _RAW_KEYS = 2 ** 28
 
 def _mpi_world():
     """mpi4py's COMM_WORLD when mpirun started this process with W > 1, else (None, why)."""
-    if "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:
+    if (mpirun_size() or 1) < 2:
         return None, "not started by mpirun"
     try:
         from mpi4py import MPI
     except ImportError as error:
         return None, f"mpi4py does not import ({error})"
     return MPI.COMM_WORLD, None
-
-
-def _tf_config_over_mpi(comm):
-    """TF_CONFIG for this process, from ports rank 0 picked and broadcast over MPI."""
-    ports = free_ports(comm.Get_size()) if comm.Get_rank() == 0 else None
-    ports = comm.bcast(ports, root=0)
-    os.environ["TF_CONFIG"] = json.dumps({
-        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
-        "task": {"type": "worker", "index": comm.Get_rank()}})
 
 
 def _contenders(hvd, tf, comm, sizes):
@@ -104,8 +94,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     comm, why = _mpi_world()
-    if comm is not None:
-        _tf_config_over_mpi(comm)
     import tensorflow as tf
 
     import tfreduce.tensorflow as hvd

@@ -6,8 +6,10 @@ processes. The cluster comes from the standard ``TF_CONFIG`` environment
 variable (set by ``tfreduce-launch --workers N``, by hand, or by a cluster
 manager), one task per process; several tasks may share a machine. Without
 TF_CONFIG, a SLURM job step's variables give it (``srun``: see
-``tf_config.slurm_tf_config``); without either the process is rank 0 of 1,
-as ``horovodrun -np 1`` would make it.
+``tf_config.slurm_tf_config``), or ``mpirun``'s processes agree on it over
+MPI (mpi4py: ``tf_config.mpirun_tf_config``; the collectives still go
+through TF's runtime); without any the process is rank 0 of 1, as
+``horovodrun -np 1`` would make it.
 
 Ranks: ``rank()`` is the task's place in TF_CONFIG's rank order (chief
 first, then the workers). ``local_rank()`` counts the tasks on the same host
@@ -20,13 +22,12 @@ Sources: Horovod's process model (horovod.tensorflow.init, rank, local_rank);
 TF_CONFIG as MultiWorkerMirroredStrategy reads it.
 """
 
-import os
-
 import tensorflow as tf
 
-from tfreduce.basis.tf_config import SLURM_PORT_BASE, parse_address, slurm_tf_config
+from tfreduce.basis.tf_config import parse_address
 from tfreduce.blocks.collective import check_timeout
-from tfreduce.workers.cluster import DEFAULT_TIMEOUT, Cluster
+from tfreduce.workers.cluster import DEFAULT_TIMEOUT
+from tfreduce.workers.environment import cluster_from_environment
 from tfreduce.workers.localcluster import LocalCluster
 from tfreduce.workers.watchdog import stall_seconds_from
 
@@ -70,10 +71,13 @@ def init(comm=None, process_sets=None, *, stall_seconds=None, timeout_seconds=No
 
     The cluster: TF_CONFIG; else a SLURM job step's variables
     (``tf_config.slurm_tf_config``; task i of a node listens on port 8888 + i,
-    or TFREDUCE_SLURM_PORT_BASE + i); else this process alone.
+    or TFREDUCE_SLURM_PORT_BASE + i); else, under ``mpirun -np N`` (N > 1),
+    the N processes (ranked as MPI ranks them, free ports exchanged over
+    mpi4py); else this process alone.
 
     Args:
-      comm: Horovod's MPI communicator; tfreduce has no MPI: must be None.
+      comm: Horovod's MPI communicator: must be None (under mpirun the
+        processes meet over MPI by themselves; the collectives are TF's).
       process_sets: Horovod's process sets; not supported: must be None.
       stall_seconds: float seconds (tfreduce's own): a peer silent this long
         is named and the run ends (``tfreduce.workers.watchdog``); 0 turns the
@@ -88,11 +92,12 @@ def init(comm=None, process_sets=None, *, stall_seconds=None, timeout_seconds=No
       ValueError: comm or process_sets given; a bad stall_seconds or
         timeout_seconds; a malformed TF_CONFIG (see
         ``tfreduce.Cluster.from_tf_config``); this task's port cannot be
-        opened.
+        opened; mpirun started several processes and mpi4py does not import.
     """
     if comm is not None:
-        raise ValueError(f"init(comm={comm!r}): tfreduce has no MPI; processes find each "
-                         "other through TF_CONFIG (tfreduce-launch sets it)")
+        raise ValueError(f"init(comm={comm!r}): tfreduce's collectives do not go through MPI; "
+                         "processes find each other through TF_CONFIG (tfreduce-launch sets "
+                         "it), or over MPI by themselves under mpirun: call init()")
     if process_sets is not None:
         raise ValueError(f"init(process_sets={process_sets!r}): process sets are not "
                          "supported; every collective spans all processes")
@@ -110,13 +115,8 @@ def init(comm=None, process_sets=None, *, stall_seconds=None, timeout_seconds=No
     if _RUN.cluster is not None:
         return
     if _RUN.started is None:
-        slurm = None if os.environ.get("TF_CONFIG") else slurm_tf_config(
-            port_base=int(os.environ.get("TFREDUCE_SLURM_PORT_BASE", SLURM_PORT_BASE)))
-        if os.environ.get("TF_CONFIG") or slurm:
-            found = Cluster.from_tf_config(
-                slurm, timeout=timeout or DEFAULT_TIMEOUT, stall_seconds=stall)
-        else:
-            found = LocalCluster()
+        found = (cluster_from_environment(timeout or DEFAULT_TIMEOUT, stall)
+                 or LocalCluster())
         _RUN.hosts = _hosts(found)
         gpus = tf.config.list_physical_devices("GPU")
         if gpus:
@@ -223,7 +223,7 @@ def is_homogeneous():
 # TensorFlow (its version is not Horovod's to report).
 
 def mpi_built():
-    """False: tfreduce has no MPI (processes meet through TF_CONFIG)."""
+    """False: the collectives do not go through MPI (mpirun's processes only meet over it)."""
     return False
 
 

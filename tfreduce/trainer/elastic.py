@@ -156,7 +156,7 @@ class ElasticFit:
             self._fitting = False
 
     def flag(self, stop_requested):
-        """The float a step sums over the workers: SIGTERM (1) and, in fit, host update (the unit)."""
+        """The float a step sums over the workers: SIGTERM (1), in fit host update (the unit)."""
         update = self._fitting and self._worker.hosts_updates() > self._updates_seen
         return float(bool(stop_requested)) + HOST_UPDATE_UNIT * update
 

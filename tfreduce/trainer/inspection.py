@@ -1,4 +1,4 @@
-"""What a trainer shows of itself: its step and cluster, traces, replica drift, state, step graphs."""
+"""What a trainer shows of itself: step, cluster, traces, replica drift, state, step graphs."""
 
 
 class Inspection:

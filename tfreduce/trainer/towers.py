@@ -8,7 +8,6 @@ broadcast tower 0 to every tower and measure how far the towers drifted.
 """
 
 import dataclasses
-import os
 
 import tensorflow as tf
 
@@ -20,6 +19,7 @@ from tfreduce.trainer.sharding import sharding_for
 from tfreduce.trainer.update import scales_loss
 from tfreduce.trainer.zero import check_optimizer
 from tfreduce.workers.cluster import Cluster
+from tfreduce.workers.environment import cluster_from_environment
 from tfreduce.workers.localcluster import LocalCluster
 
 
@@ -60,14 +60,16 @@ def resolve_cluster(given):
     the trainer calls the same methods on either.
 
     Args:
-      given: "auto" (a Cluster from TF_CONFIG when that variable is set,
-        else one process), None (one process), or a tfreduce.Cluster.
+      given: "auto" (the cluster the environment describes: TF_CONFIG, a
+        SLURM job step or mpirun's processes, ``workers.environment``; else
+        one process), None (one process), or a tfreduce.Cluster.
 
     Raises:
       TypeError: given is none of these.
+      ValueError: as ``workers.environment.cluster_from_environment``.
     """
     if isinstance(given, str) and given == "auto":
-        given = Cluster.from_tf_config() if os.environ.get("TF_CONFIG") else None
+        given = cluster_from_environment()
     if given is None:
         return LocalCluster()
     if not isinstance(given, Cluster):
