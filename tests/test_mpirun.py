@@ -1,4 +1,4 @@
-"""Processes that ``mpirun`` started: they find each other over MPI (mpi4py).
+"""Processes that ``mpirun`` started find each other over MPI (mpi4py); the environment's cluster.
 
 ``hvd.init()`` and ``ReplicatedTrainer(cluster="auto")`` form the TF
 cluster of ``mpirun -np N``'s processes, ranked as MPI ranks them, on
@@ -121,3 +121,20 @@ def test_without_mpi4py_mpiruns_processes_refuse_to_train_alone(monkeypatch):
                                          r"import \(.*\): without it they cannot find each "
                                          r"other, and each would train alone"):
         environment.cluster_from_environment()
+
+
+def test_the_environments_cluster_is_tf_config_then_a_slurm_step_then_none(monkeypatch):
+    for name in ("TF_CONFIG", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert environment.cluster_from_environment() is None
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[01-02]")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "1(x2)")
+    found = environment.cluster_from_environment()
+    assert (found.rank, found.num_workers) == (1, 2)
+    assert [found.address(r) for r in range(2)] == ["node01:8888", "node02:8888"]
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:2222", '
+                                    '"127.0.0.1:2223"]}, "task": {"type": "worker", "index": 0}}')
+    found = environment.cluster_from_environment()  # TF_CONFIG first
+    assert found.rank == 0 and found.address(1) == "127.0.0.1:2223"
