@@ -236,3 +236,15 @@ def test_a_commit_cut_short_by_a_kill_is_passed_over_for_the_one_before(
     assert re.search(r"trainer-0/ckpt-4 is damaged \(.+\); using \S+trainer-0/ckpt-3", err)
     assert "generation 1 resumes at step 8 from " in err
     assert_same_weights(second, alone)
+
+
+def test_a_workers_commits_are_a_checkpoint_a_fixed_size_run_restores(tmp_path, monkeypatch):
+    x, y = data()
+    alone = uninterrupted_and_committed(tmp_path, monkeypatch)
+    for name in (generations.DIR_ENV, generations.ID_ENV, generations.GENERATION_ENV):
+        monkeypatch.delenv(name)
+    later = trainer()
+    assert later.restore(str(tmp_path / "trainer-0")).endswith("trainer-0/ckpt-4")
+    later.fit(x, y, epochs=3, batch_size=8, verbose=0)
+    assert later.step == 18
+    assert_same_weights(later, alone)
