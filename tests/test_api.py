@@ -74,7 +74,7 @@ EXPORTS = {
     'ReplicatedTrainer.cluster': 'property',
     'ReplicatedTrainer.evaluate': '(self, x, y=None, batch_size=256, sample_weight=None)',
     'ReplicatedTrainer.fault_hook': 'property',
-    'ReplicatedTrainer.fit': '(self, x, y=None, *, sample_weight=None, epochs=1, batch_size=32, shuffle=True, seed=0, validation_data=None, logdir=None, checkpoint_dir=None, callbacks=(), verbose=1, profile_steps=None)',
+    'ReplicatedTrainer.fit': '(self, x, y=None, *, sample_weight=None, epochs=1, batch_size=32, shuffle=True, seed=0, validation_data=None, logdir=None, checkpoint_dir=None, callbacks=(), verbose=1, profile_steps=None, commit_every=None)',
     'ReplicatedTrainer.is_chief': 'property',
     'ReplicatedTrainer.predict': '(self, x, batch_size=256)',
     'ReplicatedTrainer.restore': '(self, path)',
