@@ -25,8 +25,9 @@ the same results. A lost worker fails the step with
 
 Modules: replicated_trainer (the public class), towers (the replicas),
 step (one step's graphs), towertimes (the tower the others wait for),
-losses, batching, loop (fit, evaluate, predict), checkpoints and signals
-(SIGTERM); replicated_trainer imports the others, and none imports it.
+losses, batching, loop (fit, evaluate, predict), checkpoints, signals
+(SIGTERM) and elastic (fit under the elastic launcher); replicated_trainer
+imports the others, and none imports it.
 """
 
 from tfreduce.trainer.replicated_trainer import ReplicatedTrainer
