@@ -3,8 +3,9 @@
 The jobs run tests/workers/elastic_trainer_worker.py (``deterministic=True``,
 one CPU device per worker) on loopback under ``tfreduce-launch --workers
 2:4 --worker-counts 1,2,4``: 4 workers of which one is killed with SIGKILL
-at step 23, and 2 workers (a third slot a spare) joined by two more at a
-host update. Each ends on the sha256 of the uninterrupted 4-worker run. The
+after step 23, and 2 workers (a third slot a spare) joined by two more at
+a host update after step 20. Each ends on the sha256 of the uninterrupted
+4-worker run. The
 in-process tests drive one trainer through the same environment the
 launcher gives its workers.
 """
@@ -73,7 +74,7 @@ def test_a_deterministic_fit_that_gains_workers_ends_on_the_same_bits(tmp_path, 
     hosts, script = test_elastic.discovery(tmp_path, "127.0.0.1:3\n")
     code, out, err = run_job(
         ELASTIC + ["--host-discovery-script", str(script), "--discovery-interval", "0.5"],
-        ["--grow-file", hosts, "--grow-step", "10", "--hosts-text", "127.0.0.1:4",
+        ["--grow-file", hosts, "--grow-step", "20", "--hosts-text", "127.0.0.1:4",
          "--sleep", "0.1"])
     assert code == 0, err[-3000:]
     assert "[launch] generation 0: 2 workers" in err
