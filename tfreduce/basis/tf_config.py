@@ -354,4 +354,4 @@ def mpirun_tf_config(comm):
     chosen = comm.allgather(free_ports(len(mine), hosts[rank]) if rank == mine[0] else None)
     ports = [chosen[on_host[name][0]][on_host[name].index(r)] for r, name in enumerate(names)]
     return {"cluster": {"worker": [f"{h}:{p}" for h, p in zip(hosts, ports)]},
-            "task": {"type": "worker", "index": comm.Get_rank()}}
+            "task": {"type": "worker", "index": rank}}

@@ -13,14 +13,13 @@ numbers are the machine's, not a model of it: on a shared host, read the
 ratios.
 """
 
-import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 
-from tfreduce.bench.harness import environment
+from tfreduce.bench.harness import environment, processes_result
 from tfreduce.bench.tables import print_table
 from tfreduce.bench.units import format_bytes
 
@@ -77,13 +76,8 @@ def run(args, log):
             env = None
         log(f"{args.workers} processes on 127.0.0.1 ({'mpirun' if mpirun else 'tfreduce.launch'}"
             f"), sizes {', '.join(format_bytes(s) for s in sizes)}, {args.steps} rounds")
-        done = subprocess.run(command + worker, capture_output=True, text=True, env=env,
-                              timeout=TIMEOUT_S)
-        if done.returncode != 0:
-            raise RuntimeError(f"the processes failed (exit {done.returncode}):\n"
-                               f"{done.stdout[-2000:]}{done.stderr[-3000:]}")
-        with open(path) as f:
-            measured = json.load(f)
+        measured = processes_result(subprocess.run, command + worker, path, "the processes",
+                                    env=env, timeout=TIMEOUT_S)
     left_out = measured["left_out"]
     if why is not None:
         left_out["MPI (mpi4py)"] = why

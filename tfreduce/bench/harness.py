@@ -8,6 +8,7 @@ rounds rotate the order of the rows.
 """
 
 import datetime
+import json
 import os
 import platform
 import time
@@ -19,7 +20,8 @@ from tfreduce.analysis.traffic import analyze_traffic
 from tfreduce.basis.devices import canonical_or_empty
 
 __all__ = ["device_names", "graph_session_config", "consume", "input_values", "make_inputs",
-           "make_floor", "time_rounds", "warm_up", "build_contender", "check", "environment"]
+           "make_floor", "time_rounds", "warm_up", "build_contender", "check", "environment",
+           "processes_result"]
 
 
 def device_names(num_devices, device_type):
@@ -329,3 +331,24 @@ def environment():
     except ImportError:
         pass
     return env
+
+
+def processes_result(run, command, path, who, **options):
+    """Runs a command that starts several processes; returns the JSON rank 0 wrote to `path`.
+
+    Args:
+      run: ``subprocess.run`` (or a stand-in with its signature).
+      command: list of str.
+      path: str, the file rank 0 writes.
+      who: str, what failed in the error ("the workers").
+      **options: more keywords of `run` (env, timeout).
+
+    Raises:
+      RuntimeError: the command failed (its output's end is in the message).
+    """
+    done = run(command, capture_output=True, text=True, **options)
+    if done.returncode != 0:
+        raise RuntimeError(f"{who} failed (exit {done.returncode}):\n"
+                           f"{done.stdout[-2000:]}{done.stderr[-3000:]}")
+    with open(path) as f:
+        return json.load(f)

@@ -10,13 +10,12 @@ the largest difference from NumPy. The bytes cross processes through TF's
 gRPC runtime, as between machines, so this is where compression pays.
 """
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
 
-from tfreduce.bench.harness import environment
+from tfreduce.bench.harness import environment, processes_result
 from tfreduce.bench.tables import print_table
 from tfreduce.bench.units import format_bytes
 
@@ -55,12 +54,8 @@ def run(args, log):
         command += ["--verbose"] if args.verbose else []
         log(f"{args.workers} workers x {args.devices} devices on 127.0.0.1, {args.model}, "
             f"{args.steps} rounds")
-        done = subprocess.run(command + ["--"] + worker, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"the workers failed (exit {done.returncode}):\n"
-                               f"{done.stdout[-2000:]}{done.stderr[-3000:]}")
-        with open(path) as f:
-            measured = json.load(f)
+        measured = processes_result(subprocess.run, command + ["--"] + worker, path,
+                                    "the workers")
     rows = measured["rows"]
     base, ours = "per-tensor collective", "tfreduce"
     for row in rows.values():

@@ -44,7 +44,7 @@ from tfreduce.tensorflow.functions import broadcast_object
 from tfreduce.tensorflow.ops import Max, allreduce, broadcast_variables
 from tfreduce.tensorflow.process import size
 from tfreduce.workers import generations
-from tfreduce.workers.failures import WorkerLostError
+from tfreduce.workers.failures import PEER_LOST
 
 __all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "TensorFlowKerasState",
            "TensorFlowState", "run"]
@@ -361,7 +361,7 @@ def run(func):
                 raise
             generations.leave(f"the job's hosts changed at a commit: it re-forms (worker "
                               f"{worker.worker_id}, generation {worker.generation})")
-        except (WorkerLostError, tf.errors.UnavailableError, tf.errors.AbortedError) as error:
+        except PEER_LOST as error:
             if worker is None:
                 raise
             generations.leave(generations.lost_peer(error, worker))

@@ -34,16 +34,15 @@ accepted and unused, so one script runs both ways.
 """
 
 import contextlib
-import os
 import sys
 
 import tensorflow as tf
 
 from tfreduce.algorithms.tree import tree_tower_counts
 from tfreduce.trainer.checkpoints import find_prefix
-from tfreduce.trainer.determinism import DEFAULT_MICRO_BATCHES
+from tfreduce.trainer.determinism import DEFAULT_MICRO_BATCHES, check_deterministic
 from tfreduce.workers import generations
-from tfreduce.workers.failures import WorkerLostError
+from tfreduce.workers.failures import PEER_LOST
 
 __all__ = ["HOST_UPDATE_UNIT", "ElasticFit", "check_commit_every"]
 
@@ -95,7 +94,7 @@ class ElasticFit:
     @property
     def folder(self):
         """str, the folder of this worker's commits."""
-        return os.path.join(self._worker.directory, f"trainer-{self._worker.worker_id}")
+        return generations.trainer_folder(self._worker.directory, self._worker.worker_id)
 
     def check_sizes(self, options, micro_batches):
         """Every size the job may form must suit a deterministic step.
@@ -112,17 +111,25 @@ class ElasticFit:
                 or self._worker.sizes is None):
             return
         micro_batches = DEFAULT_MICRO_BATCHES if micro_batches is None else micro_batches
-        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int):
+        if (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
+                or micro_batches < 1):
             return  # deterministic_options names the bad argument
         towers = len(options.devices)
-        able = tree_tower_counts(micro_batches)
-        bad = [n for n in self._worker.sizes if n * towers not in able]
+
+        def fits(workers):  # the deterministic step's own rule, at that size
+            try:
+                check_deterministic(micro_batches, workers * towers, towers, 1, None)
+            except ValueError:
+                return False
+            return True
+
+        bad = [n for n in self._worker.sizes if not fits(n)]
         if bad:
-            good = [n for n in range(1, max(self._worker.sizes) + 1) if n * towers in able]
+            good = [n for n in range(1, max(self._worker.sizes) + 1) if fits(n)]
             message = (
                 f"deterministic=True with micro_batches={micro_batches} runs on "
-                f"{_either(able)} towers, and this elastic job may form "
-                f"{', '.join(map(str, bad))} worker(s) of {towers} tower(s): start it with "
+                f"{_either(tree_tower_counts(micro_batches))} towers, and this elastic job may "
+                f"form {', '.join(map(str, bad))} worker(s) of {towers} tower(s): start it with "
                 f"tfreduce-launch --worker-counts {','.join(map(str, good))}")
             self._worker.give_up(message)
             raise ValueError(message)
@@ -191,17 +198,14 @@ class ElasticFit:
             return
         try:
             yield
-        except (WorkerLostError, tf.errors.UnavailableError, tf.errors.AbortedError) as error:
+        except PEER_LOST as error:
             generations.leave(generations.lost_peer(error, self._worker))
 
 
 def _newest_commit(directory):
     """The intact commit with the most steps among the workers' folders, or None."""
     newest, newest_step = None, -1
-    for name in sorted(os.listdir(directory)):
-        folder = os.path.join(directory, name)
-        if not name.startswith("trainer-") or not os.path.isdir(folder):
-            continue
+    for folder in generations.trainer_folders(directory):
         try:
             prefix = find_prefix(folder)
         except (FileNotFoundError, ValueError):

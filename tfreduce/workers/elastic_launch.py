@@ -40,7 +40,6 @@ the last commits.
 Standard library only, like the launcher.
 """
 
-import os
 import shutil
 import signal
 import time
@@ -181,7 +180,7 @@ def run(args, interrupted, log, run_start, start, stop_request, agent):
 def _keep(directory, log):
     """A job that ends unfinished: says where its commits are kept, or removes a directory
     that holds none (the job ended before any commit)."""
-    if any(name.startswith(("worker-", "trainer-")) for name in os.listdir(directory)):
+    if generations.has_commits(directory):
         log(f"the last commits are kept in {directory}")
     else:
         shutil.rmtree(directory, ignore_errors=True)

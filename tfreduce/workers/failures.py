@@ -19,7 +19,7 @@ from tensorflow.python.eager import context
 
 from tfreduce.basis.tf_config import parse_address
 
-__all__ = ["COLLECTIVE_FAILURES", "WorkerLostError", "lost_workers_named", "unheard_workers",
+__all__ = ["COLLECTIVE_FAILURES", "PEER_LOST", "WorkerLostError", "lost_workers_named", "unheard_workers",
            "unreachable_workers", "lost_worker_message"]
 
 # Errors a collective reports when a peer is gone, hangs or restarted.
@@ -47,6 +47,11 @@ class WorkerLostError(RuntimeError):
         super().__init__(message)
         self.lost = lost
         self.error = error
+
+
+#: What a worker sees when a peer is gone: the watchdog's error or the
+#: transport's. An elastic job re-forms on these (``tfreduce.workers.generations``).
+PEER_LOST = (WorkerLostError, tf.errors.UnavailableError, tf.errors.AbortedError)
 
 
 @contextlib.contextmanager

@@ -39,8 +39,9 @@ import sys
 import tempfile
 
 __all__ = ["COUNTS_ENV", "DIR_ENV", "GENERATION_ENV", "ID_ENV", "RESHAPE_CODE", "UPDATES_ENV",
-           "ElasticWorker", "elastic_worker", "hosts_updates", "leave", "lost_peer", "make_directory",
-           "read_commit", "read_fatal", "write_commit", "write_fatal", "write_hosts_updates"]
+           "ElasticWorker", "elastic_worker", "has_commits", "hosts_updates", "leave", "lost_peer",
+           "make_directory", "read_commit", "read_fatal", "trainer_folder", "trainer_folders",
+           "write_commit", "write_fatal", "write_hosts_updates"]
 
 #: The directory of the job's commits and host updates.
 DIR_ENV = "TFREDUCE_ELASTIC_DIR"
@@ -125,56 +126,67 @@ def _commit_path(directory, worker_id):
     return os.path.join(directory, f"worker-{worker_id}.commit")
 
 
+def trainer_folder(directory, worker_id):
+    """The folder of worker `worker_id`'s ``ReplicatedTrainer`` commits (checkpoints)."""
+    return os.path.join(directory, f"trainer-{worker_id}")
+
+
+def trainer_folders(directory):
+    """The trainer commit folders in the job's directory, by name."""
+    return [os.path.join(directory, name) for name in sorted(os.listdir(directory))
+            if name.startswith("trainer-") and os.path.isdir(os.path.join(directory, name))]
+
+
+def has_commits(directory):
+    """True when some worker wrote a commit (``hvd.elastic``'s or a trainer's) in `directory`."""
+    return bool(trainer_folders(directory)) or any(
+        name.startswith("worker-") and name.endswith(".commit") for name in os.listdir(directory))
+
+
+def _replace(path, data):
+    """Writes `data` (bytes or str) to a temporary file, then renames it over `path`."""
+    with open(f"{path}.partial", "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+    os.replace(f"{path}.partial", path)
+
+
+def _read(path, mode="r"):
+    """The contents of `path`, or None when it does not exist."""
+    try:
+        with open(path, mode) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
 def write_commit(directory, worker_id, payload):
     """Writes worker `worker_id`'s commit (bytes): to a temporary file, renamed over the last."""
-    path = _commit_path(directory, worker_id)
-    partial = f"{path}.partial"
-    with open(partial, "wb") as f:
-        f.write(payload)
-    os.replace(partial, path)
+    _replace(_commit_path(directory, worker_id), payload)
 
 
 def read_commit(directory, worker_id):
     """Worker `worker_id`'s last commit (bytes), or None."""
-    try:
-        with open(_commit_path(directory, worker_id), "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
+    return _read(_commit_path(directory, worker_id), "rb")
 
 
 def write_hosts_updates(directory, count):
     """The launcher's side: `count` host updates so far (int), written atomically."""
-    path = os.path.join(directory, _HOSTS_FILE)
-    with open(f"{path}.partial", "w") as f:
-        f.write(str(count))
-    os.replace(f"{path}.partial", path)
+    _replace(os.path.join(directory, _HOSTS_FILE), str(count))
 
 
 def hosts_updates(directory):
     """The count of host updates the launcher wrote (0 before any)."""
-    try:
-        with open(os.path.join(directory, _HOSTS_FILE)) as f:
-            return int(f.read() or 0)
-    except FileNotFoundError:
-        return 0
+    return int(_read(os.path.join(directory, _HOSTS_FILE)) or 0)
 
 
 def write_fatal(directory, message):
     """Says why the job cannot go on (str), for the launcher to end it with."""
-    path = os.path.join(directory, _FATAL_FILE)
-    with open(f"{path}.partial", "w") as f:
-        f.write(message)
-    os.replace(f"{path}.partial", path)
+    _replace(os.path.join(directory, _FATAL_FILE), message)
 
 
 def read_fatal(directory):
     """The message a worker gave up with (``write_fatal``), or None."""
-    try:
-        with open(os.path.join(directory, _FATAL_FILE)) as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
+    return _read(os.path.join(directory, _FATAL_FILE))
 
 
 def lost_peer(error, worker):
