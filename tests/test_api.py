@@ -16,7 +16,9 @@ import tfreduce
 # signature, or the repr of a constant; "property" for properties.
 EXPORTS = {
     'ALGORITHMS': "('auto', 'flat', 'hierarchical', 'ring', 'nccl', 'collective')",
-    'Cluster': '(cluster_spec, task_type, task_index, timeout=300.0, stall_seconds=None)',
+    # transport= is new, a keyword with a default: every call that worked works.
+    'Cluster': "(cluster_spec, task_type, task_index, timeout=300.0, stall_seconds=None, "
+               "transport='grpc')",
     'Cluster.address': '(self, rank=None)',
     'Cluster.agreed': '(self, summed, here)',
     'Cluster.batch_slice': '(self, batch_size, towers_per_worker)',
@@ -26,7 +28,8 @@ EXPORTS = {
     'Cluster.device': "(self, device, where='device')",
     'Cluster.devices': '(self, devices)',
     'Cluster.finish': '(self, session=None, linger=0.5)',
-    'Cluster.from_tf_config': '(cls, tf_config=None, timeout=300.0, stall_seconds=None)',
+    'Cluster.from_tf_config': "(cls, tf_config=None, timeout=300.0, stall_seconds=None, "
+                              "transport='grpc')",
     'Cluster.group_key': '(self, local_devices)',
     'Cluster.is_chief': 'property',
     'Cluster.num_workers': 'property',

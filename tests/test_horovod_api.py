@@ -157,8 +157,8 @@ def _in_v1_graph(call):
 
 @pytest.mark.parametrize("call, error, message", [
     (lambda: hvd.init(comm=[0, 1]), ValueError,
-     "init(comm=[0, 1]): tfreduce's collectives do not go through MPI; processes find each "
-     "other through TF_CONFIG"),
+     "init(comm=[0, 1]): tfreduce takes no communicator; under mpirun the processes find "
+     "each other over MPI by themselves (COMM_WORLD)"),
     (lambda: hvd.init(stall_seconds=-1), ValueError,
      "init(stall_seconds=-1, timeout_seconds=None): stall_seconds must be >= 0 (0: off), "
      "got -1"),

@@ -21,7 +21,7 @@ PACKAGE = pathlib.Path(tfreduce.__file__).parent
 LAYERS = {
     "tf_config": 0, "ports": 0, "startup": 0, "choices": 0, "topology": 0, "watchdog": 0, "stragglers": 0,
     "progress": 0, "collective_rules": 0, "heartbeats": 0, "agent": 0, "generations": 0, "membership": 0,
-    "devices": 1, "elastic_launch": 1,
+    "devices": 1, "elastic_launch": 1, "mpi_transport": 1,
     "contract": 2, "shards": 2, "kerases": 2,
     "packing": 3, "compression": 3, "graphwalk": 3,
     "primitives": 4, "collective": 4, "traffic": 4, "stage": 4, "timeline": 4,

@@ -1,10 +1,13 @@
-"""Processes that ``mpirun`` started find each other over MPI (mpi4py); the environment's cluster.
+"""Processes that ``mpirun`` started find each other over MPI (mpi4py); the MPI transport.
 
 ``hvd.init()`` and ``ReplicatedTrainer(cluster="auto")`` form the TF
 cluster of ``mpirun -np N``'s processes, ranked as MPI ranks them, on
 loopback when all share one host; without mpi4py they refuse, naming it,
-rather than each train alone. The runs under mpirun skip, saying why,
-where Open MPI or mpi4py is not installed (.ci/run installs both).
+rather than each train alone. Their eager Horovod calls go over the MPI
+transport (``tfreduce.workers.mpi_transport``): each collective's values,
+fusion, a mismatch raised on both ranks, a frozen rank named. The runs
+under mpirun skip, saying why, where Open MPI or mpi4py is not installed
+(.ci/run installs both).
 """
 
 import json
@@ -16,12 +19,16 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tfreduce.basis.tf_config import mpirun_size, mpirun_tf_config, parse_tf_config
-from tfreduce.workers import environment
+from tfreduce.tensorflow import mpi_calls
+from tfreduce.workers import environment, mpi_transport
+from tfreduce.workers.cluster import Cluster
 
 WORKER = Path(__file__).parent / "workers" / "mpirun_worker.py"
+TRANSPORT_WORKER = Path(__file__).parent / "workers" / "mpi_transport_worker.py"
 
 
 def have_mpi():
@@ -32,18 +39,23 @@ def have_mpi():
     return None
 
 
-def run_mpirun(tmp_path, np, *args):
-    """The worker under ``mpirun -np np``: each rank's JSON, in rank order."""
+def run_mpirun(tmp_path, np, *args, worker=WORKER, ranks=None):
+    """The worker under ``mpirun -np np``: each rank's JSON, in rank order.
+
+    ranks=None: every rank must write one and mpirun succeed; else only
+    those ranks' (the job may fail: a rank that ends it)."""
     why = have_mpi()
     if why:
         pytest.skip(why)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.pop("TF_CONFIG", None)
     done = subprocess.run(["mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none",
-                           sys.executable, str(WORKER), "--out", str(tmp_path), *args],
+                           sys.executable, str(worker), "--out", str(tmp_path), *args],
                           capture_output=True, text=True, env=env, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(np)]
+    if ranks is None:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank-{r}.json").read_text())
+            for r in (range(np) if ranks is None else ranks)]
 
 
 @pytest.mark.slow
@@ -138,3 +150,86 @@ def test_the_environments_cluster_is_tf_config_then_a_slurm_step_then_none(monke
                                     '"127.0.0.1:2223"]}, "task": {"type": "worker", "index": 0}}')
     found = environment.cluster_from_environment()  # TF_CONFIG first
     assert found.rank == 0 and found.address(1) == "127.0.0.1:2223"
+
+
+def _value(rank, dtype):
+    """The transport worker's input of rank r (tests/workers/mpi_transport_worker.py)."""
+    x = np.arange(6).reshape(2, 3) + 3 * rank
+    return x % 2 == 0 if dtype == "bool" else x.astype(np.float64)
+
+
+@pytest.mark.slow
+def test_eager_collectives_over_the_mpi_transport_equal_numpy(tmp_path):
+    rows = run_mpirun(tmp_path, 2, "--case", "collectives", worker=TRANSPORT_WORKER)
+    a, b = _value(0, "float64"), _value(1, "float64")
+    for rank, row in enumerate(rows):
+        assert row["mpi_enabled"] is True
+        for dtype, (got, got_dtype) in row["allreduce"].items():
+            want = (_value(0, "bool") | _value(1, "bool")) if dtype == "bool" else a + b
+            assert (got, got_dtype) == (want.tolist(), dtype), dtype
+        for dtype, got in row["average"].items():
+            mean = (a + b) / 2
+            assert got == (np.trunc(mean) if "int" in dtype else mean).tolist(), dtype
+            assert row["min"][dtype] == a.tolist() and row["max"][dtype] == b.tolist()
+        assert row["fused"] == row["unfused"]  # fused in buffers per dtype, in order
+        assert [d for _, d in row["fused"]] == ["float32", "int32", "float32", "float64",
+                                               "float32"]
+        assert row["allgather"] == [[0, 0], [1, 1], [1, 1]]
+        assert row["broadcast"] == row["broadcast_variables"] == b.tolist()
+        scattered = (a + b).reshape(3, 2)
+        assert row["reducescatter"] == scattered[[0, 1] if rank == 0 else [2]].tolist()
+        want_rows = [[0], [10]] if rank == 0 else [[1], [2], [3], [11], [12], [13]]
+        assert row["alltoall"] == [want_rows, [1, 1] if rank == 0 else [3, 3]]
+        kind, message = row["mismatch"]
+        assert kind == "CallMismatchError" and re.search(
+            rf"^worker {rank} \(127\.0\.0\.1:\d+\): the processes made different collective "
+            r"calls.*worker 0 .*: allreduce 'loss' \(average, none, 1.0, 1.0\) of float32 "
+            r"\[3\]; worker 1 .*: allgather 'loss' of float32 \[None\]", message)
+        assert row["after"] == [2.0, 4.0]  # the transport goes on after the mismatch
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_named_by_the_survivors_call_on_the_mpi_transport(tmp_path):
+    row, = run_mpirun(tmp_path, 2, "--case", "frozen", worker=TRANSPORT_WORKER, ranks=[0])
+    kind, message = row["raised"]
+    assert kind == "WorkerLostError"
+    assert re.search(r"worker 1 \(127\.0\.0\.1:\d+\) has sent no heartbeat for 3 s: frozen, "
+                     r"stopped or cut off; this worker waits in allreduce", message), message
+
+
+def test_the_mpi_transport_outside_mpirun_is_refused_and_auto_falls_back(monkeypatch):
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    describe = "worker {}".format
+    assert mpi_transport.open_transport("auto", 0, 2, describe) is None
+    assert mpi_transport.open_transport("grpc", 0, 2, describe) is None
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    with pytest.raises(ValueError, match=r"^worker 0: transport='mpi' needs mpi4py, which does "
+                                         r"not import"):
+        mpi_transport.open_transport("mpi", 0, 2, describe)
+    with pytest.raises(ValueError, match=r"transport must be one of 'auto', 'grpc', 'mpi', "
+                                         r"got 'gloo'"):
+        Cluster({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "worker", 0, transport="gloo")
+
+
+def test_the_mpi_transport_needs_mpiruns_processes(monkeypatch):
+    pytest.importorskip("mpi4py")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"^worker 1: transport='mpi' needs the cluster's 2 "
+                                         r"processes started by mpirun \(mpirun -np 2 \.\.\.\); "
+                                         r"this process is one of 3"):
+        mpi_transport.open_transport("mpi", 1, 2, "worker {}".format)
+
+
+@pytest.mark.parametrize("sizes, threshold, runs", [
+    ([4, 4, 4], 8, [[0, 1], [2]]), ([4, 4, 4], 0, [[0], [1], [2]]),
+    ([16, 4], 8, [[0], [1]]), ([1, 2, 3], 64 << 20, [[0, 1, 2]])])
+def test_fusion_fills_buffers_in_order_up_to_the_threshold(sizes, threshold, runs):
+    assert mpi_calls._fused(sizes, threshold) == runs
+
+
+def test_a_bad_fusion_threshold_is_named(monkeypatch):
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "64MB")
+    with pytest.raises(ValueError, match=r"HOROVOD_FUSION_THRESHOLD='64MB': give a number of "
+                                         r"bytes >= 0 \(0: no fusion\)"):
+        mpi_calls.fusion_threshold()

@@ -1,14 +1,17 @@
-"""The crossprocess mode: one all-reduce across W processes on 127.0.0.1, four ways.
+"""The crossprocess mode: one all-reduce across W processes on 127.0.0.1, six ways.
 
 Runs ``tfreduce.bench.crossprocess_worker`` in W processes (``--workers``)
 and prints rank 0's median milliseconds per call for each size
 (``--sizes``) and contender: tfreduce's ``hvd.allreduce`` traced and eager,
-TF's own ``CollectiveReduceV2`` in the same processes, and MPI's
-``Allreduce`` (mpi4py) when ``mpirun`` and mpi4py are installed, in which
-case the processes are started by ``mpirun`` and every contender runs in
-them. The rounds interleave the contenders (``--steps`` rounds), so the
-ratios printed under the table compare times taken under the same load:
-eager over traced, tfreduce over TF's own op, and MPI's speed-up. The
+a grouped all-reduce of 64 pieces (fused), TF's own ``CollectiveReduceV2``
+in the same processes, and MPI's ``Allreduce`` (mpi4py) when ``mpirun``
+and mpi4py are installed, in which case the processes are started by
+``mpirun``, every contender runs in them, and tfreduce's eager calls go
+over its MPI transport (and once more over gRPC, for the comparison).
+The rounds interleave the contenders (``--steps`` rounds), so the ratios
+printed under the table compare times taken under the same load: eager
+over traced, tfreduce over TF's own op, MPI's bandwidth over tfreduce's
+on MPI, and the fused calls over one MPI call of their bytes. The
 numbers are the machine's, not a model of it: on a shared host, read the
 ratios.
 """
@@ -101,14 +104,18 @@ def print_result(result, out=None):
     sizes = cfg["sizes"]
     title = (f"float32 all-reduce across {cfg['workers']} processes on 127.0.0.1 "
              f"({cfg['launcher']}); median ms per call of {cfg['rounds']} interleaved rounds")
-    header = f"{'contender':24s}" + "".join(f"{format_bytes(s):>12s}" for s in sizes)
-    lines = [f"{name:24s}" + "".join(f"{by[str(s)]:12.3f}" for s in sizes)
+    header = f"{'contender':25s}" + "".join(f"{format_bytes(s):>12s}" for s in sizes)
+    lines = [f"{name:25s}" + "".join(f"{by[str(s)]:12.3f}" for s in sizes)
              for name, by in result["median_ms"].items()]
     for label, over, under in (
             ("eager / traced", "tfreduce eager", "tfreduce traced"),
+            ("eager / traced, gRPC", "tfreduce eager, gRPC", "tfreduce traced, gRPC"),
+            ("traced gRPC / MPI", "tfreduce traced, gRPC", "tfreduce traced"),
             ("traced / TF's op", "tfreduce traced", "TF CollectiveReduceV2"),
-            ("TF's op / MPI", "TF CollectiveReduceV2", "MPI (mpi4py)")):
-        lines.append(f"{label:24s}" + "".join(f"{_ratio(result, over, under, s):>12s}"
+            ("TF's op / MPI", "TF CollectiveReduceV2", "MPI (mpi4py)"),
+            ("MPI / eager (bandwidth)", "MPI (mpi4py)", "tfreduce eager"),
+            ("64 fused / MPI", "tfreduce 64 fused", "MPI (mpi4py)")):
+        lines.append(f"{label:25s}" + "".join(f"{_ratio(result, over, under, s):>12s}"
                                               for s in sizes))
     print_table(title, header, lines, out)
     for name, why in result["left_out"].items():

@@ -26,10 +26,13 @@ import threading
 
 import keras
 import tensorflow as tf
+# Private but long-standing: whether any GradientTape (or forward accumulator) watches.
+from tensorflow.python.eager import record
 
 import tfreduce
 
 from tfreduce.blocks.collective import CollectiveKeys
+from tfreduce.tensorflow import mpi_calls
 from tfreduce.tensorflow.process import cluster, eager_functions, is_initialized
 from tfreduce.workers.consistency import CallMismatchError, check_same_call, join_round
 from tfreduce.workers.failures import WorkerLostError
@@ -112,7 +115,7 @@ def _error_line(error):
 
 def tensor_or_slices(tensor):
     """tensor as a tf.Tensor, or as it is if it is tf.IndexedSlices."""
-    if isinstance(tensor, tf.IndexedSlices):
+    if isinstance(tensor, (tf.Tensor, tf.IndexedSlices)):
         return tensor
     return tf.convert_to_tensor(tensor)
 
@@ -139,6 +142,8 @@ def differentiable(forward, backward, tensors):
     if not tensors or any(isinstance(t, tf.IndexedSlices) or not t.dtype.is_floating
                           for t in tensors):
         return forward(tensors)
+    if tf.executing_eagerly() and not record.could_possibly_record():
+        return forward(tensors)  # no tape watches: nothing to record (a tenth of the eager call)
 
     @tf.custom_gradient
     def call(*inputs):
@@ -197,9 +202,8 @@ def agree(key, tensors, rows_vary=False, name=None, values=None, recipe=None):
         return None
     for state in _CALLS:  # every call in progress has taken part now
         state[0] = True
-    specs = [_spec(t, rows_vary) for t in tensors]
     functions = eager_functions()
-    description = _describe(key, tensors, specs, name)
+    description = _describe(key, tensors, rows_vary, name)
     if _SESSION_OP:  # the TF1 op making this call: the same op on every process
         description += f" in op {_SESSION_OP[0]!r}"
     if _JOINED_CALL:  # made by join() for the others: already agreed
@@ -247,7 +251,8 @@ def _keys_of_call(found, keys):
         found.keys = own
 
 
-def run_cached(key, build, tensors, rows_vary=False, name=None, check=True, recipe=None):
+def run_cached(key, build, tensors, rows_vary=False, name=None, check=True, recipe=None,
+               mpi=None, same_specs=False):
     """build(tensors): directly in a graph; eagerly, in a tf.function kept per key and signature.
 
     The collectives' instance keys are drawn as a function traces, the same
@@ -260,17 +265,33 @@ def run_cached(key, build, tensors, rows_vary=False, name=None, check=True, reci
     data moves.
 
     check=False leaves that to the caller (``agree``); `recipe` is agree's.
+    `mpi`: None, or a function (MpiTransport, tensors) -> build's results:
+    eagerly on a cluster with the MPI transport, it moves the data instead
+    (``mpi_calls``); in a graph too, as a ``tf.py_function``, when
+    `same_specs` (its results have the inputs' shapes and dtypes). In a
+    graph on that transport each call runs after the one built before it
+    (``mpi_calls.in_graph_order``): no two processes wait in another order.
 
     Raises:
       CallMismatchError: eagerly, the processes' calls differ (each one named).
     """
     if not tf.executing_eagerly():
-        return build(tensors)
+        over = getattr(cluster(), "mpi", None)
+        if over is None:
+            return build(tensors)
+        if mpi is None or not same_specs:
+            return mpi_calls.in_graph_order(build, tensors)
+        return mpi_calls.in_graph_order(
+            lambda ts: mpi_calls.py_function(lambda *xs: mpi(over, list(xs)), ts), tensors)
     if check:
         agree(key, tensors, rows_vary, name, recipe=recipe)
+    functions = eager_functions()
+    over = getattr(cluster(), "mpi", None) if mpi is not None else None
+    if over is not None:
+        with progress.within(functions.get(_LAST_CALL, key[0])):
+            return mpi(over, tensors)
     specs = [_spec(t, rows_vary) for t in tensors]
-    full = (key, tuple(specs))
-    functions = eager_functions()  # by what they do and their input signature
+    full = (key, tuple(specs))  # the functions by what they do and their input signature
     if full not in functions:
         functions[full] = tf.function(build, input_signature=[specs], autograph=False)
     # What this process's heartbeats tell the others (tfreduce.workers.watchdog).
@@ -279,19 +300,22 @@ def run_cached(key, build, tensors, rows_vary=False, name=None, check=True, reci
         return functions[full](tensors)
 
 
-def _describe(key, tensors, specs, name):
+def _describe(key, tensors, rows_vary, name):
     """A call as the processes compare it, e.g. "allreduce 'loss' (average) of float32 [3]".
 
     Row counts that may differ between processes (allgather's, sparse
     rows) show as None."""
     what, *options = key
     inputs = []
-    for t, spec in zip(tensors, specs):
+    for t in tensors:
         if isinstance(t, tf.IndexedSlices):
             inputs.append(f"IndexedSlices {t.values.dtype.name} "
                           f"{[None] + t.values.shape[1:].as_list()}")
-        else:
-            inputs.append(f"{spec.dtype.name} {spec.shape.as_list()}")
+            continue
+        shape = t.shape.as_list()  # as _spec has it
+        if rows_vary and shape:
+            shape[0] = None
+        inputs.append(f"{t.dtype.name} {shape}")
     named = f" {name!r}" if name else ""
     settings = f" ({', '.join(str(o) for o in options)})" if options else ""
     return f"{what}{named}{settings} of {', '.join(inputs) or 'nothing'}"

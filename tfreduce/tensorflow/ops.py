@@ -27,6 +27,7 @@ from tfreduce.blocks.collective import CollectiveChain, CollectiveOptions
 from tfreduce.buffers.compression import Compression, as_compressor
 from tfreduce.doors.collectives import all_gather, broadcast as tfreduce_broadcast
 from tfreduce.doors.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
+from tfreduce.tensorflow import mpi_calls
 from tfreduce.tensorflow.calls import (agree, differentiable, in_session, one_call, result_spec,
                                        run_cached, session_graph, tensor_or_slices)
 from tfreduce.tensorflow.process import cluster, device
@@ -181,8 +182,16 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
         isinstance(t, tf.IndexedSlices) for t in tensors) else lambda: pickle.dumps(
         (op, compression.name, prescale_factor, postscale_factor, name,
          [(t.shape.as_list(), t.dtype.name) for t in tensors]))
+    def over_mpi(mpi, tensors):  # the same steps, the sums over MPI (mpi_calls)
+        with tf.device(place):
+            out = mpi_calls.allreduce(mpi, [scale(t, prescale_factor) for t in tensors], op,
+                                      found.num_workers)
+            return [finish_mean(t, op == Average, postscale_factor, found.num_workers) for t in out]
+
+    dense = not compression.compresses and (recipe is not None or op in _ELEMENTWISE)
     return run_cached(("allreduce", op, compression.name, prescale_factor, postscale_factor),
-                      build, tensors, name=name, recipe=recipe)
+                      build, tensors, name=name, recipe=recipe, mpi=over_mpi if dense else None,
+                      same_specs=True)
 
 
 def _reduce(found, place, tensors, op, compression):
@@ -299,7 +308,8 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
         # call with other counts never meets an earlier call's shape.
         counts = agree(("allgather",), tensors, rows_vary=True, name=name,
                        values=[int(t.shape[0]) for t in tensors])
-        return run_cached(("allgather", counts), build, tensors, check=False)
+        return run_cached(("allgather", counts), build, tensors, check=False,
+                          mpi=lambda mpi, ts: mpi_calls.allgather(mpi, ts, counts))
 
     def gradient(upstream):
         # Horovod's: this process's rows of the mean of the upstream gradients.
@@ -369,7 +379,8 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     def forward(tensors):
         if session_graph():
             return in_session(forward, tensors, [result_spec(tensors[0])])
-        return run_cached(("broadcast", root_rank), build, tensors, name=name)
+        return run_cached(("broadcast", root_rank), build, tensors, name=name, same_specs=True,
+                          mpi=lambda mpi, ts: mpi_calls.broadcast(mpi, ts, root_rank))
 
     return differentiable(forward, gradient, [tensor])[0]
 
@@ -432,4 +443,5 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     # again (a later fit) reuse the function.
     agree(("broadcast_variables", root_rank), variables[0])
     run_cached(("broadcast_variables", root_rank, tuple(id(v) for v in variables[0])), build, [],
-               check=False)
+               check=False, mpi=lambda mpi, _: mpi_calls.assign_broadcast(mpi, variables[0],
+                                                                          root_rank))

@@ -95,9 +95,9 @@ def init(comm=None, process_sets=None, *, stall_seconds=None, timeout_seconds=No
         opened; mpirun started several processes and mpi4py does not import.
     """
     if comm is not None:
-        raise ValueError(f"init(comm={comm!r}): tfreduce's collectives do not go through MPI; "
-                         "processes find each other through TF_CONFIG (tfreduce-launch sets "
-                         "it), or over MPI by themselves under mpirun: call init()")
+        raise ValueError(f"init(comm={comm!r}): tfreduce takes no communicator; under mpirun "
+                         "the processes find each other over MPI by themselves (COMM_WORLD): "
+                         "call init()")
     if process_sets is not None:
         raise ValueError(f"init(process_sets={process_sets!r}): process sets are not "
                          "supported; every collective spans all processes")
@@ -219,22 +219,30 @@ def is_homogeneous():
 
 
 # What Horovod's build flags report. tfreduce runs on TensorFlow's own
-# gRPC collectives: no MPI, Gloo, oneCCL or DDL; NCCL only inside
-# TensorFlow (its version is not Horovod's to report).
+# gRPC collectives, and its eager calls on MPI when the cluster's transport
+# is (``tfreduce.workers.mpi_transport``): no Gloo, oneCCL or DDL; NCCL
+# only inside TensorFlow (its version is not Horovod's to report).
 
 def mpi_built():
-    """False: the collectives do not go through MPI (mpirun's processes only meet over it)."""
-    return False
+    """True when mpi4py imports: a cluster can carry the eager calls over MPI."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def mpi_enabled():
-    """False: tfreduce has no MPI."""
-    return False
+    """True when this run's eager calls go over MPI (init() under mpirun, with mpi4py)."""
+    return getattr(_RUN.cluster, "mpi", None) is not None
 
 
 def mpi_threads_supported():
-    """False: tfreduce has no MPI."""
-    return False
+    """True when MPI runs with MPI_THREAD_MULTIPLE on this run's transport."""
+    if not mpi_enabled():
+        return False
+    from mpi4py import MPI
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 def gloo_built():

@@ -19,6 +19,7 @@ import tensorflow as tf
 from tfreduce.blocks.primitives import scale_by_reciprocal
 from tfreduce.buffers.compression import Compression, as_compressor
 from tfreduce.doors.collectives import all_gather, all_to_all, reduce_scatter
+from tfreduce.tensorflow import mpi_calls
 from tfreduce.tensorflow.calls import (agree, differentiable, in_session, one_call, result_spec,
                                        run_cached, session_graph)
 from tfreduce.tensorflow.ops import (Average, check_op, check_process_set, global_process_set,
@@ -115,7 +116,16 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
         if session_graph():
             return in_session(forward, tensors, [result_spec(t, rows_vary=True) for t in tensors])
         return run_cached(("reducescatter", op, compression.name, prescale_factor,
-                           postscale_factor), build, tensors)
+                           postscale_factor), build, tensors,
+                          mpi=None if compression.compresses else over_mpi)
+
+    def over_mpi(mpi, tensors):  # build's steps, the sums over MPI (mpi_calls)
+        with tf.device(place):
+            out = mpi_calls.reduce_scatter(mpi, [scale(t, prescale_factor) for t in tensors],
+                                           op, found.num_workers)
+            return [scale(t, postscale_factor / found.num_workers
+                          if op == Average and not t.dtype.is_floating else postscale_factor)
+                    for t in out]
 
     return differentiable(forward, gradient, tensors)
 
@@ -241,6 +251,16 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     return out if splits is None else (out, received)
 
 
+def _over_mpi(place, send, receive, splits=False):
+    """alltoall's exchange over the MPI transport (``run_cached``'s mpi=): the rows, and with
+    `splits` the received splits."""
+    def exchange(mpi, tensors):
+        with tf.device(place):
+            out = [mpi_calls.alltoall(mpi, tensors[0], send, receive)]
+            return out + [tf.constant(receive, tf.int32, name="received_splits")] if splits else out
+    return exchange
+
+
 def _alltoall(tensor, splits, name):
     """alltoall's (output, received splits): an int32 tensor, a list of ints, or None (in a
     tf.function without splits)."""
@@ -282,10 +302,13 @@ def _alltoall(tensor, splits, name):
         if counts is None:
             _check_even([row[0] for row in every], found)
             received[:] = [[row[0] // found.num_workers for row in every]]
-            return run_cached(("alltoall", every), build, tensors, rows_vary=True, check=False)
+            even = [every[found.rank][0] // found.num_workers] * found.num_workers
+            return run_cached(("alltoall", every), build, tensors, rows_vary=True, check=False,
+                              mpi=_over_mpi(place, even, received[0]))
         received[:] = [[row[found.rank] for row in every]]
         out = run_cached(("alltoall", every), lambda t: build(t, received[0]), tensors,
-                         rows_vary=True, check=False)
+                         rows_vary=True, check=False,
+                         mpi=_over_mpi(place, counts, received[0], splits=True))
         received[:] = out[1:]
         return out[:1]
 

@@ -29,6 +29,7 @@ _WIDER = {tf.uint8: tf.int32, tf.int8: tf.int32, tf.uint16: tf.int32, tf.int16: 
 #: What the collectives carry between processes (after ``widen``).
 CARRIED = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int16,
            tf.uint16, tf.int32, tf.int64, tf.bool)
+_CARRIED = frozenset(CARRIED)
 
 
 def check_dtypes(tensors, where):
@@ -44,7 +45,7 @@ def check_dtypes(tensors, where):
     """
     for n, t in enumerate(tensors):
         dtype = (t.values if isinstance(t, tf.IndexedSlices) else t).dtype.base_dtype
-        if dtype not in CARRIED:
+        if dtype not in _CARRIED:
             raise TypeError(f"{where}: tensor {n} has dtype {dtype.name}, which the processes' "
                             f"collectives do not carry; give one of "
                             f"{', '.join(d.name for d in CARRIED)}")

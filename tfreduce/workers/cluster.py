@@ -33,6 +33,7 @@ from tfreduce.blocks.collective import (CollectiveKeys, CollectiveOptions, all_r
                                         check_timeout, in_function)
 from tfreduce.workers.failures import (WorkerLostError, lost_workers_named, unheard_workers,
                                        unreachable_workers)
+from tfreduce.workers.mpi_transport import check_transport, open_transport
 from tfreduce.workers.progress import progress
 from tfreduce.workers.rounds import CollectiveRounds
 from tfreduce.workers.watchdog import stall_seconds_from, start_watchdog
@@ -75,6 +76,10 @@ class Cluster:
         (``op_timeout``).
       stall_seconds: float seconds >= 0, or None for $TFREDUCE_STALL_SECONDS
         (default 20): a peer silent this long is named (``tfreduce.workers.watchdog``); 0: off.
+      transport: "grpc" (TF's runtime for every collective), "mpi" (the
+        eager calls' bytes and agreement over MPI, ``tfreduce.workers.
+        mpi_transport``; the processes started by mpirun) or "auto" (MPI
+        when mpirun started them and mpi4py imports).
 
     Attributes:
       cluster_spec: dict, a copy of the validated spec.
@@ -84,16 +89,17 @@ class Cluster:
       keys: CollectiveKeys, the instance keys of cross-worker collectives.
       stall_seconds: float; watchdog: its Watchdog after ``start()``, or None.
       rounds: after ``start()``, the ``CollectiveRounds`` its watchdog reads.
+      mpi: after ``start()``, its ``MpiTransport``, or None (gRPC only).
 
     Raises:
-      ValueError, TypeError: as ``parse_tf_config``, or a bad timeout or stall_seconds.
+      ValueError, TypeError: as ``parse_tf_config``, a bad timeout, stall_seconds or transport.
     """
 
     #: False: reductions over this cluster cross workers (a LocalCluster's do not).
     is_local = False
 
     def __init__(self, cluster_spec, task_type, task_index, timeout=DEFAULT_TIMEOUT,
-                 stall_seconds=None):
+                 stall_seconds=None, transport="grpc"):
         spec, task_type, task_index = parse_tf_config(
             {"cluster": cluster_spec, "task": {"type": task_type, "index": task_index}})
         self.cluster_spec = spec
@@ -101,8 +107,8 @@ class Cluster:
         self.task_index = task_index
         self.timeout = check_timeout(timeout)
         self.stall_seconds = stall_seconds_from(stall_seconds)
-        self.watchdog = None
-        self.rounds = None
+        self.transport = check_transport(transport)
+        self.watchdog = self.rounds = self.mpi = None
         self.keys = CollectiveKeys(first_instance_key=_FIRST_CROSS_WORKER_KEY)
         self._tasks = [(job, i) for job in JOBS for i in range(len(spec.get(job, [])))]
         self._mode = None
@@ -126,18 +132,16 @@ class Cluster:
         return None if self.watchdog is not None or self.num_workers < 2 else self.timeout
 
     @classmethod
-    def from_tf_config(cls, tf_config=None, timeout=DEFAULT_TIMEOUT, stall_seconds=None):
-        """Builds the Cluster described by TF_CONFIG.
+    def from_tf_config(cls, tf_config=None, timeout=DEFAULT_TIMEOUT, stall_seconds=None,
+                       transport="grpc"):
+        """Builds the Cluster described by TF_CONFIG (None: the environment variable's).
 
-        Args:
-          tf_config: JSON string or dict; None reads the environment variable.
-          timeout: float seconds, see the class.
-          stall_seconds: float seconds or None, see the class.
-
-        Returns Cluster; raises ValueError, TypeError as ``parse_tf_config``.
+        timeout, stall_seconds and transport: see the class. Returns Cluster;
+        raises ValueError, TypeError as ``parse_tf_config``.
         """
         spec, task_type, task_index = parse_tf_config(tf_config)
-        return cls(spec, task_type, task_index, timeout=timeout, stall_seconds=stall_seconds)
+        return cls(spec, task_type, task_index, timeout=timeout, stall_seconds=stall_seconds,
+                   transport=transport)
 
     def __repr__(self):
         return (f"Cluster({self.describe(self.rank)} of {self.num_workers}, "
@@ -332,6 +336,7 @@ class Cluster:
         ctx.enable_collective_ops(server_def)
         ctx.ensure_initialized()
         self._mode = "eager"
+        self.mpi = open_transport(self.transport, self.rank, self.num_workers, self.describe)
         if self.stall_seconds and self.num_workers > 1:  # what its watchdog will read
             self.rounds = CollectiveRounds(self.task_name() + "/device:CPU:0")
         self.watchdog = start_watchdog(self)

@@ -18,12 +18,14 @@ from tfreduce.workers.cluster import DEFAULT_TIMEOUT, Cluster
 __all__ = ["cluster_from_environment"]
 
 
-def cluster_from_environment(timeout=DEFAULT_TIMEOUT, stall_seconds=None):
+def cluster_from_environment(timeout=DEFAULT_TIMEOUT, stall_seconds=None, transport="auto"):
     """The (unstarted) Cluster this process's environment describes, or None for one process.
 
     Args:
       timeout: float seconds, as ``Cluster``'s.
       stall_seconds: float seconds or None, as ``Cluster``'s.
+      transport: as ``Cluster``'s; "auto": the eager calls go over MPI when
+        mpirun started the processes and mpi4py imports.
 
     Raises:
       ValueError: a malformed TF_CONFIG or SLURM variable (as
@@ -32,7 +34,8 @@ def cluster_from_environment(timeout=DEFAULT_TIMEOUT, stall_seconds=None):
         otherwise train alone).
     """
     if os.environ.get("TF_CONFIG"):
-        return Cluster.from_tf_config(timeout=timeout, stall_seconds=stall_seconds)
+        return Cluster.from_tf_config(timeout=timeout, stall_seconds=stall_seconds,
+                                      transport=transport)
     given = slurm_tf_config(
         port_base=int(os.environ.get("TFREDUCE_SLURM_PORT_BASE", SLURM_PORT_BASE)))
     if given is None and (mpirun_size() or 1) > 1:
@@ -47,4 +50,5 @@ def cluster_from_environment(timeout=DEFAULT_TIMEOUT, stall_seconds=None):
         given = mpirun_tf_config(MPI.COMM_WORLD)
     if given is None:
         return None
-    return Cluster.from_tf_config(given, timeout=timeout, stall_seconds=stall_seconds)
+    return Cluster.from_tf_config(given, timeout=timeout, stall_seconds=stall_seconds,
+                                  transport=transport)

@@ -409,6 +409,8 @@ class Watchdog(threading.Thread):
         # Imported here: the launcher reads this module's settings without TensorFlow.
         from tensorflow.python.eager import context
         context.context().abort_collective_ops(code, self.fired)
+        if getattr(self.cluster, "mpi", None) is not None:  # a call waiting in MPI raises too
+            self.cluster.mpi.abort(self.fired)
         if self.exit_seconds is not None:
             # A daemon: a process that ends by itself is not held back by it.
             timer = threading.Timer(self.exit_seconds, _exit, [self.fired])
