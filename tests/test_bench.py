@@ -166,7 +166,10 @@ def test_crossprocess_mode_times_every_contender_in_the_same_processes(tmp_path,
     result = run(tmp_path, "--mode", "crossprocess", "--sizes", "4KiB,64KiB", "--steps", "2",
                  "--warmup", "0")
     mpirun, why = crossprocess_mode._mpirun()
-    names = ["tfreduce traced", "tfreduce eager", "TF CollectiveReduceV2"]
+    # Under mpirun the calls go over the MPI transport, and once more over gRPC.
+    names = (["tfreduce traced", "tfreduce eager"]
+             + (["tfreduce traced, gRPC", "tfreduce eager, gRPC"] if mpirun else [])
+             + ["tfreduce 64 fused", "TF CollectiveReduceV2"])
     assert list(result["median_ms"]) == names + (["MPI (mpi4py)"] if mpirun else [])
     assert result["left_out"] == ({} if mpirun else {"MPI (mpi4py)": why})
     assert result["config"] == {"workers": 2, "sizes": [4096, 65536], "rounds": 2,
@@ -178,6 +181,9 @@ def test_crossprocess_mode_times_every_contender_in_the_same_processes(tmp_path,
     assert "float32 all-reduce across 2 processes on 127.0.0.1" in out
     assert re.search(r"eager / traced +\d+\.\d\d +\d+\.\d\d", out)
     assert re.search(r"traced / TF's op +\d+\.\d\d +\d+\.\d\d", out)
+    if mpirun:
+        assert re.search(r"eager / traced, gRPC +\d+\.\d\d +\d+\.\d\d", out)
+        assert re.search(r"64 fused / MPI +\d+\.\d\d +\d+\.\d\d", out)
 
 
 @pytest.mark.slow

@@ -203,6 +203,11 @@ def test_the_mpi_transport_outside_mpirun_is_refused_and_auto_falls_back(monkeyp
     describe = "worker {}".format
     assert mpi_transport.open_transport("auto", 0, 2, describe) is None
     assert mpi_transport.open_transport("grpc", 0, 2, describe) is None
+    with pytest.raises(ValueError, match=r"^worker 0: transport='mpi' needs the cluster's 2 "
+                                         r"processes started by mpirun \(mpirun -np 2 \.\.\.\); "
+                                         r"this process was not started by mpirun"):
+        mpi_transport.open_transport("mpi", 0, 2, describe)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     monkeypatch.setitem(sys.modules, "mpi4py", None)
     with pytest.raises(ValueError, match=r"^worker 0: transport='mpi' needs mpi4py, which does "
                                          r"not import"):
@@ -213,7 +218,6 @@ def test_the_mpi_transport_outside_mpirun_is_refused_and_auto_falls_back(monkeyp
 
 
 def test_the_mpi_transport_needs_mpiruns_processes(monkeypatch):
-    pytest.importorskip("mpi4py")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
     with pytest.raises(ValueError, match=r"^worker 1: transport='mpi' needs the cluster's 2 "
                                          r"processes started by mpirun \(mpirun -np 2 \.\.\.\); "

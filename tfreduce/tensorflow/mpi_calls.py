@@ -1,10 +1,12 @@
-"""The eager Horovod calls' data over the MPI transport: NumPy in, one MPI collective, tensors out.
+"""The Horovod calls' data over the MPI transport: NumPy in, one MPI collective, tensors out.
 
 When the cluster has an ``MpiTransport`` (``Cluster(transport="mpi")``, or
 ``hvd.init()`` under mpirun with mpi4py), an eager call, once the processes
 agreed on it (over MPI too, ``consistency.check_same_call``), moves its
 bytes here instead of through a traced TF collective
-(``calls.run_cached(..., mpi=)``). Results equal the gRPC path's: the same
+(``calls.run_cached(..., mpi=)``). Each function takes and returns eager
+tensors (on the CPU; a process's tensors are one row of the size x 1
+K x N list). Results equal the gRPC path's: the same
 widening of narrow dtypes, the mean as ``sum * (1 / size)`` in the sum's
 dtype, Horovod's integer mean left to ``wire.finish_mean``.
 

@@ -182,6 +182,7 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
         isinstance(t, tf.IndexedSlices) for t in tensors) else lambda: pickle.dumps(
         (op, compression.name, prescale_factor, postscale_factor, name,
          [(t.shape.as_list(), t.dtype.name) for t in tensors]))
+
     def over_mpi(mpi, tensors):  # the same steps, the sums over MPI (mpi_calls)
         with tf.device(place):
             out = mpi_calls.allreduce(mpi, [scale(t, prescale_factor) for t in tensors], op,

@@ -77,7 +77,7 @@ class Cluster:
       stall_seconds: float seconds >= 0, or None for $TFREDUCE_STALL_SECONDS
         (default 20): a peer silent this long is named (``tfreduce.workers.watchdog``); 0: off.
       transport: "grpc" (TF's runtime for every collective), "mpi" (the
-        eager calls' bytes and agreement over MPI, ``tfreduce.workers.
+        Horovod calls' agreement and bytes over MPI, ``tfreduce.workers.
         mpi_transport``; the processes started by mpirun) or "auto" (MPI
         when mpirun started them and mpi4py imports).
 

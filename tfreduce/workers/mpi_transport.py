@@ -6,12 +6,13 @@ Between processes, TF's collectives go over its gRPC runtime: on one
 time (``tfreduce-bench --mode crossprocess``). Horovod ran its CPU
 collectives over MPI or Gloo for the same reason. With this transport
 (``Cluster(..., transport="mpi")``, or ``"auto"`` when ``mpirun`` started
-the processes and mpi4py imports) the eager Horovod-style calls move their
-bytes over MPI, and so does the agreement that precedes each of them
-(``consistency.check_same_call``). Inside a traced function (a
-``tf.function``, ``model.fit``'s step, ``ReplicatedTrainer``) the
-collectives stay TF's: the executor's threads would otherwise wait inside
-MPI, where neither TF's ordering nor its cancellation reaches.
+the processes and mpi4py imports) the Horovod-style calls move their
+bytes over MPI, and so does the agreement that precedes each eager one
+(``consistency.check_same_call``): eagerly every collective; inside a
+traced function (a ``tf.function``, ``model.fit``'s step) the dense
+all-reduces and broadcasts, each one op that waits in MPI
+(``tfreduce.tensorflow.mpi_calls``). ``ReplicatedTrainer``'s reduction,
+compressed calls and ``tf.IndexedSlices`` stay on TF's runtime.
 
 Every collective is MPI-3's non-blocking one (``Iallreduce``,
 ``Iallgatherv``, ``Ibcast``, ``Ireduce_scatter``, ``Ialltoallv``) polled to
@@ -73,19 +74,21 @@ def open_transport(transport, rank, num_workers, describe):
     if transport == "grpc" or num_workers < 2:
         return None
     size = mpirun_size()
+    # Checked before mpi4py's MPI is imported: importing it starts MPI (outside
+    # mpirun, as a singleton that spawns a daemon).
+    if size != num_workers:
+        if transport == "auto":
+            return None
+        started = "was not started by mpirun" if size is None else f"is one of {size}"
+        raise ValueError(f"{describe(rank)}: transport='mpi' needs the cluster's "
+                         f"{num_workers} processes started by mpirun (mpirun -np "
+                         f"{num_workers} ...); this process {started}")
     try:
         from mpi4py import MPI
     except ImportError as error:
         if transport == "mpi":
             raise ValueError(f"{describe(rank)}: transport='mpi' needs mpi4py, which does not "
                              f"import ({error}): pip install 'tfreduce[mpi]'") from None
-        return None
-    if size != num_workers:
-        if transport == "mpi":
-            started = "was not started by mpirun" if size is None else f"is one of {size}"
-            raise ValueError(f"{describe(rank)}: transport='mpi' needs the cluster's "
-                             f"{num_workers} processes started by mpirun (mpirun -np "
-                             f"{num_workers} ...); this process {started}")
         return None
     return MpiTransport(MPI.COMM_WORLD.Split(0, rank), MPI)
 
