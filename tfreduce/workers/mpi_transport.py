@@ -98,15 +98,14 @@ class MpiTransport:
 
     Its calls take and return NumPy arrays, block until done (polling, see
     the module docstring) and must be made by every process in the same
-    order, one at a time (the eager calls' agreement sees to it).
+    order, one at a time (the eager calls' agreement sees to it, and a
+    graph's build order: ``tfreduce.tensorflow.mpi_calls.in_graph_order``).
 
     Args:
       comm: an mpi4py intracommunicator of W processes, rank r the
         cluster's rank r.
       mpi: the ``mpi4py.MPI`` module.
     """
-
-    name = "mpi"
 
     def __init__(self, comm, mpi):
         self.comm = comm
