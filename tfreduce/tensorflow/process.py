@@ -219,12 +219,12 @@ def is_homogeneous():
 
 
 # What Horovod's build flags report. tfreduce runs on TensorFlow's own
-# gRPC collectives, and its eager calls on MPI when the cluster's transport
-# is (``tfreduce.workers.mpi_transport``): no Gloo, oneCCL or DDL; NCCL
+# gRPC collectives, and its Horovod calls on MPI when the cluster's
+# transport is (``tfreduce.workers.mpi_transport``): no Gloo, oneCCL or DDL; NCCL
 # only inside TensorFlow (its version is not Horovod's to report).
 
 def mpi_built():
-    """True when mpi4py imports: a cluster can carry the eager calls over MPI."""
+    """True when mpi4py imports: a cluster can carry the Horovod calls over MPI."""
     try:
         import mpi4py  # noqa: F401
     except ImportError:
@@ -233,7 +233,7 @@ def mpi_built():
 
 
 def mpi_enabled():
-    """True when this run's eager calls go over MPI (init() under mpirun, with mpi4py)."""
+    """True when this run's Horovod calls go over MPI (init() under mpirun, with mpi4py)."""
     return getattr(_RUN.cluster, "mpi", None) is not None
 
 
