@@ -515,13 +515,14 @@ def train_and_evaluate(parser, args):
             f"choose one of {', '.join(usable)}"
         )
     try:
-        # tfreduce: one worker of a multi-worker run when TF_CONFIG is set.
-        cluster = tfreduce.Cluster.from_tf_config() if os.environ.get("TF_CONFIG") else None
+        # tfreduce: one worker of a multi-worker run when TF_CONFIG (tfreduce-launch),
+        # mpirun or a SLURM step started several processes; None for one process.
+        cluster = tfreduce.cluster_from_environment()
     except (TypeError, ValueError) as error:
         parser.error(str(error))
     if cluster is not None and args.trainer == "keras":
         parser.error("--trainer keras trains on one machine (MultiWorkerMirroredStrategy takes "
-                     "no cross-device ops); with TF_CONFIG, use --trainer replicated")
+                     "no cross-device ops); across processes, use --trainer replicated")
     if cluster is not None:
         # Started before any tensor exists (datasets included): from here on
         # this worker's devices carry its job and task in their names.

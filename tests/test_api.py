@@ -41,6 +41,7 @@ EXPORTS = {
     'Cluster.start_server': '(self, config=None)',
     'Cluster.task_name': '(self, rank=None)',
     'Cluster.unreachable_workers': '(self, probe_timeout=5.0)',
+    'cluster_from_environment': "(timeout=300.0, stall_seconds=None, transport='auto')",
     'CollectiveKeys': '(first_instance_key=1)',
     'CollectiveKeys.for_call': '(cls, text)',
     'CollectiveKeys.group_key': '(devices)',

@@ -39,19 +39,24 @@ def have_mpi():
     return None
 
 
-def run_mpirun(tmp_path, np, *args, worker=WORKER, ranks=None):
-    """The worker under ``mpirun -np np``: each rank's JSON, in rank order.
-
-    ranks=None: every rank must write one and mpirun succeed; else only
-    those ranks' (the job may fail: a rank that ends it)."""
+def mpirun(np, *command):
+    """``mpirun -np np`` of a Python command on this host (skips where MPI is missing)."""
     why = have_mpi()
     if why:
         pytest.skip(why)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.pop("TF_CONFIG", None)
-    done = subprocess.run(["mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none",
-                           sys.executable, str(worker), "--out", str(tmp_path), *args],
+    return subprocess.run(["mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none",
+                           "--tag-output", sys.executable, *map(str, command)],
                           capture_output=True, text=True, env=env, timeout=240)
+
+
+def run_mpirun(tmp_path, np, *args, worker=WORKER, ranks=None):
+    """The worker under ``mpirun -np np``: each rank's JSON, in rank order.
+
+    ranks=None: every rank must write one and mpirun succeed; else only
+    those ranks' (the job may fail: a rank that ends it)."""
+    done = mpirun(np, worker, "--out", tmp_path, *args)
     if ranks is None:
         assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads((tmp_path / f"rank-{r}.json").read_text())
@@ -73,6 +78,19 @@ def test_the_trainers_auto_cluster_under_mpirun_spans_every_process(tmp_path):
     rows = run_mpirun(tmp_path, 2, "--door", "trainer")
     assert [(r["rank"], r["size"]) for r in rows] == [(0, 2), (1, 2)]
     assert rows[0]["weights"] == rows[1]["weights"] and rows[0]["drift"] == 0.0
+
+
+@pytest.mark.slow
+def test_the_examples_trainer_under_mpirun_trains_across_its_processes(tmp_path):
+    example = Path(__file__).parent.parent / "examples" / "image_classification.py"
+    done = mpirun(2, example, "--trainer", "replicated", "--devices", "1", "--epochs", "1",
+                  "--limit", "400", "--logdir", tmp_path, "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):  # one cluster: neither trains alone
+        assert f"[1,{rank}]<stdout>:worker {rank} of 2 (2 towers in all)" in done.stdout
+    losses = re.findall(r"\[1,(\d)\]<stdout>:test accuracy: [0-9.]+  test loss: ([0-9.]+)",
+                        done.stdout)
+    assert sorted(rank for rank, _ in losses) == ["0", "1"] and len(set(dict(losses).values())) == 1
 
 
 class ThreadComm:

@@ -29,6 +29,7 @@ _EXPORTS = {
     "allreduce_grads": "tfreduce.doors.allreduce",
     "choose_algorithm": "tfreduce.algorithms.registry",
     "Cluster": "tfreduce.workers.cluster",
+    "cluster_from_environment": "tfreduce.workers.environment",
     "WorkerLostError": "tfreduce.workers.failures",
     "CollectiveKeys": "tfreduce.blocks.collective",
     "Compression": "tfreduce.buffers.compression",

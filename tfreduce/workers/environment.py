@@ -21,6 +21,14 @@ __all__ = ["cluster_from_environment"]
 def cluster_from_environment(timeout=DEFAULT_TIMEOUT, stall_seconds=None, transport="auto"):
     """The (unstarted) Cluster this process's environment describes, or None for one process.
 
+    In this order: TF_CONFIG (tfreduce-launch, tf.distribute's convention);
+    a SLURM job step of several tasks (SLURM_* variables, as
+    ``SlurmClusterResolver`` reads them); mpirun's processes (Open MPI's or
+    MPICH's variables), which exchange hosts and free ports over mpi4py.
+    ``tfreduce.cluster_from_environment()``; ``hvd.init()`` and
+    ``ReplicatedTrainer(cluster="auto")`` call it. Start the cluster
+    (``Cluster.start``) before any tensor exists.
+
     Args:
       timeout: float seconds, as ``Cluster``'s.
       stall_seconds: float seconds or None, as ``Cluster``'s.
