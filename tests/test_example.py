@@ -228,7 +228,7 @@ def test_keras_trainer_refuses_a_cluster(example, tmp_path, capsys, monkeypatch)
     assert info.value.code == 2
     assert capsys.readouterr().err == (
         "image_classification.py: error: --trainer keras trains on one machine "
-        "(MultiWorkerMirroredStrategy takes no cross-device ops); with TF_CONFIG, use "
+        "(MultiWorkerMirroredStrategy takes no cross-device ops); across processes, use "
         "--trainer replicated (see --help)\n")
 
 
