@@ -19,12 +19,18 @@ Every collective is MPI-3's non-blocking one (``Iallreduce``,
 completion, one at a time per process, so that when the watchdog names a
 frozen or lost peer (``abort``) the waiting call raises
 ``tf.errors.UnavailableError`` with the watchdog's message, as an aborted
-TF collective does, instead of waiting in MPI for good.
+TF collective does, instead of waiting in MPI for good. A process whose
+transport was aborted ends the job at exit (``MPI_Abort``: mpirun stops
+every process, a frozen one included) rather than finalize MPI, which
+would wait for the frozen peer and progress the abandoned request.
 
 Sources: MPI 3.1 (non-blocking collectives, section 5.12); Horovod's MPI
 controller and operations (horovod/common/ops/mpi_operations.cc), which
 carry the same collectives; mpi4py's buffer interface.
 """
+
+import atexit
+import sys
 
 import numpy as np
 
@@ -114,15 +120,27 @@ class MpiTransport:
         self._mpi = mpi
         self._ops = {"sum": mpi.SUM, "min": mpi.MIN, "max": mpi.MAX, "product": mpi.PROD}
         self.aborted = None
+        self._abandoned = []  # requests left pending by an abort: their buffers stay alive
 
     def abort(self, message):
-        """Makes the call waiting now (and every later one) raise UnavailableError(message)."""
+        """Makes the call waiting now (and every later one) raise UnavailableError(message).
+
+        From then on the process ends the job when it exits (MPI_Abort with
+        code 1) instead of finalizing MPI."""
+        if self.aborted is None:
+            atexit.register(self._end_job)  # before mpi4py's finalize (atexit runs LIFO)
         self.aborted = message
+
+    def _end_job(self):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._mpi.COMM_WORLD.Abort(1)
 
     def _wait(self, request):
         test = request.Test
         while not test():
             if self.aborted is not None:
+                self._abandoned.append(request)
                 break
         self._check()
 
