@@ -25,7 +25,7 @@ def cluster_from_environment(timeout=DEFAULT_TIMEOUT, stall_seconds=None, transp
     a SLURM job step of several tasks (SLURM_* variables, as
     ``SlurmClusterResolver`` reads them); mpirun's processes (Open MPI's or
     MPICH's variables), which exchange hosts and free ports over mpi4py.
-    ``tfreduce.cluster_from_environment()``; ``hvd.init()`` and
+    Public as ``tfreduce.cluster_from_environment()``; ``hvd.init()`` and
     ``ReplicatedTrainer(cluster="auto")`` call it. Start the cluster
     (``Cluster.start``) before any tensor exists.
 
@@ -34,6 +34,10 @@ def cluster_from_environment(timeout=DEFAULT_TIMEOUT, stall_seconds=None, transp
       stall_seconds: float seconds or None, as ``Cluster``'s.
       transport: as ``Cluster``'s; "auto": the eager calls go over MPI when
         mpirun started the processes and mpi4py imports.
+
+    Returns:
+      tfreduce.Cluster of W workers (not started), or None when this
+      process runs alone.
 
     Raises:
       ValueError: a malformed TF_CONFIG or SLURM variable (as
