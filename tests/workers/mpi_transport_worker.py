@@ -1,6 +1,6 @@
 """A process that ``mpirun -np 2`` started, whose eager Horovod calls go over the MPI transport.
 
-Run by tests/test_mpi_transport.py. ``--case collectives``: every eager
+Run by tests/test_mpirun.py. ``--case collectives``: every eager
 collective on inputs made from the rank (each dtype; a grouped all-reduce
 fused and unfused), then two mismatched calls and one more good call;
 ``--case frozen``: rank 1 stops itself (SIGSTOP) after one call, rank 0
