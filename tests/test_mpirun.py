@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tfreduce.basis.tf_config import mpirun_size, mpirun_tf_config, parse_tf_config
 from tfreduce.tensorflow import mpi_calls
@@ -185,6 +186,10 @@ def test_eager_collectives_over_the_mpi_transport_equal_numpy(tmp_path):
             assert got == (np.trunc(mean) if "int" in dtype else mean).tolist(), dtype
             assert row["min"][dtype] == a.tolist() and row["max"][dtype] == b.tolist()
         assert row["fused"] == row["unfused"]  # fused in buffers per dtype, in order
+        mean = (a + b) / 2
+        assert [v for v, _ in row["fused"]] == [
+            (np.trunc(mean) if d == "int32" else mean).tolist() for d in (
+                "float32", "int32", "float32", "float64", "float32")]
         assert [d for _, d in row["fused"]] == ["float32", "int32", "float32", "float64",
                                                "float32"]
         assert row["allgather"] == [[0, 0], [1, 1], [1, 1]]
@@ -255,3 +260,17 @@ def test_a_bad_fusion_threshold_is_named(monkeypatch):
     with pytest.raises(ValueError, match=r"HOROVOD_FUSION_THRESHOLD='64MB': give a number of "
                                          r"bytes >= 0 \(0: no fusion\)"):
         mpi_calls.fusion_threshold()
+
+
+def test_a_fused_buffer_holds_each_tensor_at_an_aligned_offset_in_order():
+    signature = tuple((tf.as_dtype(d), tf.TensorShape(s)) for d, s in (
+        ("float32", [2, 3]), ("int32", [5]), ("float32", []), ("float64", [3]),
+        ("float32", [4, 4])))
+    runs = mpi_calls._layout(signature, 64 << 20)
+    # float32: 6 elements, padded to 16 (64 bytes); the scalar at 16, padded to 32; then 16.
+    assert runs[0] == (tf.float32, 48, [(0, 0, 6, (2, 3)), (2, 16, 17, ()), (4, 32, 48, (4, 4))],
+                       [(6, 16), (17, 32)])
+    assert runs[1] == (tf.int32, None, [(1, 0, 5, None)], [])  # alone: its own memory
+    assert runs[2] == (tf.float64, None, [(3, 0, 3, None)], [])
+    assert mpi_calls._layout(signature, 64 << 20) is runs  # computed once per signature
+    assert [r[1] for r in mpi_calls._layout(signature, 0)] == [None] * 5

@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfreduce.basis.contract import shard_sizes
-from tfreduce.workers.mpi_transport import ALIGNMENT
+from tfreduce.workers.mpi_transport import ALIGNMENT, empty
 
 __all__ = ["FUSION_ENV", "allgather", "allreduce", "alltoall", "assign_broadcast", "broadcast",
            "fusion_threshold", "in_graph_order", "py_function", "reduce_scatter"]
@@ -115,8 +115,11 @@ def _array(tensor):
 def allreduce(mpi, tensors, op, size):
     """N dense eager tensors reduced over the processes, fused per dtype: N tensors.
 
-    A fused run is joined by one ``tf.concat`` and its result cut by one
-    ``tf.split``; a tensor alone crosses from and into its own memory.
+    A fused run is copied into one buffer (each tensor at an offset aligned
+    to ``ALIGNMENT`` bytes) and each result is a tensor over its own part
+    of the reduced buffer, without a copy: no TF op runs per tensor. A
+    tensor alone crosses from and into its own memory. The layout is
+    computed once per input signature (``_layout``).
 
     Args:
       mpi: the MpiTransport.
@@ -130,27 +133,63 @@ def allreduce(mpi, tensors, op, size):
       list of N tf.Tensor, the inputs' shapes and dtypes, on the CPU.
     """
     merge = "sum" if op == "average" else op
-    threshold = fusion_threshold()
     out = [None] * len(tensors)
-    dtypes = [t.dtype for t in tensors]
-    for dtype in dict.fromkeys(dtypes):  # first-seen order: one on every process
-        picked = [n for n, d in enumerate(dtypes) if d == dtype]
+    signature = tuple((t.dtype, t.shape) for t in tensors)
+    for dtype, total, members, pads in _layout(signature, fusion_threshold()):
         scale = 1.0 / size if op == "average" and dtype.is_floating else None
-        sizes = [tensors[n].shape.num_elements() for n in picked]
-        for run in _fused([s * dtype.size for s in sizes], threshold):
-            members = [picked[i] for i in run]
-            if len(members) == 1:  # MPI reads the tensor's own memory
-                n = members[0]
-                out[n] = _tensor(mpi.allreduce(_array(tensors[n]), merge, scale), dtype)
-                continue
-            # One op joins the run, one splits the result: the tensors' cost is TF's, not Python's.
-            flat = tf.concat([tf.reshape(tensors[n], [-1]) if tensors[n].shape.rank != 1
-                              else tensors[n] for n in members], 0)
-            reduced = _tensor(mpi.allreduce(_array(flat), merge, scale), dtype)
-            for n, piece in zip(members, tf.split(reduced, [sizes[i] for i in run])):
-                shape = tensors[n].shape
-                out[n] = piece if shape.rank == 1 else tf.reshape(piece, shape)
+        if total is None:  # MPI reads the tensor's own memory
+            n = members[0][0]
+            out[n] = _tensor(mpi.allreduce(_array(tensors[n]), merge, scale), dtype)
+            continue
+        flat = empty(total, dtype.as_numpy_dtype)
+        for n, start, end, _ in members:
+            flat[start:end] = _array(tensors[n]).reshape(-1)
+        for start, end in pads:
+            flat[start:end] = 0
+        reduced = mpi.allreduce(flat, merge, scale)
+        for n, start, end, shape in members:
+            out[n] = _tensor(reduced[start:end].reshape(shape), dtype)
     return out
+
+
+# (signature, threshold) -> the fused runs of allreduce; bounded (signatures seldom vary).
+_LAYOUTS = {}
+_MOST_LAYOUTS = 256
+
+
+def _layout(signature, threshold):
+    """How allreduce moves tensors of `signature` ((dtype, TensorShape) each): a list of runs.
+
+    Each run is (dtype, elements of its buffer or None for a tensor alone,
+    members, pads): members a list of (index, first element, end element,
+    shape tuple), pads the (first, end) elements after them (zeros). The
+    dtypes come in first-seen order (one on every process), the runs of a
+    dtype in the tensors' order, at most `threshold` bytes each."""
+    key = (signature, threshold)
+    runs = _LAYOUTS.get(key)
+    if runs is not None:
+        return runs
+    runs, dtypes = [], [dtype for dtype, _ in signature]
+    for dtype in dict.fromkeys(dtypes):
+        picked = [n for n, d in enumerate(dtypes) if d == dtype]
+        counts = [signature[n][1].num_elements() for n in picked]
+        per_element = max(1, ALIGNMENT // dtype.size)
+        for run in _fused([c * dtype.size for c in counts], threshold):
+            if len(run) == 1:
+                runs.append((dtype, None, [(picked[run[0]], 0, counts[run[0]], None)], []))
+                continue
+            members, pads, start = [], [], 0
+            for i in run:
+                end = start + counts[i]
+                members.append((picked[i], start, end, tuple(signature[picked[i]][1].as_list())))
+                start = -(-end // per_element) * per_element  # the next aligned element
+                if start > end:
+                    pads.append((end, start))
+            runs.append((dtype, start, members, pads))
+    if len(_LAYOUTS) >= _MOST_LAYOUTS:
+        _LAYOUTS.clear()
+    _LAYOUTS[key] = runs
+    return runs
 
 
 def allgather(mpi, tensors, counts):
