@@ -34,6 +34,7 @@ import tfreduce
 from tfreduce.blocks.collective import CollectiveKeys
 from tfreduce.tensorflow import mpi_calls
 from tfreduce.tensorflow.process import cluster, eager_functions, is_initialized
+from tfreduce.tensorflow.signatures import describe_call, input_spec
 from tfreduce.workers.consistency import CallMismatchError, check_same_call, join_round
 from tfreduce.workers.failures import WorkerLostError
 from tfreduce.workers.progress import IN_JOIN, progress
@@ -160,21 +161,6 @@ def differentiable(forward, backward, tensors):
     return list(call(*tensors))
 
 
-def _spec(t, rows_vary):
-    if isinstance(t, tf.IndexedSlices):  # rows differ from call to call
-        shape = t.dense_shape
-        if shape is None:  # Horovod takes slices without a dense shape
-            return tf.IndexedSlicesSpec([None] + t.values.shape[1:].as_list(), t.values.dtype,
-                                        t.indices.dtype, None, [None])
-        return tf.IndexedSlicesSpec(
-            shape.numpy().tolist() if tf.is_tensor(shape) else shape, t.values.dtype,
-            t.indices.dtype, None if shape is None else tf.as_dtype(shape.dtype), [None])
-    shape = t.shape.as_list()
-    if rows_vary:
-        shape[0] = None
-    return tf.TensorSpec(shape, t.dtype)
-
-
 def agree(key, tensors, rows_vary=False, name=None, values=None, recipe=None):
     """Eagerly: raises CallMismatchError on every process unless all make this call.
 
@@ -203,7 +189,7 @@ def agree(key, tensors, rows_vary=False, name=None, values=None, recipe=None):
     for state in _CALLS:  # every call in progress has taken part now
         state[0] = True
     functions = eager_functions()
-    description = _describe(key, tensors, rows_vary, name)
+    description = describe_call(key, tensors, rows_vary, name)
     if _SESSION_OP:  # the TF1 op making this call: the same op on every process
         description += f" in op {_SESSION_OP[0]!r}"
     if _JOINED_CALL:  # made by join() for the others: already agreed
@@ -290,7 +276,7 @@ def run_cached(key, build, tensors, rows_vary=False, name=None, check=True, reci
     if over is not None:
         with progress.within(functions.get(_LAST_CALL, key[0])):
             return mpi(over, tensors)
-    specs = [_spec(t, rows_vary) for t in tensors]
+    specs = [input_spec(t, rows_vary) for t in tensors]
     full = (key, tuple(specs))  # the functions by what they do and their input signature
     if full not in functions:
         functions[full] = tf.function(build, input_signature=[specs], autograph=False)
@@ -298,27 +284,6 @@ def run_cached(key, build, tensors, rows_vary=False, name=None, check=True, reci
     with _keys_of_call(cluster(), functions.get(_CALL_KEYS)), \
             progress.within(functions.get(_LAST_CALL, key[0])):
         return functions[full](tensors)
-
-
-def _describe(key, tensors, rows_vary, name):
-    """A call as the processes compare it, e.g. "allreduce 'loss' (average) of float32 [3]".
-
-    Row counts that may differ between processes (allgather's, sparse
-    rows) show as None."""
-    what, *options = key
-    inputs = []
-    for t in tensors:
-        if isinstance(t, tf.IndexedSlices):
-            inputs.append(f"IndexedSlices {t.values.dtype.name} "
-                          f"{[None] + t.values.shape[1:].as_list()}")
-            continue
-        shape = t.shape.as_list()  # as _spec has it
-        if rows_vary and shape:
-            shape[0] = None
-        inputs.append(f"{t.dtype.name} {shape}")
-    named = f" {name!r}" if name else ""
-    settings = f" ({', '.join(str(o) for o in options)})" if options else ""
-    return f"{what}{named}{settings} of {', '.join(inputs) or 'nothing'}"
 
 
 def session_graph():
