@@ -14,14 +14,15 @@ See docs/horovod.md for the migration table and what differs.
 from tfreduce.tensorflow.functions import (allgather_object, broadcast_, broadcast_global_variables,
                                            broadcast_object, join, local_rank_op, local_size_op,
                                            rank_op, size_op)
-from tfreduce.tensorflow.ops import (Adasum, Average, Compression, Max, Min, Product, ProcessSet,
-                                     Sum, allgather, allreduce, broadcast, broadcast_variables,
-                                     global_process_set, grouped_allgather, grouped_allreduce)
+from tfreduce.tensorflow.ops import (Compression, allgather, allreduce, broadcast,
+                                     broadcast_variables, grouped_allgather, grouped_allreduce)
 from tfreduce.tensorflow.process import (ccl_built, cross_rank, cross_size, cuda_built,
                                          ddl_built, gloo_built, gloo_enabled, init,
                                          is_homogeneous, is_initialized, local_rank, local_size,
                                          mpi_built, mpi_enabled, mpi_threads_supported,
                                          nccl_built, rank, rocm_built, shutdown, size)
+from tfreduce.tensorflow.reduce_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
+                                            global_process_set)
 from tfreduce.tensorflow.scatter import alltoall, grouped_reducescatter, reducescatter
 from tfreduce.tensorflow.sync_batch_norm import SyncBatchNormalization
 from tfreduce.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape

@@ -41,8 +41,9 @@ import tensorflow as tf
 
 from tfreduce.basis import kerases
 from tfreduce.tensorflow.functions import broadcast_object
-from tfreduce.tensorflow.ops import Max, allreduce, broadcast_variables
+from tfreduce.tensorflow.ops import allreduce, broadcast_variables
 from tfreduce.tensorflow.process import size
+from tfreduce.tensorflow.reduce_ops import Max
 from tfreduce.workers import generations
 from tfreduce.workers.failures import PEER_LOST
 

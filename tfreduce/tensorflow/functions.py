@@ -15,9 +15,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfreduce.tensorflow.calls import in_session, one_call, session_graph, wait_in_join
-from tfreduce.tensorflow.ops import (allgather, broadcast, broadcast_variables,
-                                     check_process_set, global_process_set, grouped_allreduce)
+from tfreduce.tensorflow.ops import allgather, broadcast, broadcast_variables, grouped_allreduce
 from tfreduce.tensorflow.process import local_rank, local_size, rank, size
+from tfreduce.tensorflow.reduce_ops import check_process_set, global_process_set
 
 __all__ = ["allgather_object", "broadcast_object", "broadcast_", "broadcast_global_variables",
            "join", "rank_op", "local_rank_op", "size_op", "local_size_op"]

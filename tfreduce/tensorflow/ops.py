@@ -31,69 +31,13 @@ from tfreduce.tensorflow import mpi_calls
 from tfreduce.tensorflow.calls import (agree, differentiable, in_session, one_call, result_spec,
                                        run_cached, session_graph, tensor_or_slices)
 from tfreduce.tensorflow.process import cluster, device
+from tfreduce.tensorflow.reduce_ops import (ELEMENTWISE, Adasum, Average, Sum, check_op,
+                                           check_process_set, global_process_set)
 from tfreduce.tensorflow.wire import (check_dtypes, finish_mean, integer_mean, mean_dtype, narrow,
                                       off_wire, on_wire, scale, widen, wire_dtype)
 
-__all__ = ["Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression", "ProcessSet", "global_process_set", "allreduce",
-           "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
-           "broadcast_variables", "check_op", "check_process_set"]
-
-#: op= of a mean over the processes (Horovod's default).
-Average = "average"
-#: op= of a sum over the processes.
-Sum = "sum"
-#: op= of the elementwise minimum over the processes.
-Min = "min"
-#: op= of the elementwise maximum over the processes.
-Max = "max"
-#: op= of the elementwise product over the processes.
-Product = "product"
-#: Horovod's Adasum, which tfreduce refuses with a ValueError that names it.
-Adasum = "adasum"
-_OPS = (Average, Sum, Min, Max, Product)
-# op -> the merge of TF's CollectiveReduceV2, for the ops built one tensor each.
-_ELEMENTWISE = {Min: "Min", Max: "Max", Product: "Mul"}
-
-
-class ProcessSet:
-    """Horovod's process set; tfreduce has one, every process (``global_process_set``)."""
-
-    def __repr__(self):
-        return "global_process_set"
-
-
-#: The process set of every process, the only one tfreduce knows.
-global_process_set = ProcessSet()
-
-
-def check_op(op, average=None, where="allreduce"):
-    """The op of a reduction, from Horovod's ``op`` and its deprecated ``average``.
-
-    Returns:
-      Average or Sum.
-
-    Raises:
-      ValueError: both given, or an op other than Average and Sum.
-    """
-    if average is not None:
-        if op is not None:
-            raise ValueError(f"{where}: pass op= only (average= is Horovod's deprecated "
-                             "spelling of op=Average)")
-        return Average if average else Sum
-    if op is None:
-        return Average
-    if op not in _OPS:
-        raise ValueError(f"{where}: op must be tfreduce.tensorflow.Average, Sum, Min, Max or "
-                         f"Product, got {op!r} (Adasum is not supported)")
-    return op
-
-
-def check_process_set(process_set, where):
-    """Raises ValueError for a process set other than global_process_set, naming `where`."""
-    if process_set is not global_process_set:
-        raise ValueError(f"{where}: process_set={process_set!r}: only global_process_set "
-                         "(every process) is supported")
-
+__all__ = ["Compression", "allreduce", "grouped_allreduce", "allgather", "grouped_allgather",
+           "broadcast", "broadcast_variables"]
 
 @tf.autograph.experimental.do_not_convert
 @one_call("allreduce")
@@ -155,7 +99,7 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
                                   "anything else here); use Sum or Average")
     op = check_op(op, average, where)
     check_process_set(process_set, where)
-    if op in _ELEMENTWISE and any(isinstance(t, tf.IndexedSlices) for t in tensors):
+    if op in ELEMENTWISE and any(isinstance(t, tf.IndexedSlices) for t in tensors):
         raise NotImplementedError(
             f"{where}: op={op!r} does not reduce tf.IndexedSlices, only Sum and Average do "
             "(densify them first: tf.convert_to_tensor, or sparse_as_dense=True)")
@@ -189,7 +133,7 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
                                       found.num_workers)
             return [finish_mean(t, op == Average, postscale_factor, found.num_workers) for t in out]
 
-    dense = not compression.compresses and (recipe is not None or op in _ELEMENTWISE)
+    dense = not compression.compresses and (recipe is not None or op in ELEMENTWISE)
     return run_cached(("allreduce", op, compression.name, prescale_factor, postscale_factor),
                       build, tensors, name=name, recipe=recipe, mpi=over_mpi if dense else None,
                       same_specs=True)
@@ -201,7 +145,7 @@ def _reduce(found, place, tensors, op, compression):
         return [t if isinstance(t, tf.IndexedSlices) else tf.identity(t) for t in tensors]
     given = tensors
     tensors = [on_wire(t) for t in tensors]
-    if op in _ELEMENTWISE:
+    if op in ELEMENTWISE:
         chain, group_key, _ = _chain_for(found, place)
         out = []
         for n, t in enumerate(tensors):
@@ -209,7 +153,7 @@ def _reduce(found, place, tensors, op, compression):
             with chain.after_previous(place):
                 reduced = chain.all_reduce(wire, place, found.num_workers, group_key,
                                            found.keys.instance_key(), name=f"{op}{n}",
-                                           merge_op=_ELEMENTWISE[op])
+                                           merge_op=ELEMENTWISE[op])
             out.append(compression.decompress(reduced, context))
     else:
         # Integers are summed; their mean is scaled after (wire.finish_mean).

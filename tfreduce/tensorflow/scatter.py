@@ -22,9 +22,9 @@ from tfreduce.doors.collectives import all_gather, all_to_all, reduce_scatter
 from tfreduce.tensorflow import mpi_calls
 from tfreduce.tensorflow.calls import (agree, differentiable, in_session, one_call, result_spec,
                                        run_cached, session_graph)
-from tfreduce.tensorflow.ops import (Average, check_op, check_process_set, global_process_set,
-                                     grouped_allgather)
+from tfreduce.tensorflow.ops import grouped_allgather
 from tfreduce.tensorflow.process import cluster, device
+from tfreduce.tensorflow.reduce_ops import Average, check_op, check_process_set, global_process_set
 from tfreduce.tensorflow.wire import check_dtypes, narrow, scale, widen
 from tfreduce.workers.consistency import MessageError
 

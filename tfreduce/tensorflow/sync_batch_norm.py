@@ -15,7 +15,8 @@ Detector" (2018).
 import keras
 import tensorflow as tf
 
-from tfreduce.tensorflow.ops import Sum, grouped_allreduce
+from tfreduce.tensorflow.ops import grouped_allreduce
+from tfreduce.tensorflow.reduce_ops import Sum
 
 __all__ = ["SyncBatchNormalization"]
 

@@ -10,9 +10,9 @@ import tensorflow as tf
 
 from tfreduce.basis import kerases
 from tfreduce.buffers.compression import Compression, as_compressor
-from tfreduce.tensorflow.ops import (Average, check_op, check_process_set, global_process_set,
-                                     grouped_allreduce)
+from tfreduce.tensorflow.ops import grouped_allreduce
 from tfreduce.tensorflow.process import cluster
+from tfreduce.tensorflow.reduce_ops import Average, check_op, check_process_set, global_process_set
 from tfreduce.tensorflow.wire import scale
 
 __all__ = ["DistributedGradientTape", "GradientReduction", "PartialDistributedGradientTape",

@@ -20,9 +20,10 @@ from tfreduce.tensorflow.keras import callbacks, elastic
 from tfreduce.tensorflow.keras.data import DistributedBatches
 from tfreduce.tensorflow.keras.optimizer import (DistributedOptimizer, PartialDistributedOptimizer,
                                                  load_model)
-from tfreduce.tensorflow.ops import Average, Max, Min, ProcessSet, Product, Sum, global_process_set
 from tfreduce.tensorflow.process import (cross_rank, cross_size, init, is_initialized, local_rank,
                                          local_size, rank, shutdown, size)
+from tfreduce.tensorflow.reduce_ops import (Average, Max, Min, ProcessSet, Product, Sum,
+                                            global_process_set)
 from tfreduce.tensorflow.sync_batch_norm import SyncBatchNormalization
 
 __all__ = ["Average", "Compression", "DistributedBatches", "DistributedOptimizer", "Max", "Min",

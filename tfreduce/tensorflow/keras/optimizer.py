@@ -15,7 +15,7 @@ import tensorflow as tf
 from tfreduce.basis import kerases
 from tfreduce.buffers.compression import Compression
 from tfreduce.tensorflow.keras import optimizer_keras2
-from tfreduce.tensorflow.ops import Average, global_process_set
+from tfreduce.tensorflow.reduce_ops import Average, global_process_set
 from tfreduce.tensorflow.tape import GradientReduction, local_layers_of
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "describe_optimizer",
