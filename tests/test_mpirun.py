@@ -204,6 +204,21 @@ def test_eager_collectives_over_the_mpi_transport_equal_numpy(tmp_path):
             r"calls.*worker 0 .*: allreduce 'loss' \(average, none, 1.0, 1.0\) of float32 "
             r"\[3\]; worker 1 .*: allgather 'loss' of float32 \[None\]", message)
         assert row["after"] == [2.0, 4.0]  # the transport goes on after the mismatch
+        kept = row["prepared"]  # the prepared path: the general one's values and description
+        assert kept["taken"] == [True, rank == 1]  # kept for the calls the tape did not watch
+        assert kept["fast"][0] == kept["fast"][1] == kept["general"]  # bit for bit
+        assert kept["general"][1] == ((a / 7 + b / 7) * 0.5).tolist()  # the sum times 1 / size
+        for got, rel in zip(kept["general"], (1e-6, 1e-15, 1e-3, 1e-6)):
+            assert np.allclose(got, (a + b) / 14, rtol=rel, atol=0)
+        assert kept["descriptions"] == ["allreduce (average, none, 1.0, 1.0) of float32 [2, 3], "
+                                        "float64 [2, 3], float16 [2, 3], float32 [2, 3]"] * 3
+        assert kept["mixed"] == [(a + b).tolist(),
+                                 "allreduce 'steps' (sum, none, 1, 1.0) of int64 [2, 3]"]
+        kind, message = kept["mismatch"]
+        assert kind == "CallMismatchError" and re.search(
+            r"worker 0 .*: allreduce 'grad' \(average, none, 1.0, 1.0\) of float32 \[3\]; "
+            r"worker 1 .*: allreduce 'grad' \(average, none, 1.0, 1.0\) of float32 \[4\]",
+            message), message
 
 
 @pytest.mark.slow
@@ -263,14 +278,20 @@ def test_a_bad_fusion_threshold_is_named(monkeypatch):
 
 
 def test_a_fused_buffer_holds_each_tensor_at_an_aligned_offset_in_order():
-    signature = tuple((tf.as_dtype(d), tf.TensorShape(s)) for d, s in (
-        ("float32", [2, 3]), ("int32", [5]), ("float32", []), ("float64", [3]),
-        ("float32", [4, 4])))
-    runs = mpi_calls._layout(signature, 64 << 20)
+    tensors = [tf.zeros(s, d) for d, s in (("float32", [2, 3]), ("int32", [5]), ("float32", []),
+                                           ("float64", [3]), ("float32", [4, 4]))]
+    signature = mpi_calls.signature(tensors)
+    assert signature == ((tf.float32.as_datatype_enum, (2, 3)), (tf.int32.as_datatype_enum, (5,)),
+                         (tf.float32.as_datatype_enum, ()), (tf.float64.as_datatype_enum, (3,)),
+                         (tf.float32.as_datatype_enum, (4, 4)))
+    runs = mpi_calls.fused_layout(signature, 64 << 20)
     # float32: 6 elements, padded to 16 (64 bytes); the scalar at 16, padded to 32; then 16.
-    assert runs[0] == (tf.float32, 48, [(0, 0, 6, (2, 3)), (2, 16, 17, ()), (4, 32, 48, (4, 4))],
-                       [(6, 16), (17, 32)])
+    dtype, total, members, fills = runs[0]
+    assert (dtype, total, members) == (tf.float32, 48, [(0, 0, 6, (2, 3)), (2, 16, 17, ()),
+                                                        (4, 32, 48, (4, 4))])
+    assert [f if type(f) is int else (f.dtype, f.shape, f.any()) for f in fills] == [
+        0, (np.float32, (10,), False), 2, (np.float32, (15,), False), 4]
     assert runs[1] == (tf.int32, None, [(1, 0, 5, None)], [])  # alone: its own memory
     assert runs[2] == (tf.float64, None, [(3, 0, 3, None)], [])
-    assert mpi_calls._layout(signature, 64 << 20) is runs  # computed once per signature
-    assert [r[1] for r in mpi_calls._layout(signature, 0)] == [None] * 5
+    assert mpi_calls.fused_layout(signature, 64 << 20) is runs  # computed once per signature
+    assert [r[1] for r in mpi_calls.fused_layout(signature, 0)] == [None] * 5

@@ -2,7 +2,8 @@
 
 Run by tests/test_mpirun.py. ``--case collectives``: every eager
 collective on inputs made from the rank (each dtype; a grouped all-reduce
-fused and unfused), then two mismatched calls and one more good call;
+fused and unfused), then two mismatched calls and one more good call, then
+the prepared path against the general one;
 ``--case frozen``: rank 1 stops itself (SIGSTOP) after one call, rank 0
 calls again, records what its call raised and exits normally (its
 aborted transport then ends the job). Every process that runs to the end
@@ -21,7 +22,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfreduce.tensorflow as hvd  # noqa: E402
-from tfreduce.tensorflow.mpi_calls import FUSION_ENV  # noqa: E402
+from tfreduce.tensorflow.mpi_calls import FUSION_ENV, signature  # noqa: E402
+from tfreduce.tensorflow.process import eager_functions  # noqa: E402
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "bool")
 
@@ -72,6 +74,46 @@ def collectives(rank):
     except tf.errors.FailedPreconditionError as error:
         out["mismatch"] = [type(error).__name__, str(error)]
     out["after"] = listed(hvd.allreduce(tf.constant([1.0, 2.0]), op=hvd.Sum))
+    out["prepared"] = prepared(rank)
+    return out
+
+
+def _last_call():
+    """The description this process's last eager call agreed on (calls.agree keeps it)."""
+    return eager_functions()["last_call"]
+
+
+def prepared(rank):
+    """A call on the prepared path (tfreduce.tensorflow.prepared_calls) against the general
+    path, which a watching tape takes; each rank on another path; a mismatch of kept calls."""
+    group = [value(rank, d) / 7 for d in ("float32", "float64", "float16", "float32")]
+    fast, descriptions = [], []
+    for _ in range(2):  # prepared, then taken from what was kept
+        fast.append([listed(t) for t in hvd.grouped_allreduce(group, op=hvd.Average)])
+        descriptions.append(_last_call())
+    with tf.GradientTape() as tape:
+        tape.watch(group[0])
+        general = [listed(t) for t in hvd.grouped_allreduce(group, op=hvd.Average)]
+    descriptions.append(_last_call())
+    x = value(rank, "int64")
+    if rank == 0:  # the general path here, the prepared one on rank 1: the calls agree
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            mixed = hvd.allreduce(x, op=hvd.Sum, prescale_factor=1, name="steps")
+    else:
+        mixed = hvd.allreduce(x, op=hvd.Sum, prescale_factor=1, name="steps")
+    # Each kept call by its name (key[7]) and its inputs' signature (key[-1]).
+    kept = [(key[7], key[-1]) for key, entry in eager_functions()["prepared_allreduces"].items()
+            if entry]
+    out = {"fast": fast, "general": general, "descriptions": descriptions,
+           "mixed": [listed(mixed), _last_call()],
+           "taken": [(None, signature(group)) in kept, ("steps", signature([x])) in kept]}
+    hvd.allreduce(tf.ones([3]), name="grad")
+    try:  # kept on both ranks, then one of another shape
+        hvd.allreduce(tf.ones([3 + rank]), name="grad")
+        out["mismatch"] = None
+    except tf.errors.FailedPreconditionError as error:
+        out["mismatch"] = [type(error).__name__, str(error)]
     return out
 
 

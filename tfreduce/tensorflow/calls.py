@@ -161,7 +161,8 @@ def differentiable(forward, backward, tensors):
     return list(call(*tensors))
 
 
-def agree(key, tensors, rows_vary=False, name=None, values=None, recipe=None):
+def agree(key, tensors, rows_vary=False, name=None, values=None, recipe=None,
+          description=None):
     """Eagerly: raises CallMismatchError on every process unless all make this call.
 
     See ``consistency.check_same_call``; the call is described by its key,
@@ -178,6 +179,8 @@ def agree(key, tensors, rows_vary=False, name=None, values=None, recipe=None):
       recipe: None, or a function () -> bytes from which a process waiting
         in join() makes the same call with zeros (``functions.join``);
         without one, this call raises on every process while one waits there.
+      description: None, or the call's ``describe_call`` text, when the
+        caller kept it (``prepared_calls``).
 
     Returns:
       Eagerly with `values`: tuple of tuples of int, row r worker r's values
@@ -189,7 +192,8 @@ def agree(key, tensors, rows_vary=False, name=None, values=None, recipe=None):
     for state in _CALLS:  # every call in progress has taken part now
         state[0] = True
     functions = eager_functions()
-    description = describe_call(key, tensors, rows_vary, name)
+    if description is None:
+        description = describe_call(key, tensors, rows_vary, name)
     if _SESSION_OP:  # the TF1 op making this call: the same op on every process
         description += f" in op {_SESSION_OP[0]!r}"
     if _JOINED_CALL:  # made by join() for the others: already agreed
@@ -238,7 +242,7 @@ def _keys_of_call(found, keys):
 
 
 def run_cached(key, build, tensors, rows_vary=False, name=None, check=True, recipe=None,
-               mpi=None, same_specs=False):
+               mpi=None, same_specs=False, description=None):
     """build(tensors): directly in a graph; eagerly, in a tf.function kept per key and signature.
 
     The collectives' instance keys are drawn as a function traces, the same
@@ -250,7 +254,7 @@ def run_cached(key, build, tensors, rows_vary=False, name=None, check=True, reci
     input signature), so a mismatch raises on every process before any
     data moves.
 
-    check=False leaves that to the caller (``agree``); `recipe` is agree's.
+    check=False leaves that to the caller (``agree``); `recipe` and `description` are agree's.
     `mpi`: None, or a function (MpiTransport, tensors) -> build's results:
     eagerly on a cluster with the MPI transport, it moves the data instead
     (``mpi_calls``); in a graph too, as a ``tf.py_function``, when
@@ -270,7 +274,7 @@ def run_cached(key, build, tensors, rows_vary=False, name=None, check=True, reci
         return mpi_calls.in_graph_order(
             lambda ts: mpi_calls.py_function(lambda *xs: mpi(over, list(xs)), ts), tensors)
     if check:
-        agree(key, tensors, rows_vary, name, recipe=recipe)
+        agree(key, tensors, rows_vary, name, recipe=recipe, description=description)
     functions = eager_functions()
     over = getattr(cluster(), "mpi", None) if mpi is not None else None
     if over is not None:

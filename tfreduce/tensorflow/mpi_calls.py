@@ -36,8 +36,9 @@ import tensorflow as tf
 from tfreduce.basis.contract import shard_sizes
 from tfreduce.workers.mpi_transport import ALIGNMENT, empty
 
-__all__ = ["FUSION_ENV", "allgather", "allreduce", "alltoall", "assign_broadcast", "broadcast",
-           "fusion_threshold", "in_graph_order", "py_function", "reduce_scatter"]
+__all__ = ["DLPACK", "FUSION_ENV", "allgather", "allreduce", "alltoall", "assign_broadcast",
+           "broadcast", "fused_layout", "fusion_threshold", "in_graph_order", "py_function",
+           "reduce_scatter", "signature"]
 
 #: Horovod's variable: the most bytes one fused buffer holds (0: no fusion).
 FUSION_ENV = "HOROVOD_FUSION_THRESHOLD"
@@ -97,13 +98,13 @@ def _fused(sizes, threshold):
 def _tensor(array, dtype):
     """A transport's result as a tf.Tensor of `dtype`: its memory, without a copy (DLPack),
     where it is aligned and DLPack carries the dtype; else a copy."""
-    if array.size and array.ctypes.data % ALIGNMENT == 0 and dtype in _DLPACK:
+    if array.size and array.ctypes.data % ALIGNMENT == 0 and dtype in DLPACK:
         return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
     return tf.convert_to_tensor(array, dtype=dtype)
 
 
-# The dtypes TF takes over DLPack (bfloat16 is NumPy's only through ml_dtypes, which has none).
-_DLPACK = frozenset((tf.float16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int16, tf.uint16,
+#: The dtypes TF takes over DLPack (bfloat16 is NumPy's only through ml_dtypes, which has none).
+DLPACK = frozenset((tf.float16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int16, tf.uint16,
                      tf.int32, tf.int64, tf.bool))
 
 
@@ -112,44 +113,56 @@ def _array(tensor):
     return np.asarray(tensor)
 
 
-def allreduce(mpi, tensors, op, size):
+def allreduce(mpi, tensors, op, size, layout=None):
     """N dense eager tensors reduced over the processes, fused per dtype: N tensors.
 
     A fused run is copied into one buffer (each tensor at an offset aligned
-    to ``ALIGNMENT`` bytes) and each result is a tensor over its own part
-    of the reduced buffer, without a copy: no TF op runs per tensor. A
-    tensor alone crosses from and into its own memory. The layout is
-    computed once per input signature (``_layout``).
+    to ``ALIGNMENT`` bytes, zeros between) and each result is a tensor over
+    its own part of the reduced buffer, without a copy: no TF op runs per
+    tensor. A tensor alone crosses from and into its own memory.
 
     Args:
       mpi: the MpiTransport.
-      tensors: list of N dense tf.Tensor, one signature on every process.
+      tensors: list of N dense eager tf.Tensor, one signature on every process.
       op: "sum", "average", "min", "max" or "product". A float mean is the
         sum times (1 / size), in the sum's dtype; an integer mean is the sum
         (the caller finishes it: ``wire.finish_mean``).
       size: int W, the processes.
+      layout: None, or ``fused_layout`` of the tensors' signature (kept by
+        the caller); None: looked up.
 
     Returns:
       list of N tf.Tensor, the inputs' shapes and dtypes, on the CPU.
     """
     merge = "sum" if op == "average" else op
     out = [None] * len(tensors)
-    signature = tuple((t.dtype, t.shape) for t in tensors)
-    for dtype, total, members, pads in _layout(signature, fusion_threshold()):
+    if layout is None:
+        layout = fused_layout(signature(tensors), fusion_threshold())
+    for dtype, total, members, fills in layout:
         scale = 1.0 / size if op == "average" and dtype.is_floating else None
         if total is None:  # MPI reads the tensor's own memory
             n = members[0][0]
             out[n] = _tensor(mpi.allreduce(_array(tensors[n]), merge, scale), dtype)
             continue
         flat = empty(total, dtype.as_numpy_dtype)
-        for n, start, end, _ in members:
-            flat[start:end] = _array(tensors[n]).reshape(-1)
-        for start, end in pads:
-            flat[start:end] = 0
+        np.concatenate([_array(tensors[f]) if type(f) is int else f for f in fills], axis=None,
+                       out=flat)
         reduced = mpi.allreduce(flat, merge, scale)
-        for n, start, end, shape in members:
-            out[n] = _tensor(reduced[start:end].reshape(shape), dtype)
+        if reduced.ctypes.data % ALIGNMENT or dtype not in DLPACK:  # e.g. a float16 sum cast back
+            for n, start, end, shape in members:
+                out[n] = _tensor(reduced[start:end].reshape(shape), dtype)
+            continue
+        for n, start, end, shape in members:  # each member starts aligned (fused_layout)
+            part = reduced[start:end].reshape(shape)
+            out[n] = (tf.experimental.dlpack.from_dlpack(part.__dlpack__()) if end > start
+                      else _tensor(part, dtype))
     return out
+
+
+def signature(tensors):
+    """What a list of eager tensors' layout is kept by: (dtype enum, shape tuple) of each."""
+    # EagerTensor's own accessors: a third of the cost of t.dtype and t.shape.
+    return tuple((t._datatype_enum(), t._shape_tuple()) for t in tensors)
 
 
 # (signature, threshold) -> the fused runs of allreduce; bounded (signatures seldom vary).
@@ -157,35 +170,38 @@ _LAYOUTS = {}
 _MOST_LAYOUTS = 256
 
 
-def _layout(signature, threshold):
-    """How allreduce moves tensors of `signature` ((dtype, TensorShape) each): a list of runs.
+def fused_layout(signature, threshold):
+    """How allreduce moves tensors of `signature` (``signature(tensors)``): a list of runs.
 
-    Each run is (dtype, elements of its buffer or None for a tensor alone,
-    members, pads): members a list of (index, first element, end element,
-    shape tuple), pads the (first, end) elements after them (zeros). The
-    dtypes come in first-seen order (one on every process), the runs of a
-    dtype in the tensors' order, at most `threshold` bytes each."""
+    Each run is (tf.DType, elements of its buffer or None for a tensor
+    alone, members, fills): members a list of (index, first element, end
+    element, shape tuple); fills the buffer's contents in order, each a
+    tensor's index or an array of zeros (the padding to the next aligned
+    offset). The dtypes come in first-seen order (one on every process),
+    the runs of a dtype in the tensors' order, at most `threshold` bytes
+    each."""
     key = (signature, threshold)
     runs = _LAYOUTS.get(key)
     if runs is not None:
         return runs
-    runs, dtypes = [], [dtype for dtype, _ in signature]
+    runs, dtypes = [], [tf.as_dtype(enum) for enum, _ in signature]
     for dtype in dict.fromkeys(dtypes):
         picked = [n for n, d in enumerate(dtypes) if d == dtype]
-        counts = [signature[n][1].num_elements() for n in picked]
+        counts = [int(np.prod(signature[n][1], dtype=np.int64)) for n in picked]
         per_element = max(1, ALIGNMENT // dtype.size)
         for run in _fused([c * dtype.size for c in counts], threshold):
             if len(run) == 1:
                 runs.append((dtype, None, [(picked[run[0]], 0, counts[run[0]], None)], []))
                 continue
-            members, pads, start = [], [], 0
+            members, fills, start = [], [], 0
             for i in run:
                 end = start + counts[i]
-                members.append((picked[i], start, end, tuple(signature[picked[i]][1].as_list())))
+                members.append((picked[i], start, end, tuple(signature[picked[i]][1])))
+                fills.append(picked[i])
                 start = -(-end // per_element) * per_element  # the next aligned element
                 if start > end:
-                    pads.append((end, start))
-            runs.append((dtype, start, members, pads))
+                    fills.append(np.zeros(start - end, dtype.as_numpy_dtype))
+            runs.append((dtype, start, members, fills))
     if len(_LAYOUTS) >= _MOST_LAYOUTS:
         _LAYOUTS.clear()
     _LAYOUTS[key] = runs

@@ -17,8 +17,6 @@ postscale factors, allgather with uneven first dimensions, broadcast from
 any root rank); TensorFlow's collective ops as the engine.
 """
 
-import pickle
-
 import tensorflow as tf
 
 from tfreduce.basis.contract import check_root_rank, tf_variables
@@ -27,7 +25,7 @@ from tfreduce.blocks.collective import CollectiveChain, CollectiveOptions
 from tfreduce.buffers.compression import Compression, as_compressor
 from tfreduce.doors.collectives import all_gather, broadcast as tfreduce_broadcast
 from tfreduce.doors.multiworker import allreduce_grads_multiworker, broadcast_variables_multiworker
-from tfreduce.tensorflow import mpi_calls
+from tfreduce.tensorflow import mpi_calls, prepared_calls
 from tfreduce.tensorflow.calls import (agree, differentiable, in_session, one_call, result_spec,
                                        run_cached, session_graph, tensor_or_slices)
 from tfreduce.tensorflow.process import cluster, device
@@ -82,6 +80,10 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
         reduce (named).
     """
     del device_dense, device_sparse, ignore_name_scope
+    out = prepared_calls.allreduce(tensors, average, compression, op, prescale_factor,
+                                   postscale_factor, process_set, name, "grouped_allreduce")
+    if out is not None:  # eagerly over MPI, a signature seen before
+        return out
 
     def reduce(tensors):
         return _allreduce_list(tensors, average, compression, op, prescale_factor,
@@ -123,9 +125,8 @@ def _allreduce_list(tensors, average, compression, op, prescale_factor, postscal
     # How a process waiting in join() makes this call with zeros (functions.join);
     # pickled only when one waits.
     recipe = None if op not in (Sum, Average) or any(
-        isinstance(t, tf.IndexedSlices) for t in tensors) else lambda: pickle.dumps(
-        (op, compression.name, prescale_factor, postscale_factor, name,
-         [(t.shape.as_list(), t.dtype.name) for t in tensors]))
+        isinstance(t, tf.IndexedSlices) for t in tensors) else prepared_calls.allreduce_recipe(
+        op, compression.name, prescale_factor, postscale_factor, name, tensors)
 
     def over_mpi(mpi, tensors):  # the same steps, the sums over MPI (mpi_calls)
         with tf.device(place):
@@ -188,6 +189,10 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
       As grouped_allreduce.
     """
     del device_dense, device_sparse, ignore_name_scope
+    out = prepared_calls.allreduce([tensor], average, compression, op, prescale_factor,
+                                   postscale_factor, process_set, name, "allreduce")
+    if out is not None:
+        return out[0]
 
     def reduce(tensors):
         return _allreduce_list(tensors, average, compression, op, prescale_factor,

@@ -14,6 +14,7 @@ worker raises the same ValueError naming the workers and the difference,
 within seconds.
 """
 
+import functools
 import hashlib
 
 import numpy as np
@@ -30,6 +31,7 @@ _TEXT_BYTES = 240
 _DEVICE = "/device:CPU:0"
 
 
+@functools.lru_cache(maxsize=4096)  # a call made again hashes its description once
 def _hash(text):
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
 
@@ -247,6 +249,8 @@ def _resolve(rows):
     workers' own), "joined" (some wait in join(), the others agree),
     "ended" (every worker waits in join()), "none" (no worker made a call:
     failed calls and joins only)."""
+    if rows[0, 0] == _CALL and (rows == rows[0]).all():
+        return "agreed"  # the common case, at a tenth of the cost of the tests below
     status, kinds, hashes = rows[:, 0], rows[:, 1], rows[:, 2]
     calls, failed = status == _CALL, status == _FAILED
     if not calls.any():
