@@ -82,7 +82,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     del device_dense, device_sparse, ignore_name_scope
     out = prepared_calls.allreduce(tensors, average, compression, op, prescale_factor,
                                    postscale_factor, process_set, name, "grouped_allreduce")
-    if out is not None:  # eagerly over MPI, a signature seen before
+    if out is not None:  # eagerly on the MPI transport, prepared once per signature
         return out
 
     def reduce(tensors):
