@@ -102,8 +102,8 @@ def prepared(rank):
             mixed = hvd.allreduce(x, op=hvd.Sum, prescale_factor=1, name="steps")
     else:
         mixed = hvd.allreduce(x, op=hvd.Sum, prescale_factor=1, name="steps")
-    # Each kept call by its name (key[7]) and its inputs' signature (key[-1]).
-    kept = [(key[7], key[-1]) for key, entry in eager_functions()["prepared_allreduces"].items()
+    # Each kept call by its name (key[6]) and its inputs' signature (key[-1]).
+    kept = [(key[6], key[-1]) for key, entry in eager_functions()["prepared_allreduces"].items()
             if entry]
     out = {"fast": fast, "general": general, "descriptions": descriptions,
            "mixed": [listed(mixed), _last_call()],

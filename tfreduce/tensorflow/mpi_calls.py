@@ -27,6 +27,7 @@ dtype up to the threshold, filled in order); its MPI operations
 (horovod/common/ops/mpi_operations.cc).
 """
 
+import math
 import os
 import weakref
 
@@ -148,14 +149,12 @@ def allreduce(mpi, tensors, op, size, layout=None):
         np.concatenate([_array(tensors[f]) if type(f) is int else f for f in fills], axis=None,
                        out=flat)
         reduced = mpi.allreduce(flat, merge, scale)
-        if reduced.ctypes.data % ALIGNMENT or dtype not in DLPACK:  # e.g. a float16 sum cast back
-            for n, start, end, shape in members:
-                out[n] = _tensor(reduced[start:end].reshape(shape), dtype)
-            continue
-        for n, start, end, shape in members:  # each member starts aligned (fused_layout)
+        # Each member starts aligned (fused_layout): one check for the buffer, not one each.
+        direct = reduced.ctypes.data % ALIGNMENT == 0 and dtype in DLPACK
+        for n, start, end, shape in members:
             part = reduced[start:end].reshape(shape)
-            out[n] = (tf.experimental.dlpack.from_dlpack(part.__dlpack__()) if end > start
-                      else _tensor(part, dtype))
+            out[n] = (tf.experimental.dlpack.from_dlpack(part.__dlpack__())
+                      if direct and end > start else _tensor(part, dtype))
     return out
 
 
@@ -187,7 +186,7 @@ def fused_layout(signature, threshold):
     runs, dtypes = [], [tf.as_dtype(enum) for enum, _ in signature]
     for dtype in dict.fromkeys(dtypes):
         picked = [n for n, d in enumerate(dtypes) if d == dtype]
-        counts = [int(np.prod(signature[n][1], dtype=np.int64)) for n in picked]
+        counts = [math.prod(signature[n][1]) for n in picked]
         per_element = max(1, ALIGNMENT // dtype.size)
         for run in _fused([c * dtype.size for c in counts], threshold):
             if len(run) == 1:

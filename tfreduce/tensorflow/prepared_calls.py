@@ -65,14 +65,12 @@ def allreduce_recipe(op, compression_name, prescale_factor, postscale_factor, na
 class _Prepared:
     """What a call of one signature needs each time: its key, description, recipe and layout."""
 
-    def __init__(self, op, compression_name, factors, name, tensors, size):
+    def __init__(self, op, compression_name, factors, name, tensors, size, layout):
         # The general path's key and description, factors as given (1 and 1.0 read apart).
         self.key = ("allreduce", op, compression_name) + factors
         self.name = name
         self.description = describe_call(self.key, tensors, False, name)
         self.recipe = allreduce_recipe(op, compression_name, *factors, name, tensors)
-        layout = mpi_calls.fused_layout(mpi_calls.signature(tensors),
-                                        mpi_calls.fusion_threshold())
         self.run = lambda mpi, given: mpi_calls.allreduce(mpi, given, op, size, layout)
 
 
@@ -102,16 +100,17 @@ def allreduce(tensors, average, compression, op, prescale_factor, postscale_fact
     if getattr(found, "mpi", None) is None:
         return None
     try:
-        key = (where, average, compression, op, prescale_factor, postscale_factor, process_set,
-               name, found.num_workers, mpi_calls.fusion_threshold(),
-               mpi_calls.signature(tensors))
+        threshold, signature = mpi_calls.fusion_threshold(), mpi_calls.signature(tensors)
+        key = (average, compression, op, prescale_factor, postscale_factor, process_set, name,
+               found.num_workers, threshold, signature)
         kept = eager_functions().setdefault(_PREPARED, {})
         prepared = kept.get(key)
     except (TypeError, ValueError):  # an argument that is not hashable; a bad threshold
         return None
     if prepared is None:
         prepared = _prepare(tensors, average, compression, op, prescale_factor,
-                            postscale_factor, process_set, name, where, found.num_workers)
+                            postscale_factor, process_set, name, where, found.num_workers,
+                            mpi_calls.fused_layout(signature, threshold))
         if prepared is None:
             return None
         if len(kept) >= _MOST_PREPARED:
@@ -124,7 +123,7 @@ def allreduce(tensors, average, compression, op, prescale_factor, postscale_fact
 
 
 def _prepare(tensors, average, compression, op, prescale_factor, postscale_factor, process_set,
-             name, where, size):
+             name, where, size, layout):
     """A _Prepared for the call; False: it takes the general path always; None: its checks
     fail (the general path raises their error, after its agreement)."""
     try:
@@ -140,4 +139,4 @@ def _prepare(tensors, average, compression, op, prescale_factor, postscale_facto
                    or (op == Average and not t.dtype.is_floating) for t in tensors)):
         return False
     return _Prepared(op, compression.name, (prescale_factor, postscale_factor), name, tensors,
-                     size)
+                     size, layout)
