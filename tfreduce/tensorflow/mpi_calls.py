@@ -33,6 +33,10 @@ import weakref
 
 import numpy as np
 import tensorflow as tf
+# Private but stable since TF 2.2: what tf.experimental.dlpack.from_dlpack calls, after it
+# looks the eager context up (once per tensor; here once per fused buffer).
+from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager import context
 
 from tfreduce.basis.contract import shard_sizes
 from tfreduce.workers.mpi_transport import ALIGNMENT, empty
@@ -151,9 +155,11 @@ def allreduce(mpi, tensors, op, size, layout=None):
         reduced = mpi.allreduce(flat, merge, scale)
         # Each member starts aligned (fused_layout): one check for the buffer, not one each.
         direct = reduced.ctypes.data % ALIGNMENT == 0 and dtype in DLPACK
+        # tf.experimental.dlpack.from_dlpack's own call, its context looked up once per run.
+        handle = context.context()._handle
         for n, start, end, shape in members:
             part = reduced[start:end].reshape(shape)
-            out[n] = (tf.experimental.dlpack.from_dlpack(part.__dlpack__())
+            out[n] = (pywrap_tfe.TFE_FromDlpackCapsule(part.__dlpack__(), handle)
                       if direct and end > start else _tensor(part, dtype))
     return out
 
