@@ -97,6 +97,7 @@ def reductions(tower_counts):
 
 
 DICT = []  # [True] with --dict
+JIT = []  # [True] with --jit: each tower's pass compiled with XLA
 
 
 def make_model():
@@ -119,7 +120,7 @@ def make_trainer(num_towers, algorithm="flat", pack_bytes=None, micro_batches=8,
         make_model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         lambda: keras.optimizers.Adam(1e-2), devices=DEVICES[:num_towers],
         algorithm=algorithm, pack_bytes=pack_bytes, deterministic=True,
-        micro_batches=micro_batches, zero_stage=zero_stage)
+        micro_batches=micro_batches, zero_stage=zero_stage, jit_compile=bool(JIT))
 
 
 def take_steps(trainer, first, last):
@@ -193,8 +194,10 @@ def main():
     parser.add_argument("--train", type=json.loads, default=[])
     parser.add_argument("--resume", metavar="FOLDER")
     parser.add_argument("--dict", action="store_true")
+    parser.add_argument("--jit", action="store_true")
     args = parser.parse_args()
     DICT[:] = [True] if args.dict else []
+    JIT[:] = [True] if args.jit else []
     result = {"reductions": reductions(args.reductions)}
     result["train"] = [train(*case) for case in args.train]
     result["resume"] = resume(args.resume) if args.resume else {}

@@ -26,13 +26,13 @@ seed and the epoch only.
 import tensorflow as tf
 
 from tfreduce.algorithms.tree import fix_summation_order, tree_sum, tree_tower_counts
-from tfreduce.basis import kerases
 from tfreduce.basis.contract import shard_sizes
 from tfreduce.trainer.batching import split_shards
-from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
+from tfreduce.trainer.compiled import TowerPasses
+from tfreduce.trainer.losses import correct_count
 
 __all__ = ["check_deterministic", "check_batch_for_micro_batches", "fix_order",
-           "DeterministicStep"]
+           "micro_batch_passes", "DeterministicStep"]
 
 #: micro_batches when deterministic=True and none is given.
 DEFAULT_MICRO_BATCHES = 8
@@ -91,6 +91,17 @@ def check_batch_for_micro_batches(batch, micro_batches):
                          f"use a batch of at least {micro_batches}, or fewer micro-batches")
 
 
+def micro_batch_passes(towers, options):
+    """The towers' passes of one micro-batch (trainer.compiled): the gradient of its loss
+    sum over B plus the regularisation over M."""
+    micro_batches = options.micro_batches
+
+    def combine(loss_sum, reg, batch):
+        return loss_sum / tf.cast(batch, loss_sum.dtype) + reg / micro_batches
+
+    return TowerPasses(towers, options.loss_fn, combine, options.jit_compile)
+
+
 class DeterministicStep:
     """The forward and backward passes of a deterministic step, micro-batch by micro-batch.
 
@@ -98,12 +109,15 @@ class DeterministicStep:
       towers: Towers, this process's K built replicas.
       options: StepOptions, with ``micro_batches`` M.
       counter: the int64 step counter tf.Variable (the random layers' seeds).
+      passes: ``micro_batch_passes(towers, options)``, kept by the caller
+        (compiled once, used by every trace).
     """
 
-    def __init__(self, towers, options, counter):
+    def __init__(self, towers, options, counter, passes):
         self.towers = towers
         self.options = options
         self.counter = counter
+        self.passes = passes
         # This worker's micro-batches: first .. first + count - 1 of the M.
         self.count = options.micro_batches // options.cluster.num_workers
         self.first = options.cluster.rank * self.count
@@ -173,21 +187,14 @@ class DeterministicStep:
         # moving statistics); counts: (its size, the global batch, the step).
         towers, options = self.towers, self.options
         (x, y), (size, batch, step) = data, counts
-        model = towers.models[k]
         for v, value in zip(towers.moving[k], start):
             v.assign(value)
         self._set_seeds(k, step * options.micro_batches + self.first + j)
-        with tf.name_scope(f"micro{j}"), tf.GradientTape() as tape:
-            loss_sum, y_pred = tower_loss_sum(options.loss_fn, model,
-                                              tf.nest.map_structure(tf.identity, x),
-                                              tf.nest.map_structure(tf.identity, y),
-                                              training=True)
-            dtype = loss_sum.dtype
-            reg = regularization(model, dtype)
-            loss = loss_sum / tf.cast(batch, dtype) + reg / options.micro_batches
-            scaled = kerases.scale_loss(towers.optimizers[k], loss)
-        grads = [None if g is None else tf.convert_to_tensor(g)
-                 for g in tape.gradient(scaled, towers.trainable[k])]
+        with tf.name_scope(f"micro{j}"):
+            grads, loss_sum, y_pred, reg = self.passes(
+                k, tf.nest.map_structure(tf.identity, x), tf.nest.map_structure(tf.identity, y),
+                batch)
+        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
         share = tf.cast(size, tf.float64) / tf.cast(batch, tf.float64)
         moving = [tf.identity(v) * tf.cast(share, v.dtype) for v in towers.moving[k]]
         return grads, loss_sum, correct_count(y, y_pred), reg, moving

@@ -114,6 +114,8 @@ class StepOptions:
         see trainer.zero.
       micro_batches: int M, the micro-batches of a deterministic step
         (trainer.determinism), or 0: the reduction is not deterministic.
+      jit_compile: False, True or "auto" (on GPUs only): each tower's forward
+        and backward pass compiled with XLA (trainer.compiled).
     """
 
     loss_fn: Callable
@@ -128,6 +130,7 @@ class StepOptions:
     powersgd: object = None
     zero_stage: int = 0
     micro_batches: int = 0
+    jit_compile: object = False
 
     def describe(self):
         """The settings that shape the collectives, as text the workers compare."""

@@ -2,6 +2,7 @@
 
 from tfreduce.basis.devices import tower_devices
 from tfreduce.trainer.batching import eval_batches, input_batches, with_weights, worker_batch
+from tfreduce.trainer.compiled import resolve_jit_compile
 from tfreduce.trainer.inspection import Inspection
 from tfreduce.trainer.loop import FitHooks, evaluate_loop, fit_loop, predict_loop
 from tfreduce.trainer.losses import per_example_loss_fn, takes_class_indices
@@ -70,7 +71,7 @@ class ReplicatedTrainer(Inspection, Persistence):
     def __init__(self, model_fn, loss, optimizer_fn, devices=None, algorithm="auto", average=True,
                  *, bcast_period=0, cluster="auto", accumulate_steps=1, on_nonfinite="raise",
                  reduction=None, powersgd=None, zero_stage=0, micro_batches=None,
-                 **allreduce_options):
+                 jit_compile=False, **allreduce_options):
         """Builds one model replica and one optimizer per device.
 
         Args:
@@ -122,6 +123,12 @@ class ReplicatedTrainer(Inspection, Persistence):
             int M (default 8): each global batch is M micro-batches summed
             in one fixed tree, the same bits for T = M, M/2, M/4, ...
             towers (docs/determinism.md).
+          jit_compile: False (default), True or "auto": each tower's forward
+            and backward pass is one XLA cluster on its device, the
+            reduction and the update outside (tf_cnn_benchmarks'
+            ``--xla_compile``); "auto" compiles when every tower is a GPU.
+            An op XLA cannot compile raises ValueError with True, and with
+            "auto" warns and runs uncompiled (trainer/compiled.py).
           **allreduce_options: the options of ``tfreduce.Reduction``, such
             as groups=[[0, 1], [2, 3]] for "hierarchical", pack_bytes=,
             compression="fp16", or topology="dgx-a100" (with algorithm
@@ -135,7 +142,7 @@ class ReplicatedTrainer(Inspection, Persistence):
             Cluster; average not a bool; an option the algorithm lacks;
             reduction= with algorithm or options, or not a Reduction;
             powersgd not a PowerSGD instance, or given twice; zero_stage
-            not an int.
+            not an int; jit_compile not True, False or "auto".
           ValueError: unknown algorithm, bad or missing devices, a negative
             bcast_period or accumulate_steps < 1, a bad option value (a
             topology with a named algorithm), replicas that differ, or a
@@ -156,7 +163,7 @@ class ReplicatedTrainer(Inspection, Persistence):
             # T, the towers of all workers, among which each global batch is split.
             total_towers=self._cluster.num_workers * len(self.devices), cluster=self._cluster,
             accumulate_steps=accumulate_steps, on_nonfinite=on_nonfinite, powersgd=powersgd,
-            zero_stage=zero_stage)
+            zero_stage=zero_stage, jit_compile=resolve_jit_compile(jit_compile, self.devices))
         self._options.check()  # devices it cannot use fail here, not at the first step
         self._elastic = ElasticFit.of_this_process(  # does nothing without the elastic launcher
             lambda folder: self._checkpoint.save(folder, every_worker=True), self._restore_prefix)

@@ -14,13 +14,15 @@ The global batch is split on the host into K contiguous shards, the first
 B % K one example larger (tfreduce.basis.contract.shard_sizes), one per tower.
 """
 
+import functools
+
 import tensorflow as tf
 
-from tfreduce.basis import kerases
 from tfreduce.doors.multiworker import sum_over_workers
 from tfreduce.trainer.batching import split_shards
-from tfreduce.trainer.determinism import DeterministicStep
-from tfreduce.trainer.losses import correct_count, regularization, tower_loss_sum
+from tfreduce.trainer.compiled import TowerPasses
+from tfreduce.trainer.determinism import DeterministicStep, micro_batch_passes
+from tfreduce.trainer.losses import correct_count, tower_loss_sum
 from tfreduce.trainer.statistics import sync_moving
 from tfreduce.trainer.towertimes import split_stamp, stamp_towers
 from tfreduce.trainer.update import scales_loss
@@ -72,6 +74,28 @@ class StepGraph:
         self.state = state
         self.counter = counter
 
+    @functools.cached_property
+    def passes(self):
+        """The towers' forward and backward passes (trainer.compiled: XLA or not)."""
+        options = self.options
+        # Scaled before the reduction so that its sum (or mean) is the gradient
+        # of the global-batch mean loss; every tower adds the same regularisation
+        # term, which a sum over the T towers would count T times.
+        numerator = options.total_towers if options.average else 1
+        reg_weight = 1.0 if options.average else 1.0 / options.total_towers
+
+        def combine(loss_sum, reg, batch):
+            dtype = loss_sum.dtype
+            scale = tf.cast(numerator, dtype) / tf.cast(batch, dtype)
+            return loss_sum * scale + reg * reg_weight
+
+        return TowerPasses(self.towers, options.loss_fn, combine, options.jit_compile)
+
+    @functools.cached_property
+    def micro_passes(self):
+        """The passes of a deterministic step's micro-batches (trainer.determinism)."""
+        return micro_batch_passes(self.towers, self.options)
+
     def _tower_gradients(self, x_shards, y_shards, batch, accumulating):
         """Forward and backward on every tower.
 
@@ -85,29 +109,13 @@ class StepGraph:
         Returns:
           (all_grads K x N, loss_sums [K], corrects [K] int64 or None, regs [K]).
         """
-        towers, options = self.towers, self.options
+        towers = self.towers
         all_grads, loss_sums, corrects, regs = [], [], [], []
-        for k, (model, device) in enumerate(zip(towers.models, towers.devices)):
+        for k, device in enumerate(towers.devices):
             with tf.device(device), tf.name_scope(f"tower{k}"):
                 x_k = tf.nest.map_structure(tf.identity, x_shards[k])
                 y_k = tf.nest.map_structure(tf.identity, y_shards[k])
-                with tf.GradientTape() as tape:
-                    loss_sum, y_pred = tower_loss_sum(options.loss_fn, model, x_k, y_k,
-                                                      training=True)
-                    dtype = loss_sum.dtype
-                    # Scale before the reduction so that its sum (or mean)
-                    # is the gradient of the global-batch mean loss.
-                    numerator = tf.cast(options.total_towers if options.average else 1, dtype)
-                    scale = numerator / tf.cast(batch, dtype)
-                    reg = regularization(model, dtype)
-                    # Every tower adds the same regularisation term; a sum
-                    # over the T towers would count it T times.
-                    reg_weight = 1.0 if options.average else 1.0 / options.total_towers
-                    # Keras' loss scaling (LossScaleOptimizer, loss_scale_factor);
-                    # apply_gradients divides it out again.
-                    tower_loss = kerases.scale_loss(towers.optimizers[k],
-                                                    loss_sum * scale + reg * reg_weight)
-                grads = tape.gradient(tower_loss, towers.trainable[k])
+                grads, loss_sum, y_pred, reg = self.passes(k, x_k, y_k, batch)
                 if accumulating:
                     # Weighted by B after the backward pass, in the variables'
                     # dtype: the sums then add up per-example gradients.
@@ -130,7 +138,8 @@ class StepGraph:
         """
         towers, options = self.towers, self.options
         if options.micro_batches:
-            return DeterministicStep(towers, options, self.counter).forward(x, y, batch, HOST)
+            return DeterministicStep(towers, options, self.counter,
+                                     self.micro_passes).forward(x, y, batch, HOST)
         sizes, (x_shards, y_shards) = split_shards([x, y], len(towers.devices), HOST)
         start = split_stamp(x_shards, HOST)  # the towers start from here
         all_grads, loss_sums, corrects, regs = self._tower_gradients(

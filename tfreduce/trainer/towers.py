@@ -139,8 +139,10 @@ def create_replicas(model_fn, optimizer_fn, devices, zero_stage=0):
                 f"or build it with Keras 3")
         if model.dtype_policy.name == "mixed_float16" and not scales_loss(optimizer):
             # As Keras' compile does: float16 gradients underflow without
-            # loss scaling.
-            optimizer = kerases.loss_scaled(optimizer)
+            # loss scaling. Its scale lives on the tower too (a compiled
+            # tower reads only its own device's variables).
+            with tf.device(device):
+                optimizer = kerases.loss_scaled(optimizer)
         check_optimizer(optimizer, k, zero_stage)
         models.append(model)
         optimizers.append(optimizer)
