@@ -236,6 +236,20 @@ def test_groups_for_another_k_raise_at_the_first_reduction():
         strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(value, value)])
 
 
+def test_a_reduction_inside_an_xla_compiled_fit_is_refused_saying_what_to_do():
+    import keras
+    strategy = tf.distribute.MirroredStrategy(CPU_DEVICES[:2],
+                                              cross_device_ops=tfreduce.CrossDeviceOps("flat"))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(keras.optimizers.SGD(0.1), "mse", jit_compile=True)
+    with pytest.raises(ValueError, match=r"tfreduce\.CrossDeviceOps inside an XLA-compiled step "
+                                         r".*Pass jit_compile=False to compile, or train with "
+                                         r"tfreduce\.ReplicatedTrainer\(jit_compile=True\)"):
+        model.fit(np.ones((8, 3), np.float32), np.ones((8, 2), np.float32), batch_size=4,
+                  verbose=0)
+
+
 def test_values_that_share_a_device_are_reduced_on_one_device():
     # Eagerly, experimental_distribute_values_from_function leaves every
     # replica's constant on the host: no all-reduce over K devices, so

@@ -591,3 +591,60 @@ def test_an_object_state_outside_the_elastic_launcher_runs_its_function_once(one
     state.seen.append(99)
     state.restore()
     assert state.seen == [0, 1, 2] and state.epoch == 2
+
+
+XLA_REFUSED = (r"hvd\.{} inside an XLA-compiled function \(tf\.function\(jit_compile=True\), or "
+               r"Keras' compile\(jit_compile=True\)\): XLA cannot compile a collective across "
+               r"processes\. Compile the forward and backward pass only")
+
+
+def test_a_collective_inside_an_xla_compiled_function_is_refused_naming_it(one_process):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+
+    @tf.function(jit_compile=True)
+    def whole_step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x))
+        return hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+
+    with pytest.raises(ValueError, match=XLA_REFUSED.format("grouped_allreduce")):
+        whole_step(tf.ones([4, 3]))
+    model.compile(hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)), "mse",
+                  jit_compile=True)
+    with pytest.raises(ValueError, match=XLA_REFUSED.format("grouped_allreduce")):
+        model.fit(np.ones((4, 3), np.float32), np.ones((4, 2), np.float32), verbose=0)
+
+
+def test_the_forward_and_backward_compiled_and_the_allreduce_outside_train(one_process):
+    # What the refusal above tells a user to write.
+    def run(jit_compile):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        optimizer = keras.optimizers.SGD(0.1)
+
+        @tf.function(jit_compile=jit_compile)
+        def forward_backward(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x) - y))
+            return loss, tape.gradient(loss, model.trainable_variables)
+
+        @tf.function
+        def step(x, y):
+            loss, grads = forward_backward(x, y)
+            grads = hvd.grouped_allreduce(grads)
+            optimizer.apply(grads, model.trainable_variables)
+            return hvd.allreduce(loss)
+
+        x = np.random.default_rng(2).normal(size=(8, 3)).astype(np.float32)
+        losses = [float(step(x, x[:, :2])) for _ in range(3)]
+        compiled = [op for op in step.get_concrete_function(x, x[:, :2]).graph.get_operations()
+                    if op.type == "StatefulPartitionedCall"
+                    and "_XlaMustCompile" in op.node_def.attr]
+        return losses, [w.numpy() for w in model.weights], compiled
+
+    losses, weights, compiled = run(True)
+    plain_losses, plain_weights, _ = run(False)
+    assert len(compiled) == 1 and losses[-1] < losses[0]
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
+    for got, want in zip(weights, plain_weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

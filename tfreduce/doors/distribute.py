@@ -21,6 +21,9 @@ import dataclasses
 import tensorflow as tf
 from tensorflow.python.distribute import (cross_device_ops as tf_cross_device_ops,
                                           distribute_utils, values as tf_values)
+# Private but long-standing: whether the graph being built is compiled by XLA (TF's own test,
+# which MirroredStrategy makes too).
+from tensorflow.python.ops import control_flow_util
 
 from tfreduce.algorithms.registry import STAGES
 from tfreduce.basis.collective_rules import builds
@@ -70,9 +73,13 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
       becomes the collective algorithm's ``timeout``.
 
     Single host only: ``MultiWorkerMirroredStrategy`` takes no cross-device
-    ops (use ``ReplicatedTrainer`` with a ``Cluster`` there). On GPUs, Keras
-    compiles with XLA by default, and under XLA MirroredStrategy ignores
-    ``cross_device_ops``: pass ``jit_compile=False`` to ``compile``.
+    ops (use ``ReplicatedTrainer`` with a ``Cluster`` there). XLA: a reduction
+    inside a compiled step (``compile(jit_compile=True)``) raises ValueError,
+    as XLA compiles each replica's step for its device alone; on GPUs, where
+    Keras' default "auto" compiles, MirroredStrategy does not call
+    ``cross_device_ops`` under XLA at all (it logs that it uses its own
+    all-reduce): pass ``jit_compile=False`` to ``compile``, or use
+    ``ReplicatedTrainer(jit_compile=True)`` (docs/keras.md#xla).
 
     Args:
       algorithm: a name in ``tfreduce.ALGORITHMS``; "auto" picks by devices
@@ -106,12 +113,14 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
         return f"tfreduce.CrossDeviceOps(reduction={self.reduction!r})"
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        _refuse_xla()
         if _devices_match(per_replica_value, destinations):
             return self._all_reduce_batch(reduce_op, [per_replica_value], options)[0]
         return self._one_device.reduce_implementation(
             reduce_op, per_replica_value, destinations, options)
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        _refuse_xla()
         first = value_destination_pairs[0][0]
         if all(_devices_match(value, destinations) and _devices_match(value, first)
                for value, destinations in value_destination_pairs):
@@ -188,6 +197,18 @@ class CrossDeviceOps(tf.distribute.CrossDeviceOps):
 def _on_distinct_devices(value):
     """True if a per-replica value lives on K distinct devices."""
     return _devices_match(value, value)
+
+
+def _refuse_xla():
+    """Raises ValueError when the reduction would be built inside an XLA-compiled step."""
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise ValueError(
+            "tfreduce.CrossDeviceOps inside an XLA-compiled step (compile(jit_compile=True) "
+            "under MirroredStrategy): XLA compiles each replica's step for its own device, "
+            "which cannot reach the other replicas' values, and on GPUs MirroredStrategy would "
+            "put its own all-reduce in place of this one. Pass jit_compile=False to compile, or "
+            "train with tfreduce.ReplicatedTrainer(jit_compile=True): each tower's forward and "
+            "backward pass compiled, the reduction outside (docs/keras.md#xla)")
 
 
 def _devices_match(value, destinations):

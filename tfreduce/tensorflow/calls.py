@@ -28,6 +28,8 @@ import keras
 import tensorflow as tf
 # Private but long-standing: whether any GradientTape (or forward accumulator) watches.
 from tensorflow.python.eager import record
+# Private but long-standing: whether the graph being built is compiled by XLA (TF's own test).
+from tensorflow.python.ops import control_flow_util
 
 import tfreduce
 
@@ -66,6 +68,8 @@ def one_call(kind):
     def wrap(function):
         @functools.wraps(function)
         def call(*args, **kwargs):
+            if not tf.executing_eagerly():
+                refuse_xla(function.__name__)
             if _JOINED_CALL or not tf.executing_eagerly():
                 return function(*args, **kwargs)
             state = [False]  # set by agree(): this call has taken part
@@ -86,6 +90,23 @@ def one_call(kind):
                 _CALLS.pop()
         return call
     return wrap
+
+
+def refuse_xla(name):
+    """Raises ValueError when the graph being built is compiled by XLA (or inside one that is).
+
+    XLA compiles a function for one device: a collective across processes
+    (TF's over gRPC, or the MPI transport's py_function) has no XLA kernel
+    on a CPU, and the step would fail at its first run, or not be ours.
+    """
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise ValueError(
+            f"hvd.{name} inside an XLA-compiled function (tf.function(jit_compile=True), or "
+            f"Keras' compile(jit_compile=True)): XLA cannot compile a collective across "
+            f"processes. Compile the forward and backward pass only, a "
+            f"tf.function(jit_compile=True) that returns the loss and the gradients, and make "
+            f"the collective outside it (docs/horovod.md#xla); in Keras, pass "
+            f"jit_compile=False to compile")
 
 
 # The public calls in progress on this thread's eager path, innermost last.
