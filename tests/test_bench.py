@@ -301,6 +301,22 @@ def test_train_mode_at_zero_stages_reports_rates_and_state_bytes(tmp_path, capsy
 
 
 @pytest.mark.slow
+def test_train_mode_times_compiled_towers_against_uncompiled_ones(tmp_path, capsys):
+    result = run(tmp_path, "--mode", "train", "--jit-compile", "--grid-devices", "2",
+                 "--steps", "2", "--rounds", "2", "--warmup", "1", "--batch-size", "16",
+                 "--image-size", "8")
+    (row,) = result["results"]
+    assert result["mode"] == "jit" and row["devices"] == 2
+    rates = row["rounds"]
+    assert set(rates) == {"compiled", "uncompiled"} and all(len(r) == 2 for r in rates.values())
+    ratios = sorted(c / u for c, u in zip(rates["compiled"], rates["uncompiled"]))
+    assert row["compiled_over_uncompiled"] == pytest.approx(sum(ratios) / 2)
+    first = row["first_step_seconds"]
+    assert row["compile_seconds"] == pytest.approx(first["compiled"] - first["uncompiled"])
+    assert "compiled/uncompiled" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_train_mode_times_the_deterministic_trainer_against_the_default(tmp_path, capsys):
     # Each variant in a child process: deterministic=True's settings are process-wide.
     result = run(tmp_path, "--mode", "train", "--deterministic", "--grid-devices", "2",
@@ -360,6 +376,8 @@ def test_format_bytes():
     (["--deterministic"], "--deterministic runs the train mode, without --zero-stage or "
                           "--overlap"),
     (["--mode", "train", "--deterministic", "maybe"], "argument --deterministic: invalid choice"),
+    (["--mode", "train", "--jit-compile", "--zero-stage", "1"],
+     "--jit-compile runs the train mode, without --zero-stage, --overlap or --deterministic"),
 ])
 def test_bad_arguments_exit_with_a_usage_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

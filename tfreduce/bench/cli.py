@@ -151,6 +151,10 @@ def parse_args(argv):
                         help="train mode: ReplicatedTrainer with deterministic=True against the "
                         "default, each in its own process, per K (default K 4 and 8); on/off: "
                         "one variant in this process")
+    parser.add_argument("--jit-compile", action="store_true",
+                        help="train mode: ReplicatedTrainer with jit_compile=True (each tower "
+                        "one XLA cluster) against uncompiled, alternating rounds in this "
+                        "process, per K (default K 2 and 4), with the compile time")
     parser.add_argument("--overlap", action="store_true",
                         help="train mode: ReplicatedTrainer with its reduction overlapping the "
                         "backward pass, behind a barrier, and without one (compute only): "
@@ -225,6 +229,10 @@ def parse_args(argv):
         parser.error("--overlap runs the train mode, without --zero-stage")
     if args.deterministic and (args.mode != "train" or args.zero_stage or args.overlap):
         parser.error("--deterministic runs the train mode, without --zero-stage or --overlap")
+    if args.jit_compile and (args.mode != "train" or args.zero_stage or args.overlap
+                             or args.deterministic):
+        parser.error("--jit-compile runs the train mode, without --zero-stage, --overlap or "
+                     "--deterministic")
     if (args.fault_loop == "trainer") != (args.fault == "recover") and args.fault_loop in (
             "trainer", "eager"):
         parser.error(f"--fault-loop {args.fault_loop} runs "
@@ -311,15 +319,18 @@ def _run(parser, args):
             parser.error(str(error))
     for model in ([args.model] if args.mode == "allreduce" and args.model != "synthetic"
                   else []) + ([args.train_model] if (args.zero_stage or args.overlap
-                                                     or args.deterministic) and
+                                                     or args.deterministic
+                                                     or args.jit_compile) and
                               args.train_model not in ("cnn", "mlp") else []):
         try:
             keras_application(model)
         except ValueError as error:
             parser.error(str(error))
     name = args.mode
-    if args.mode == "train" and (args.zero_stage or args.overlap or args.deterministic):
-        name = ("zero" if args.zero_stage else "overlap" if args.overlap else "determinism")
+    if args.mode == "train" and (args.zero_stage or args.overlap or args.deterministic
+                                 or args.jit_compile):
+        name = ("zero" if args.zero_stage else "overlap" if args.overlap
+                else "jit" if args.jit_compile else "determinism")
     mode = importlib.import_module(f"tfreduce.bench.{name}_mode")
     result = mode.run(args, log)
     mode.print_result(result)

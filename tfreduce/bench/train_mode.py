@@ -259,11 +259,12 @@ def model_builder(args, input_shape, num_classes):
                                classifier_activation=None)
 
 
-def trainer_rounds(devices, algorithm, x, y, batch, make_model, zero_stage=0):
+def trainer_rounds(devices, algorithm, x, y, batch, make_model, zero_stage=0, jit_compile=False):
     """A ReplicatedTrainer (Adam) on the devices, built on the first batch.
 
     Args:
       algorithm: str, the trainer's algorithm, or a tfreduce.Reduction.
+      zero_stage, jit_compile: the trainer's.
 
     Returns:
       (the trainer, round(steps) -> seconds of `steps` train steps).
@@ -275,7 +276,7 @@ def trainer_rounds(devices, algorithm, x, y, batch, make_model, zero_stage=0):
     num_batches = len(x) // batch
     trainer = ReplicatedTrainer(
         model_fn=make_model, loss=_loss(), optimizer_fn=lambda: keras.optimizers.Adam(1e-3),
-        devices=devices, average=True, zero_stage=zero_stage,
+        devices=devices, average=True, zero_stage=zero_stage, jit_compile=jit_compile,
         **({"reduction": algorithm} if isinstance(algorithm, tfreduce.Reduction)
            else {"algorithm": algorithm}))
     batches = [(tf.constant(x[i * batch:(i + 1) * batch]),
