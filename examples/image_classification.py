@@ -142,6 +142,9 @@ def parse_args(argv):
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2), default=0,
                         help="ZeRO: 1 shards Adam's state over the towers, 2 the accumulation "
                         "buffers too; a checkpoint resumes at any --devices and stage")
+    parser.add_argument("--jit-compile", action="store_true",
+                        help="compile each tower's forward and backward pass with XLA (the "
+                        "reduction stays outside); --trainer replicated")
     parser.add_argument("--on-nonfinite", choices=("raise", "skip"), default="raise",
                         help="a step with NaN or Inf gradients stops the run, or is skipped")
     parser.add_argument(
@@ -175,6 +178,8 @@ def parse_args(argv):
         parser.error(f"--lr must be > 0, got {args.lr:g}")
     if args.profile_steps is not None and args.trainer != "replicated":
         parser.error(f"--profile-steps needs --trainer replicated, got --trainer {args.trainer}")
+    if args.jit_compile and args.trainer != "replicated":
+        parser.error(f"--jit-compile needs --trainer replicated, got --trainer {args.trainer}")
     return parser, args
 
 
@@ -579,6 +584,7 @@ def fit_replicated(parser, args, devices, cluster, restarted, data, towers):
         compression=compression,  # tfreduce: "fp16"/"bf16": 16 bits cross devices
         powersgd=powersgd,
         zero_stage=args.zero_stage,  # tfreduce: 1: each tower holds 1/T of Adam's state
+        jit_compile=args.jit_compile,  # tfreduce: each tower one XLA cluster
     )
     algorithm = args.algorithm
     if algorithm == "auto":
@@ -596,6 +602,7 @@ def fit_replicated(parser, args, devices, cluster, restarted, data, towers):
            if args.accumulate_steps > 1 else "")
         + (f", {args.mixed_precision}" if args.mixed_precision else "")
         + (f", zero_stage {args.zero_stage}" if args.zero_stage else "")
+        + (", each tower compiled with XLA" if args.jit_compile else "")
     )
 
     checkpoint_dir = os.path.join(args.logdir, "checkpoints")

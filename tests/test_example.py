@@ -164,6 +164,10 @@ def test_bad_arguments(example, tmp_path, capsys):
     with pytest.raises(SystemExit):
         example.main(["--resume", "--logdir", str(tmp_path / "empty")])
     assert "--resume: no checkpoint in" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        example.main(["--trainer", "keras", "--jit-compile", "--logdir", str(tmp_path)])
+    assert "--jit-compile needs --trainer replicated, got --trainer keras" in (
+        capsys.readouterr().err)
 
 
 @pytest.mark.slow
@@ -305,6 +309,15 @@ def test_mixed_float16_trains_digits_with_replicas_equal(tmp_path):
     # 4 of the 12 epochs (0.98 measured; 12 took a minute of the suite).
     out = run_example_process(["--mixed-precision", "mixed_float16", "--epochs", "4"], tmp_path)
     assert ", mixed_float16\n" in out
+    accuracy = float(re.search(r"test accuracy: ([0-9.]+)", out).group(1))
+    assert accuracy >= 0.95
+    assert "replica drift (largest difference from tower 0): 0\n" in out
+
+
+@pytest.mark.slow
+def test_towers_compiled_with_xla_train_digits_with_replicas_equal(tmp_path):
+    out = run_example_process(["--jit-compile", "--epochs", "4"], tmp_path)
+    assert ", each tower compiled with XLA\n" in out
     accuracy = float(re.search(r"test accuracy: ([0-9.]+)", out).group(1))
     assert accuracy >= 0.95
     assert "replica drift (largest difference from tower 0): 0\n" in out

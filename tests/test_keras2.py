@@ -6,7 +6,8 @@ Sequential without an Input, a subclassed model and a BatchNormalization
 CNN train on 2 towers with their replicas equal, to the weights of one
 tower (float32 rounding; the CNN's BatchNormalization normalises each
 tower's shard, so it is left out of that comparison), and a run saved and
-resumed equals the uninterrupted one; ZeRO and mixed float16 are refused
+resumed equals the uninterrupted one, and with jit_compile=True the CNN
+trains to the uncompiled weights; ZeRO and mixed float16 are refused
 with messages; deterministic=True gives the same bits on 1 and 2 towers; TF
 Model Garden's two steps under MirroredStrategy with CrossDeviceOps equal
 TF's own ops. Horovod's Keras
@@ -60,6 +61,13 @@ def test_what_keras_2_cannot_do_is_refused_and_compression_and_determinism_work(
     assert refused["compression"] == {"drift": 0.0}
     one, two = runs["deterministic"]
     assert one == two
+
+
+@pytest.mark.slow
+def test_a_tf_keras_cnn_compiled_per_tower_trains_to_the_uncompiled_weights(runs):
+    got = runs["compiled"]
+    assert got["clusters"] == ["/device:CPU:0", "/device:CPU:1"] and got["drift"] == 0.0
+    assert 0 < got["vs_uncompiled"] < 1e-5  # XLA rounds otherwise: float32 rounding, 8 steps
 
 
 @pytest.mark.slow

@@ -155,6 +155,10 @@ def test_uncompilable_names_the_missing_kernel_and_passes_a_compilable_function(
         return tf.strings.to_number(tf.strings.as_string(t))
 
     assert uncompilable(bad, (tf.ones([2]),)) == "AsString"  # the first op XLA meets
+    dynamic = tf.function(lambda t: tf.range(tf.cast(tf.reduce_max(t), tf.int32)),
+                          jit_compile=True)
+    assert uncompilable(dynamic, (tf.ones([2]),)) == (
+        "Input 1 to node `range` with op Range must be a compile-time constant.")
     good = tf.function(lambda t: t * 2.0, jit_compile=True)
     assert uncompilable(good, (tf.TensorSpec([None, 3], tf.float32),)) is None
 

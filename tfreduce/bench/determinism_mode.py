@@ -15,7 +15,7 @@ import tfreduce
 from tfreduce.basis.devices import logical_devices
 from tfreduce.bench.tables import print_table
 from tfreduce.bench.train_mode import (alternate_rounds, image_workload, model_result,
-                                       row_in_child, trainer_rounds)
+                                       model_title, row_in_child, trainer_rounds)
 
 __all__ = ["run", "print_result"]
 
@@ -71,10 +71,9 @@ def _pair(args, num_devices, log):
 def print_result(result, out=None):
     """Prints the determinism result as a table to ``out`` (a file; None: stdout)."""
     cfg = result["config"]
-    title = (f"{cfg['model']}, {cfg['image_size']}x{cfg['image_size']} images, global batch "
-             f"{cfg['batch_size']}, Adam, algorithm={cfg['algorithm']!r}, median of "
-             f"{cfg['rounds']} rounds of {cfg['steps_per_round']} steps; deterministic=True "
-             f"with 8 micro-batches, each variant in its own process")
+    title = (f"{model_title(cfg)}, median of {cfg['rounds']} rounds of "
+             f"{cfg['steps_per_round']} steps; deterministic=True with 8 micro-batches, each "
+             f"variant in its own process")
     header = f"{'K':>3s} {'default img/s':>14s} {'deterministic img/s':>20s} {'step time':>10s}"
     lines = []
     for r in result["results"]:

@@ -23,7 +23,7 @@ import time
 from tfreduce.basis.devices import logical_devices
 from tfreduce.bench.tables import print_table
 from tfreduce.bench.train_mode import (alternate_rounds, image_workload, model_result,
-                                       trainer_rounds)
+                                       model_title, trainer_rounds)
 
 __all__ = ["run", "print_result"]
 
@@ -78,10 +78,9 @@ def _one(args, devices, log):
 def print_result(result, out=None):
     """Prints the jit result as a table to ``out`` (a file; None: stdout)."""
     cfg = result["config"]
-    title = (f"{cfg['model']}, {cfg['image_size']}x{cfg['image_size']} images, global batch "
-             f"{cfg['batch_size']}, Adam, algorithm={cfg['algorithm']!r}, median of "
-             f"{cfg['rounds']} alternating rounds of {cfg['steps_per_round']} steps; "
-             f"compiled: jit_compile=True, each tower one XLA cluster")
+    title = (f"{model_title(cfg)}, median of {cfg['rounds']} alternating rounds of "
+             f"{cfg['steps_per_round']} steps; compiled: jit_compile=True, each tower one XLA "
+             f"cluster")
     header = (f"{'K':>3s} {'uncompiled img/s':>17s} {'compiled img/s':>15s} "
               f"{'compiled/uncompiled':>20s} {'compile s':>10s}")
     print_table(title, header, [

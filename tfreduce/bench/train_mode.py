@@ -214,6 +214,13 @@ def model_result(mode, args, rows, **config):
     }
 
 
+def model_title(cfg):
+    """The start of a table's title for a mode of ``model_result``: model, images, batch, Adam,
+    algorithm."""
+    return (f"{cfg['model']}, {cfg['image_size']}x{cfg['image_size']} images, global batch "
+            f"{cfg['batch_size']}, Adam, algorithm={cfg['algorithm']!r}")
+
+
 def image_side(args):
     """The side of --train-model's square images (keras.applications take at least 32)."""
     return args.image_size if args.train_model in ("cnn", "mlp") else max(args.image_size, 32)

@@ -78,7 +78,9 @@ def uncompilable(function, args):
         if "tf2xla conversion failed" not in text and "unsupported operations" not in text:
             return None  # not XLA's: the pass at these stand-in shapes; the real trace decides
         ops = re.findall(r"(\w+) \(No registered '", text)
-        return ", ".join(dict.fromkeys(ops)) if ops else text.split("\n")[0]
+        if ops:
+            return ", ".join(dict.fromkeys(ops))
+        return text.split("\n")[0].removeprefix("Failed getting HLO text: ").strip("'")
     return None
 
 
