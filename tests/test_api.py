@@ -60,7 +60,7 @@ EXPORTS = {
     'PowerSGD.matrix_rank': '(self, shape)',
     'PowerSGD.name': 'property',
     'PowerSGD.payload_elements': '(self, shapes)',
-    'ReplicatedTrainer': "(model_fn, loss, optimizer_fn, devices=None, algorithm='auto', average=True, *, bcast_period=0, cluster='auto', accumulate_steps=1, on_nonfinite='raise', reduction=None, powersgd=None, zero_stage=0, micro_batches=None, **allreduce_options)",
+    'ReplicatedTrainer': "(model_fn, loss, optimizer_fn, devices=None, algorithm='auto', average=True, *, bcast_period=0, cluster='auto', accumulate_steps=1, on_nonfinite='raise', reduction=None, powersgd=None, zero_stage=0, micro_batches=None, jit_compile=False, **allreduce_options)",
     'Reduction': "(algorithm: str = 'auto', *, groups: collections.abc.Sequence[collections.abc.Sequence[int]] | None = None, communication: str = 'auto', keys: tfreduce.blocks.collective.CollectiveKeys | None = None, timeout: float | None = None, pack_bytes: int | str | None = 'auto', sparse_as_dense: bool = False, compression: tfreduce.buffers.compression.Compressor | str | None = None, topology: tfreduce.basis.topology.Topology | str | None = None, deterministic: bool = False) -> None",
     'Reduction.check_devices': '(self, devices, cluster=None)',
     'Reduction.describe': '(self)',
@@ -136,7 +136,7 @@ MODULE_NAMES = {
     'tfreduce.launch.main': '(argv=None)',
     'tfreduce.launch.free_ports': "(count, host='127.0.0.1')",
     'tfreduce.launch.tf_config': '(addresses, index)',
-    'tfreduce.trainer.ReplicatedTrainer': "(model_fn, loss, optimizer_fn, devices=None, algorithm='auto', average=True, *, bcast_period=0, cluster='auto', accumulate_steps=1, on_nonfinite='raise', reduction=None, powersgd=None, zero_stage=0, micro_batches=None, **allreduce_options)",
+    'tfreduce.trainer.ReplicatedTrainer': "(model_fn, loss, optimizer_fn, devices=None, algorithm='auto', average=True, *, bcast_period=0, cluster='auto', accumulate_steps=1, on_nonfinite='raise', reduction=None, powersgd=None, zero_stage=0, micro_batches=None, jit_compile=False, **allreduce_options)",
 }
 
 

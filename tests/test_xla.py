@@ -51,8 +51,9 @@ def test_each_tower_is_one_compiled_cluster_on_its_device_and_the_reduction_is_o
     assert [op.device for op in calls] == CPU_DEVICES[:k]
     reduction = [op for op in graph.get_operations() if op.name.startswith("allreduce_flat")]
     assert reduction and all(op.device in CPU_DEVICES[:k] for op in reduction)
+    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
     for op in calls:
-        body = graph._get_function(op.get_attr("f").name).cached_definition.node_def
+        body = library[op.get_attr("f").name].node_def
         kinds = {node.op for node in body}
         # Forward, loss and backward only: no collective, no update, no other device.
         assert "MatMul" in kinds and "BiasAddGrad" in kinds
@@ -126,9 +127,10 @@ def with_py_function():
 def test_an_op_xla_cannot_compile_raises_naming_it_with_jit_compile_true():
     x, y = data()
     run = trainer(True, model_fn=with_py_function)
-    with pytest.raises(ValueError, match=r"XLA cannot compile the towers' forward and backward "
-                                         r"pass: PyFunc\. Pass jit_compile=False"):
-        run.train_step(x, y)
+    for _ in range(2):  # the next step raises again
+        with pytest.raises(ValueError, match=r"XLA cannot compile the towers' forward and "
+                                             r"backward pass: PyFunc\. Pass jit_compile=False"):
+            run.train_step(x, y)
 
 
 def test_auto_warns_once_naming_the_op_and_runs_the_towers_uncompiled():
@@ -138,28 +140,28 @@ def test_auto_warns_once_naming_the_op_and_runs_the_towers_uncompiled():
                                    trainable=[model.trainable_variables])
     passes = TowerPasses(towers, per_example_loss_fn(LOSS), lambda loss, reg: loss + reg, "auto")
     x, y = data(4)
-    step = tf.function(lambda x, y: passes(0, x, y)[1])
+    step = tf.function(lambda x, y: passes(0, x, y)[1], autograph=False)
     with pytest.warns(UserWarning, match=r"XLA cannot compile .*: PyFunc\. The towers run "
                                          r"uncompiled \(jit_compile=\"auto\"\)"):
         loss = step(x, y)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         again = step(tf.constant(x[:2]), y[:2])  # a new trace: no second warning
-    assert passes._compiled is None and np.isfinite([loss, again]).all()
+    assert not passes.compiled and np.isfinite([loss, again]).all()
     assert not compiled_calls(step.get_concrete_function(x, y).graph)
 
 
 def test_uncompilable_names_the_missing_kernel_and_passes_a_compilable_function():
-    @tf.function(jit_compile=True)
+    @tf.function(jit_compile=True, autograph=False)
     def bad(t):
         return tf.strings.to_number(tf.strings.as_string(t))
 
     assert uncompilable(bad, (tf.ones([2]),)) == "AsString"  # the first op XLA meets
     dynamic = tf.function(lambda t: tf.range(tf.cast(tf.reduce_max(t), tf.int32)),
-                          jit_compile=True)
+                          jit_compile=True, autograph=False)
     assert uncompilable(dynamic, (tf.ones([2]),)) == (
         "Input 1 to node `range` with op Range must be a compile-time constant.")
-    good = tf.function(lambda t: t * 2.0, jit_compile=True)
+    good = tf.function(lambda t: t * 2.0, jit_compile=True, autograph=False)
     assert uncompilable(good, (tf.TensorSpec([None, 3], tf.float32),)) is None
 
 

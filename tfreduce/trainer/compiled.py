@@ -31,10 +31,7 @@ from tfreduce.basis import kerases
 from tfreduce.basis.devices import is_gpu
 from tfreduce.trainer.losses import regularization, tower_loss_sum
 
-__all__ = ["JIT_COMPILE_CHOICES", "TowerPasses", "resolve_jit_compile", "uncompilable"]
-
-#: What ``ReplicatedTrainer(jit_compile=)`` takes.
-JIT_COMPILE_CHOICES = (False, True, "auto")
+__all__ = ["TowerPasses", "resolve_jit_compile", "uncompilable"]
 
 
 def resolve_jit_compile(jit_compile, devices):
@@ -46,12 +43,13 @@ def resolve_jit_compile(jit_compile, devices):
       devices: list of K canonical device names.
 
     Raises:
-      TypeError: jit_compile is none of JIT_COMPILE_CHOICES.
+      TypeError: jit_compile is none of them.
     """
-    if not (jit_compile is True or jit_compile is False or jit_compile == "auto"):
+    auto = isinstance(jit_compile, str) and jit_compile == "auto"
+    if not (jit_compile is True or jit_compile is False or auto):
         raise TypeError(f'jit_compile must be True, False or "auto", got '
                         f"{type(jit_compile).__name__} {jit_compile!r}")
-    if jit_compile == "auto" and not all(is_gpu(d) for d in devices):
+    if auto and not all(is_gpu(d) for d in devices):
         return False
     return jit_compile
 
@@ -120,6 +118,11 @@ class TowerPasses:
                            for run in self._runs] if jit_compile else None)
         self._probed = not jit_compile
 
+    @property
+    def compiled(self):
+        """bool: the towers run compiled (False after "auto" fell back)."""
+        return self._compiled is not None
+
     def __call__(self, k, x, y, *scalars):
         """Tower k's pass, under the caller's tf.device(devices[k]).
 
@@ -138,16 +141,16 @@ class TowerPasses:
             (naming the ops, and what to do).
         """
         if not self._probed:
-            self._probed = True
             why = uncompilable(self._compiled[0], (x, y) + scalars)
             if why is not None:
-                self._give_up(why)
+                self._give_up(why)  # raises (so a next step raises again), or falls back
+            self._probed = True
         if self._compiled is None:
             return self._runs[k](x, y, *scalars)
         return self._compiled[k](x, y, *scalars)
 
     def _give_up(self, why):
-        text = (f"XLA cannot compile the towers' forward and backward pass: {why}. ")
+        text = f"XLA cannot compile the towers' forward and backward pass: {why}. "
         if self.jit_compile is True:
             raise ValueError(text + 'Pass jit_compile=False (or "auto": uncompiled, with a '
                              "warning), or replace the op with one XLA compiles")
