@@ -78,10 +78,9 @@ def test_a_model_of_a_dict_of_inputs_trains_to_the_same_bits_for_any_k():
 @pytest.mark.slow
 def test_towers_compiled_with_xla_train_to_the_same_bits_for_any_k():
     # Each micro-batch's pass is one XLA cluster of one shape, on whichever tower holds it.
-    runs = train_hashes([[1, "flat", None], [2, "ring", None], [4, "hierarchical", 65536]],
-                        10, 8, "--jit")
+    runs = train_hashes([[1, "flat", None], [4, "hierarchical", 65536]], 10, 8, "--jit")
     assert len({h for h, _ in runs}) == 1 and all(drift == 0.0 for _, drift in runs), runs
-    plain = train_hashes([[2, "ring", None]], 10, 8)
+    plain = train_hashes([[1, "flat", None]], 10, 8)
     assert plain[0][0] != runs[0][0]  # XLA's fused kernels round otherwise: other bits
 
 
